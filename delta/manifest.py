@@ -1,0 +1,239 @@
+"""The signed manifest: what a version is, which pieces carry it, and what the result must hash to.
+
+A manifest describes one encoded version of one model: a full snapshot, or a delta from a base
+version. Its body is canonical JSON (sorted keys, no spaces, integers and strings only), signed with
+the trainer's Ed25519 key. On the wire and on disk it travels as the signed envelope
+
+    {"body": "<body JSON as a string>", "key_id": "<16 hex>", "signature": "<128 hex>"}
+
+so that the signed bytes are exactly the bytes that were sent: nobody re-serializes before checking.
+The byte layout of pieces is the codec's (see docs/FORMAT.md); the manifest only records each
+piece's length, xxh3-128 digest and which tensors it writes to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+from .errors import CodecError, CorruptError, SignatureError
+from .hashing import digest
+from .keys import Ed25519PrivateKey, Ed25519PublicKey, key_id, sign, verify
+
+FORMAT_VERSION = 1
+Kind = Literal["delta", "full"]
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+# Element sizes of the dtypes the codec carries, by safetensors name.
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the resulting weights: name, safetensors dtype, shape, digest of its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PieceEntry:
+    """One piece: its byte length, its digest, and the indices of the tensors it writes to."""
+
+    length: int
+    hash: str
+    tensors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_id: str
+    version: int
+    base_version: int | None
+    kind: Kind
+    codec: str
+    tensors: tuple[TensorEntry, ...]
+    pieces: tuple[PieceEntry, ...]
+    base_hash: str | None = None
+    """`weights_hash` of the base version (deltas only): a delta applies to exactly those weights."""
+    created_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- derived facts -------------------------------------------------------------------------
+    @property
+    def weights_hash(self) -> str:
+        """Digest of the resulting tensor table: the identity of this version's weights."""
+        table = [[t.name, t.dtype, list(t.shape), t.hash] for t in self.tensors]
+        return digest(json.dumps(table, separators=(",", ":")).encode())
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def tensor_index(self) -> dict[str, int]:
+        return {t.name: i for i, t in enumerate(self.tensors)}
+
+    def check_piece(self, index: int, data: bytes | memoryview) -> None:
+        """Raise CorruptError unless `data` is exactly piece `index`."""
+        if not 0 <= index < len(self.pieces):
+            raise CorruptError(f"piece {index} out of range (manifest has {len(self.pieces)})")
+        entry = self.pieces[index]
+        if len(data) != entry.length:
+            raise CorruptError(f"piece {index}: {len(data)} bytes, manifest says {entry.length}")
+        if digest(data) != entry.hash:
+            raise CorruptError(f"piece {index}: hash mismatch")
+
+    # -- (de)serialization ---------------------------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "model_id": self.model_id,
+            "version": self.version,
+            "base_version": self.base_version,
+            "kind": self.kind,
+            "codec": self.codec,
+            "base_hash": self.base_hash,
+            "created_ms": self.created_ms,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.hash] for t in self.tensors],
+            "pieces": [[p.length, p.hash, list(p.tensors)] for p in self.pieces],
+        }
+
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, key: Ed25519PrivateKey) -> bytes:
+        """The signed envelope of this manifest, as stored and sent."""
+        body = self.body_bytes()
+        env = {"body": body.decode(), "key_id": key_id(key), "signature": sign(key, body).hex()}
+        return json.dumps(env, sort_keys=True).encode()
+
+    @classmethod
+    def from_body(cls, body: bytes) -> "Manifest":
+        try:
+            b = json.loads(body)
+            return cls(
+                model_id=b["model_id"],
+                version=b["version"],
+                base_version=b["base_version"],
+                kind=b["kind"],
+                codec=b["codec"],
+                base_hash=b["base_hash"],
+                created_ms=b["created_ms"],
+                format_version=b["format_version"],
+                tensors=tuple(TensorEntry(n, d, tuple(s), h) for n, d, s, h in b["tensors"]),
+                pieces=tuple(PieceEntry(n, h, tuple(t)) for n, h, t in b["pieces"]),
+            )
+        except CodecError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptError(f"malformed manifest body: {type(e).__name__}: {e}") from e
+
+
+def _envelope(data: bytes) -> tuple[bytes, str, bytes]:
+    try:
+        env = json.loads(data)
+        body = env["body"].encode()
+        signer = env["key_id"]
+        signature = bytes.fromhex(env["signature"])
+        if not isinstance(signer, str):
+            raise TypeError("key_id must be a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptError(f"malformed manifest envelope: {type(e).__name__}: {e}") from e
+    return body, signer, signature
+
+
+def load_manifest(data: bytes, trusted: Iterable[Ed25519PublicKey]) -> Manifest:
+    """Parse a signed manifest, verifying its signature against the trusted keys first."""
+    body, signer, signature = _envelope(data)
+    trusted = list(trusted)
+    if not trusted:
+        raise SignatureError("no trusted keys configured")
+    verify(body, signature, signer, trusted)
+    return Manifest.from_body(body)
+
+
+def load_manifest_unverified(data: bytes) -> tuple[Manifest, str]:
+    """Parse a signed manifest without checking the signature (for tools that only display it).
+
+    Returns the manifest and the id of the key that claims to have signed it. Never apply weights
+    from a manifest loaded this way.
+    """
+    body, signer, _ = _envelope(data)
+    return Manifest.from_body(body), signer
+
+
+def _validate(m: Manifest) -> None:
+    def bad(msg: str) -> CorruptError:
+        return CorruptError(f"invalid manifest: {msg}")
+
+    if m.format_version != FORMAT_VERSION:
+        raise bad(f"format_version {m.format_version!r}, this codec reads {FORMAT_VERSION}")
+    if not isinstance(m.model_id, str) or not MODEL_ID_RE.match(m.model_id):
+        raise bad(f"model_id {m.model_id!r} must match {MODEL_ID_RE.pattern}")
+    if not _is_int(m.version) or m.version < 0:
+        raise bad(f"version {m.version!r} must be an integer >= 0")
+    if m.kind == "full":
+        if m.base_version is not None or m.base_hash is not None:
+            raise bad("a full snapshot has no base")
+    elif m.kind == "delta":
+        if not _is_int(m.base_version) or not 0 <= m.base_version < m.version:
+            raise bad(f"delta base_version {m.base_version!r} must be an integer in [0, {m.version})")
+        if not isinstance(m.base_hash, str) or not _HEX32.match(m.base_hash):
+            raise bad("delta needs base_hash of 32 hex characters")
+    else:
+        raise bad(f"kind {m.kind!r} must be 'delta' or 'full'")
+    if not isinstance(m.codec, str) or not m.codec:
+        raise bad("codec must be a non-empty string")
+    if not _is_int(m.created_ms):
+        raise bad("created_ms must be an integer")
+    names = set()
+    for t in m.tensors:
+        if not isinstance(t.name, str) or not t.name or t.name in names:
+            raise bad(f"tensor name {t.name!r} empty or repeated")
+        names.add(t.name)
+        if t.dtype not in DTYPE_SIZES:
+            raise bad(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+        if not all(_is_int(d) and d >= 0 for d in t.shape):
+            raise bad(f"tensor {t.name!r}: bad shape {t.shape!r}")
+        if not isinstance(t.hash, str) or not _HEX32.match(t.hash):
+            raise bad(f"tensor {t.name!r}: bad hash")
+    for i, p in enumerate(m.pieces):
+        if not _is_int(p.length) or p.length < 0:
+            raise bad(f"piece {i}: bad length {p.length!r}")
+        if not isinstance(p.hash, str) or not _HEX32.match(p.hash):
+            raise bad(f"piece {i}: bad hash")
+        if not all(_is_int(t) and 0 <= t < len(m.tensors) for t in p.tensors):
+            raise bad(f"piece {i}: tensor index out of range")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,131 @@
+"""The one config loader: typed dataclass configs from a TOML file plus command-line overrides.
+
+Every service describes its settings as a dataclass with defaults (nested dataclasses for sections)
+and validates them in `__post_init__`. `load_config` reads an optional TOML file (optionally one table
+of it), applies overrides (usually the CLI flags that were given), checks types and unknown keys, and
+builds the dataclass, so a typo in a config file is an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the config's schema."""
+
+
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    *,
+    section: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
+    """Build `cls` from the TOML file at `path` (its table `section` if given) and `overrides`.
+
+    Overrides whose value is None are ignored, so argparse results can be passed as they are.
+    Dotted override keys ("relay.connections") reach into nested sections.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if section is not None:
+            data = data.get(section, {})
+            if not isinstance(data, dict):
+                raise ConfigError(f"config {path}: [{section}] must be a table")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return from_dict(cls, data, where=section or cls.__name__)
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -> T:
+    """Build dataclass `cls` from a plain mapping, checking keys and value types."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
+    kwargs = {name: _convert(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The plain-data form of a config (for logs, reports and child processes' config files)."""
+    return dataclasses.asdict(config)
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} fits none of {tp}: {'; '.join(errors)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where=where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        vt = args[1] if args else Any
+        return {str(k): _convert(vt, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Path and isinstance(value, str):
+        return Path(value)
+    if isinstance(tp, type):
+        if tp is int and isinstance(value, bool):
+            raise ConfigError(f"{where}: expected int, got bool")
+        if not isinstance(value, tp):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    return value

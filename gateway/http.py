@@ -1,0 +1,170 @@
+"""The one HTTP helper of deltamesh: client sessions, JSON calls with clear errors, and server basics.
+
+Every client (publisher, puller, relay, pool agent, broker clients, trainer) talks through
+`client_session` and `request_json`/`request_bytes`; every server answers errors through
+`error_response` (JSON `{"error": reason}`) and is started with `serve`. The control plane is JSON;
+bulk data is raw bytes. Nothing here ever unpickles anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Awaitable, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+JSON_LIMIT = 8 * 1024 * 1024
+"""Largest JSON body a server accepts unless it says otherwise (manifests of huge models stay below)."""
+
+
+class HttpError(Exception):
+    """A peer answered with a non-2xx status, or could not be reached. `status` is 0 when unreachable."""
+
+    def __init__(self, status: int, reason: str, url: str):
+        super().__init__(f"{url}: {status or 'unreachable'} {reason}")
+        self.status = status
+        self.reason = reason
+        self.url = url
+
+
+def client_session(
+    *,
+    connections: int = 64,
+    timeout_s: float | None = 300.0,
+    connect_timeout_s: float = 10.0,
+    headers: Mapping[str, str] | None = None,
+) -> aiohttp.ClientSession:
+    """A client session with a bounded pool of connections and sane timeouts.
+
+    `timeout_s` bounds a whole request (None for long transfers and long polls that set their own).
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections),
+        timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s),
+        headers=dict(headers or {}),
+        raise_for_status=False,
+    )
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def request_json(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    body: Any = None,
+    params: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> Any:
+    """Send `body` as JSON (if given) and return the decoded JSON answer; raise HttpError on failure."""
+    data = None if body is None else json.dumps(body).encode()
+    hdrs = dict(headers or {})
+    if data is not None:
+        hdrs["Content-Type"] = "application/json"
+    raw = await request_bytes(session, method, url, data=data, params=params, headers=hdrs, timeout_s=timeout_s)
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise HttpError(200, f"answer is not JSON: {e}", url) from e
+
+
+async def request_bytes(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    data: bytes | None = None,
+    params: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> bytes:
+    """One request whose whole answer fits in memory; raise HttpError on a non-2xx status."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+    query = {k: str(v) for k, v in (params or {}).items() if v is not None}
+    try:
+        async with session.request(method, url, data=data, params=query, headers=headers, timeout=timeout) as resp:
+            raw = await resp.read()
+            if resp.status >= 300:
+                raise HttpError(resp.status, _reason(raw, resp.reason), url)
+            return raw
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise HttpError(0, f"{type(e).__name__}: {e}", url) from e
+
+
+def _reason(raw: bytes, fallback: str | None) -> str:
+    try:
+        return str(json.loads(raw)["error"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace") or (fallback or "")
+
+
+def error_response(status: int, reason: str) -> web.Response:
+    """The one shape of every error a deltamesh server returns."""
+    return web.json_response({"error": reason}, status=status)
+
+
+async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
+    """Decode a request's JSON body or raise an HTTP 400/413 carrying the reason."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=request.content_length,
+            text=json.dumps({"error": f"body of {request.content_length} bytes exceeds {limit}"}),
+            content_type="application/json",
+        )
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=len(raw),
+            text=json.dumps({"error": f"body exceeds {limit} bytes"}), content_type="application/json",
+        )
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"malformed JSON: {e}"}), content_type="application/json")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Turn aiohttp's HTTP exceptions and unexpected crashes into JSON error bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400 or e.content_type == "application/json":
+            raise
+        return error_response(e.status, e.reason if not e.text or e.text.startswith(f"{e.status}:") else e.text)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # a bug must answer 500 with a reason, not drop the connection
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def serve(app: web.Application, host: str, port: int) -> None:
+    """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown."""
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+        loop_factory = asyncio.new_event_loop
+    web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None)
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' (or ':PORT', '[::1]:PORT') to (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--listen wants HOST:PORT, got {listen!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
