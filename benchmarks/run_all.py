@@ -12,7 +12,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # In the order a reader would want them: codec, then services, then the mesh end to end.
-BENCHMARKS: tuple[str, ...] = ()
+BENCHMARKS: tuple[str, ...] = (
+    "codec",
+    "gateway",
+    "broker",
+)
 
 
 def main() -> int:

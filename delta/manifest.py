@@ -88,8 +88,7 @@ class Manifest:
     @property
     def weights_hash(self) -> str:
         """Digest of the resulting tensor table: the identity of this version's weights."""
-        table = [[t.name, t.dtype, list(t.shape), t.hash] for t in self.tensors]
-        return digest(json.dumps(table, separators=(",", ":")).encode())
+        return table_hash(self.tensors)
 
     @property
     def payload_bytes(self) -> int:
@@ -156,6 +155,12 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptError(f"malformed manifest body: {type(e).__name__}: {e}") from e
+
+
+def table_hash(entries: Iterable[TensorEntry]) -> str:
+    """Digest of a tensor table, in name order: equal for equal weights whatever order they came in."""
+    table = sorted([t.name, t.dtype, list(t.shape), t.hash] for t in entries)
+    return digest(json.dumps(table, separators=(",", ":")).encode())
 
 
 def _envelope(data: bytes) -> tuple[bytes, str, bytes]:

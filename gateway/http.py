@@ -114,20 +114,32 @@ def error_response(status: int, reason: str) -> web.Response:
     return web.json_response({"error": reason}, status=status)
 
 
-async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
-    """Decode a request's JSON body or raise an HTTP 400/413 carrying the reason."""
+async def read_body(request: web.Request, *, limit: int) -> bytes:
+    """A request's whole body, or an HTTP 413 carrying the reason once it exceeds `limit` bytes."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(
             max_size=limit, actual_size=request.content_length,
             text=json.dumps({"error": f"body of {request.content_length} bytes exceeds {limit}"}),
             content_type="application/json",
         )
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=limit, actual_size=len(raw),
-            text=json.dumps({"error": f"body exceeds {limit} bytes"}), content_type="application/json",
-        )
+    chunks, size = [], 0
+    while True:  # StreamReader.read(n) returns whatever has arrived, not n bytes: read until EOF
+        chunk = await request.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=limit, actual_size=size,
+                text=json.dumps({"error": f"body exceeds {limit} bytes"}), content_type="application/json",
+            )
+    return b"".join(chunks)
+
+
+async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
+    """Decode a request's JSON body or raise an HTTP 400/413 carrying the reason."""
+    raw = await read_body(request, limit=limit)
     try:
         return json.loads(raw)
     except ValueError as e:
@@ -168,3 +180,29 @@ def parse_listen(listen: str) -> tuple[str, int]:
         raise ValueError(f"--listen wants HOST:PORT, got {listen!r}")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def parse_range(header: str | None, length: int) -> tuple[int, int] | None:
+    """A single `Range: bytes=A-B` / `bytes=A-` / `bytes=-N` against `length` bytes, as [start, end).
+
+    None when there is no header; ValueError when it is malformed or cannot be satisfied (answer 416).
+    Multi-range requests are not supported and are refused the same way.
+    """
+    if header is None:
+        return None
+    unit, _, spec = header.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        raise ValueError(f"unsupported Range {header!r}")
+    first, sep, last = spec.strip().partition("-")
+    if not sep or not (first.isdigit() or last.isdigit()) or (first and not first.isdigit()) or (last and not last.isdigit()):
+        raise ValueError(f"malformed Range {header!r}")
+    if not first:  # suffix: the last N bytes
+        n = int(last)
+        if n == 0:
+            raise ValueError("empty suffix range")
+        return max(0, length - n), length
+    start = int(first)
+    end = min(int(last) + 1, length) if last else length
+    if start >= length or end <= start:
+        raise ValueError(f"Range {header!r} outside 0..{length}")
+    return start, end

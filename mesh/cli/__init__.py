@@ -18,6 +18,16 @@ from deltamesh.logs import setup_logging
 # One line per command module in this package; add yours here.
 COMMAND_MODULES: tuple[str, ...] = (
     "version",
+    "demo",
+    "keys",
+    "gateway",
+    "publish",
+    "pool_sync",
+    "pool_run",
+    "pools",
+    "links",
+    "broker",
+    "train",
 )
 
 

@@ -1,0 +1,191 @@
+"""Broker benchmark: durable trajectory ingest from 8 concurrent pools, and ready-batch latency.
+
+Each configuration runs a real `deltamesh broker` process on loopback with a fresh SQLite file.
+Eight pool clients (one process, asyncio) submit trajectories of 2,048 tokens in groups of 8, each
+submission acknowledged only once committed, while a trainer consumes batches of 256. Then, with the
+buffer filled, the trainer asks for ready batches of 256 one after another and each request is timed
+until the batch is decoded. Configurations, side by side in one run:
+  - deltamesh: binary submissions, group commit, fsync durability (the default)
+  - deltamesh, process durability: acks survive a killed broker but not power loss
+  - deltamesh, JSON submissions: the same broker fed token lists as JSON
+  - baseline, commit per submission: group commit switched off (max_commit_trajectories = one submission)
+`--json` prints the default configuration's figures as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from deltamesh.gateway.http import client_session, request_bytes
+from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.trainer.data import BatchClient, Trajectory
+
+TOKENS = 2048
+GROUP = 8
+BATCH = 256
+POOLS = 8
+DELTAMESH = [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_broker(workdir: Path, config: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cfg = workdir / "broker.toml"
+    cfg.write_text("[broker]\nmodels = [\"bench\"]\n" + config)
+    log = open(workdir / "broker.log", "w")
+    proc = subprocess.Popen([*DELTAMESH, "--log-level", "WARNING", "broker",
+                             "--listen", f"127.0.0.1:{port}", "--db", str(workdir / "broker.db"), "--config", str(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited: {(workdir / 'broker.log').read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/v1/status", timeout=1).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("broker did not start")
+
+
+def make_group(pool: int, n: int, rng: np.random.Generator) -> list[Trajectory]:
+    group_id = f"p{pool}-g{n}"
+    prompt = TOKENS // 4
+    mask = np.zeros(TOKENS, np.uint8)
+    mask[prompt:] = 1
+    versions = np.where(mask == 1, 0, -1).astype(np.int32)
+    out = []
+    for j in range(GROUP):
+        out.append(Trajectory(
+            id=f"{group_id}-{j}", task_id=f"task{n}", group_id=group_id, group_size=GROUP, model_id="bench",
+            tokens=rng.integers(0, 150_000, TOKENS, dtype=np.int32), logprobs=-rng.random(TOKENS, dtype=np.float32),
+            loss_mask=mask, versions=versions, reward=float(j % 2), pool=f"pool{pool}", region="local",
+            timings={"generate_s": 1.0}))
+    return out
+
+
+def as_json(trajectories: list[Trajectory]) -> bytes:
+    return json.dumps({"trajectories": [
+        {**t.header(), "tokens": t.tokens.tolist(), "logprobs": t.logprobs.tolist(),
+         "loss_mask": t.loss_mask.tolist(), "versions": t.versions.tolist()} for t in trajectories]}).encode()
+
+
+async def pool_client(url: str, pool: int, groups: int, per_submission: int, use_json: bool) -> None:
+    rng = np.random.default_rng(pool)
+    templates = [make_group(pool, i, rng) for i in range(per_submission)]  # token data reused, ids fresh
+    async with PoolClient(url, pool=f"pool{pool}") as client, client_session() as session:
+        for start in range(0, groups, per_submission):
+            batch = []
+            for k in range(min(per_submission, groups - start)):
+                for j, t in enumerate(templates[k]):
+                    gid = f"p{pool}-g{start + k}"
+                    batch.append(Trajectory(**{**t.__dict__, "id": f"{gid}-{j}", "group_id": gid}))
+            if use_json:
+                await request_bytes(session, "POST", f"{url}/v1/trajectories", data=as_json(batch),
+                                    headers={"Content-Type": "application/json"}, timeout_s=300)
+            else:
+                await client.submit(batch)
+
+
+async def trainer(url: str, stop: asyncio.Event, latencies: list[float] | None, batches: int | None) -> int:
+    served = 0
+    async with BatchClient(url, "bench") as client:
+        while not stop.is_set() and (batches is None or served < batches):
+            start = time.perf_counter()
+            batch = await client.next_batch(BATCH, timeout_s=1.0)
+            if batch is None:
+                continue
+            if latencies is not None:
+                latencies.append((time.perf_counter() - start) * 1000)
+            served += 1
+    return served
+
+
+async def run_config(url: str, groups_per_pool: int, per_submission: int, use_json: bool,
+                     latency_batches: int) -> dict[str, float]:
+    stop = asyncio.Event()
+    consumer = asyncio.create_task(trainer(url, stop, None, None))
+    start = time.perf_counter()
+    await asyncio.gather(*(pool_client(url, p, groups_per_pool, per_submission, use_json) for p in range(POOLS)))
+    elapsed = time.perf_counter() - start
+    stop.set()
+    await consumer
+    ingest = POOLS * groups_per_pool * GROUP / elapsed
+    # Ready batches: fill the buffer first (not timed), then time each request.
+    await asyncio.gather(*(pool_client(url, 100 + p, latency_batches * BATCH // GROUP // POOLS, per_submission, False)
+                           for p in range(POOLS)))
+    latencies: list[float] = []
+    await trainer(url, asyncio.Event(), latencies, latency_batches)
+    latencies.sort()
+    return {"ingest_traj_per_s": round(ingest, 1),
+            "batch_latency_ms_p50": round(statistics.median(latencies), 2),
+            "batch_latency_ms_p99": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2)}
+
+
+CONFIGS = [
+    ("deltamesh (binary, group commit, fsync)", "", False),
+    ("deltamesh, durability=process", 'durability = "process"\n', False),
+    ("deltamesh, JSON submissions", "", True),
+    ("baseline: commit per submission", "max_commit_trajectories = 1\n", False),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the default configuration as one JSON object")
+    parser.add_argument("--groups-per-pool", type=int, default=400, help="groups each of the 8 pools submits")
+    parser.add_argument("--per-submission", type=int, default=4, help="groups per submission")
+    parser.add_argument("--latency-batches", type=int, default=24)
+    parser.add_argument("--only-default", action="store_true", help="skip the comparison configurations")
+    args = parser.parse_args()
+    results = []
+    for name, config, use_json in CONFIGS[:1] if args.only_default else CONFIGS:
+        with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
+            proc, url = start_broker(Path(tmp), config)
+            try:
+                groups = args.groups_per_pool // (4 if use_json else 1)  # JSON is slow; keep the run short
+                figures = asyncio.run(run_config(url, groups, args.per_submission, use_json, args.latency_batches))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        results.append((name, figures))
+    if args.json:
+        print(json.dumps(results[0][1]))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"broker: {POOLS} pools, {TOKENS}-token trajectories, groups of {GROUP}, batches of {BATCH} "
+                        f"({os.cpu_count()} cores)")
+    for col in ("configuration", "ingest traj/s", "ready batch p50 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for name, f in results:
+        table.add_row(name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['batch_latency_ms_p50']:.1f}",
+                      f"{f['batch_latency_ms_p99']:.1f}")
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Codec benchmark: deltamesh's bf16 delta codec side by side with four baselines, in one run.
+
+Every method encodes the same (old, new) bf16 versions and applies its own output to the old weights;
+each result is checked bit for bit against the new weights. Inputs: real one-step Adam deltas of
+SmolLM2-135M at three learning rates and a synthetic model with Qwen3-0.6B's shapes (1.19 GB). Sizes
+count every byte a method sends (for deltamesh: the signed manifest and all pieces); speeds are GB/s
+of model bytes (bf16 size of the weights), medians of `--repeats` runs. deltamesh's apply includes
+all of its checks: the manifest signature, every piece hash and every result tensor hash. Also
+measured: deltamesh's full snapshot against raw bf16 on SmolLM2, and the XOR of two large arrays
+(GB/s of one array) as the memory-bandwidth reference. Prints a table, or with --json one object.
+
+    .venv/bin/python benchmarks/codec.py [--quick] [--json] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from baselines import BASELINES, Codec, encoded_size
+from inputs import Case, qwen3_shapes, real_cases, synthetic_case
+
+log = logging.getLogger("benchmarks.codec")
+
+GB = 1e9
+GIB = 2**30
+METHODS = ("deltamesh", "astraflow", "slime", "pulse", "full")
+LRS = (1e-6, 5e-6, 1e-5)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
+    p.add_argument("--quick", action="store_true", help="one repeat, a 4-layer synthetic model, 256 MiB XOR")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 3, quick 1)")
+    p.add_argument("--lrs", type=float, nargs="*", default=list(LRS), help="learning rates of the real deltas")
+    p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    return args
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median wall time of `fn` over `repeats` calls, and the last call's result."""
+    times, result = [], None
+    for _ in range(repeats):
+        result = None  # drop the previous result first, so two never coexist in memory
+        gc.collect()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def deltamesh_codecs() -> tuple[Codec, Callable[[dict], tuple[int, Codec]]]:
+    """deltamesh as a `Codec` (blobs = signed manifest + pieces) and a factory for its full snapshots."""
+    from deltamesh.delta import apply, encode_delta, encode_full, generate_key, load_manifest
+
+    key = generate_key()
+    trusted = [key.public_key()]
+
+    def encode(old, new):
+        enc = encode_delta(old, new, model_id="bench", version=1, base_version=0, key=key)
+        return [enc.manifest_bytes, *enc.pieces]
+
+    def apply_delta(old, blobs):
+        manifest = load_manifest(blobs[0], trusted)
+        return apply(dict(old), manifest, blobs[1:])
+
+    def encode_snapshot(old, new):
+        enc = encode_full(new, model_id="bench", version=1, key=key)
+        return [enc.manifest_bytes, *enc.pieces]
+
+    def apply_snapshot(old, blobs):
+        return apply(None, load_manifest(blobs[0], trusted), blobs[1:])
+
+    delta = Codec("deltamesh", "signed manifest + bit-diff pieces", encode, apply_delta)
+    full = Codec("deltamesh-full", "signed full snapshot", encode_snapshot, apply_snapshot)
+    return delta, full
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(x.dtype == b[k].dtype and x.shape == b[k].shape
+               and torch.equal(x.contiguous().view(torch.int16), b[k].contiguous().view(torch.int16))
+               for k, x in a.items())
+
+
+def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: int | None) -> dict[str, Any]:
+    encode_s, blobs = median_time(lambda: codec.encode(case.old, case.new), repeats)
+    size = encoded_size(blobs)
+    apply_s, result = median_time(lambda: codec.apply(case.old, blobs), repeats)
+    exact = same_weights(result, case.new)
+    del result
+    if not exact:
+        log.error("%s on %s: applied weights differ from the new version", codec.name, case.name)
+    full_bytes = full_bytes or size
+    return {
+        "bytes": size,
+        "bytes_per_changed": size / changed if changed else None,
+        "ratio_vs_full": full_bytes / size,
+        "encode_gbps": case.model_bytes / GB / encode_s,
+        "apply_gbps": case.model_bytes / GB / apply_s,
+        "exact": exact,
+    }
+
+
+def run_case(case: Case, codecs: dict[str, Codec], repeats: int) -> dict[str, Any]:
+    changed = case.changed_words()
+    log.info("%s: %.3f GB, %.4f%% of words changed", case.name, case.model_bytes / GB, 100 * changed / case.numel)
+    results: dict[str, Any] = {}
+    full_bytes = case.model_bytes
+    # `full` first: the others' ratios are against its size (raw bf16 bytes without it).
+    for name in sorted(codecs, key=lambda n: n != "full"):
+        results[name] = measure(codecs[name], case, repeats, changed, full_bytes if name != "full" else None)
+        if name == "full":
+            full_bytes = results[name]["bytes"]
+        log.info("  %-10s %12d bytes", name, results[name]["bytes"])
+    return {
+        "name": case.name,
+        "note": case.note,
+        "model_bytes": case.model_bytes,
+        "changed_words": changed,
+        "changed_fraction": changed / case.numel,
+        "full_bytes": full_bytes,
+        "order0_entropy_bytes": order0_entropy_bytes(case),
+        "results": {name: results[name] for name in METHODS if name in results},
+    }
+
+
+def order0_entropy_bytes(case: Case) -> float:
+    """Bytes needed if every word's changed-or-not and every change's move (new - old word) were
+    independent draws: the floor for a coder that uses no context. Below it takes context."""
+    moves: Counter[int] = Counter()
+    for name, old in case.old.items():
+        a, b = old.view(torch.int16).reshape(-1), case.new[name].view(torch.int16).reshape(-1)
+        pos = torch.nonzero(a != b).reshape(-1)
+        values, counts = torch.unique(b[pos].int() - a[pos].int(), return_counts=True)
+        moves.update(dict(zip(values.tolist(), counts.tolist())))
+    changed, total = sum(moves.values()), case.numel
+    if changed == 0:
+        return 0.0
+    p = changed / total
+    position_bits = total * -(p * math.log2(p) + (1 - p) * math.log2(1 - p)) if p < 1 else 0.0
+    move_bits = -sum(c * math.log2(c / changed) for c in moves.values())
+    return (position_bits + move_bits) / 8
+
+
+def xor_bandwidth(nbytes: int, repeats: int) -> float:
+    """GB/s (of one input) of `c = a ^ b` over two `nbytes` arrays: the memory-bandwidth reference."""
+    a = torch.randint(-2**62, 2**62, (nbytes // 8,), dtype=torch.int64)
+    b = torch.randint(-2**62, 2**62, (nbytes // 8,), dtype=torch.int64)
+    out = torch.empty_like(a)
+    seconds, _ = median_time(lambda: torch.bitwise_xor(a, b, out=out), max(repeats, 3))
+    return nbytes / GB / seconds
+
+
+def check(name: str, value: float | None, target: float, unit: str, measured: bool = True) -> dict[str, Any]:
+    passed = None if value is None or not measured else value >= target
+    return {"name": name, "value": value, "target": target, "unit": unit, "pass": passed}
+
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The codec's targets, each with its measured value and pass/fail (None when not measured)."""
+    targets = []
+    by_name = {c["name"]: c for c in report["cases"]}
+
+    def dm(case_name: str) -> dict[str, Any] | None:
+        case = by_name.get(case_name)
+        return case["results"].get("deltamesh") if case else None
+
+    for lr, ratio in ((5e-6, 150.0), (1e-6, 350.0)):
+        r = dm(f"smollm2-135m adam lr={lr:g}")
+        targets.append(check(f"lr {lr:g}: deltamesh smaller than full bf16", r and r["ratio_vs_full"], ratio, "x"))
+    case = by_name.get("smollm2-135m adam lr=5e-06")
+    if case and "deltamesh" in case["results"]:
+        baselines = [v["bytes"] for k, v in case["results"].items() if k not in ("deltamesh", "full")]
+        value = min(baselines) / case["results"]["deltamesh"]["bytes"] if baselines else None
+        targets.append(check("lr 5e-06: deltamesh smaller than best baseline", value, 1.5, "x"))
+    synth = next((c for c in report["cases"] if c["name"].startswith("qwen3")), None)
+    big = bool(synth and synth["model_bytes"] >= GIB)
+    r = synth["results"].get("deltamesh") if synth else None
+    targets.append(check("encode speed, >= 1 GiB model", r and r["encode_gbps"], 1.5, "GB/s", big))
+    targets.append(check("apply speed, >= 1 GiB model", r and r["apply_gbps"], 3.0, "GB/s", big))
+    snap = report.get("full_snapshot")
+    targets.append(check("full snapshot smaller than raw bf16", snap and snap["ratio_vs_raw"], 1.3, "x"))
+    return targets
+
+
+def full_snapshot(case: Case, codec: Codec, repeats: int) -> dict[str, Any]:
+    raw = encoded_size(BASELINES["full"].encode(case.old, case.new))
+    r = measure(codec, case, repeats, changed=0, full_bytes=raw)
+    return {"case": case.name, "raw_bf16_bytes": raw, "bytes": r["bytes"], "ratio_vs_raw": raw / r["bytes"],
+            "encode_gbps": r["encode_gbps"], "apply_gbps": r["apply_gbps"], "exact": r["exact"]}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    for case in report["cases"]:
+        table = Table(title=f"{case['name']}: {case['model_bytes'] / GB:.3f} GB, "
+                            f"{100 * case['changed_fraction']:.2f}% of words changed")
+        for col in ("method", "bytes", "bytes/changed", "x smaller than full", "encode GB/s", "apply GB/s", "exact"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for name, r in case["results"].items():
+            per = f"{r['bytes_per_changed']:.2f}" if r["bytes_per_changed"] is not None else "-"
+            table.add_row(name, f"{r['bytes']:,}", per, f"{r['ratio_vs_full']:.1f}",
+                          f"{r['encode_gbps']:.2f}", f"{r['apply_gbps']:.2f}", "yes" if r["exact"] else "NO")
+        floor = case["order0_entropy_bytes"]
+        if floor:
+            table.add_row("(order-0 entropy)", f"{round(floor):,}", f"{floor / case['changed_words']:.2f}",
+                          f"{case['full_bytes'] / floor:.1f}", "", "", "", style="dim")
+        console.print(table)
+    snap = report.get("full_snapshot")
+    if snap:
+        console.print(f"deltamesh full snapshot of {snap['case']}: {snap['bytes']:,} bytes vs raw bf16 "
+                      f"{snap['raw_bf16_bytes']:,} ({snap['ratio_vs_raw']:.3f}x smaller), encode "
+                      f"{snap['encode_gbps']:.2f} GB/s, apply {snap['apply_gbps']:.2f} GB/s, exact: {snap['exact']}")
+    console.print(f"memory-bandwidth reference: XOR of two {report['xor_bytes'] / GIB:.2f} GiB arrays, "
+                  f"{report['xor_gbps']:.2f} GB/s")
+    rel = report.get("deltamesh_vs_xor")
+    if rel:
+        console.print(f"deltamesh on the synthetic model, as a fraction of that XOR speed: encode {rel['encode']:.2f}, "
+                      f"apply {rel['apply']:.2f} (steadier than GB/s on a busy machine)")
+    table = Table(title="targets (deltamesh)")
+    for col in ("target", "measured", "needed", "result"):
+        table.add_column(col, justify="left" if col == "target" else "right")
+    for t in report["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}"
+        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "not measured"}[t["pass"]]
+        table.add_row(t["name"], value, f">= {t['target']:g} {t['unit']}", verdict)
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    codecs = {name: BASELINES[name] for name in args.methods if name in BASELINES}
+    snapshot_codec = None
+    if "deltamesh" in args.methods:
+        codecs["deltamesh"], snapshot_codec = deltamesh_codecs()
+
+    report: dict[str, Any] = {"repeats": args.repeats, "quick": args.quick, "cases": []}
+    cases = real_cases(args.lrs)
+    for case in cases:
+        report["cases"].append(run_case(case, codecs, args.repeats))
+    if snapshot_codec is not None and cases:
+        report["full_snapshot"] = full_snapshot(cases[0], snapshot_codec, args.repeats)
+    del cases
+    gc.collect()
+    if not args.no_synthetic:
+        case = synthetic_case(qwen3_shapes(layers=4 if args.quick else 28))
+        report["cases"].append(run_case(case, codecs, args.repeats))
+        del case
+        gc.collect()
+    report["xor_bytes"] = (256 * 2**20) if args.quick else GIB
+    report["xor_gbps"] = xor_bandwidth(report["xor_bytes"], args.repeats)
+    synth = [c["results"]["deltamesh"] for c in report["cases"] if c["name"].startswith("qwen3") and "deltamesh" in c["results"]]
+    if synth:
+        report["deltamesh_vs_xor"] = {"encode": synth[0]["encode_gbps"] / report["xor_gbps"],
+                                      "apply": synth[0]["apply_gbps"] / report["xor_gbps"]}
+    report["targets"] = evaluate_targets(report)
+    exact = all(r["exact"] for c in report["cases"] for r in c["results"].values())
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Gateway benchmark on loopback: serving throughput to N concurrent pullers, and the cost of a relay hop.
+
+Runs real `deltamesh gateway` processes (an origin, and a relay following it) and, side by side in
+the same run, the baselines:
+
+* serving: N pullers each fetch a whole version (every piece verified by the puller, 2 connections
+  each) from the origin gateway; the baseline is a plain aiohttp static file server (sendfile, no
+  hashing) serving the same piece files.
+* relay hop: seconds from the start of a publish until a puller has the whole version bit-exact,
+  pulling directly from the origin (`direct`), through the relay as soon as the relay announces the
+  version (`cut_through`), or through the relay only once the relay holds the whole version, as a
+  store-and-forward relay would serve it (`store_and_forward`). The added latency of the hop is the
+  difference to `direct`.
+
+Versions are random bytes in pieces of 4 MiB (gateways never decode pieces, so the codec does not
+matter here). Each figure is the median of --repeats runs. `--json` prints
+{"serve_gbps": {"<N>": x}, "baseline_static_gbps": {"<N>": x},
+ "relay_hop_seconds": {"cut_through": x, "store_and_forward": x, "direct": x}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from deltamesh.delta.hashing import digest
+from deltamesh.delta.keys import generate_key, save_keypair
+from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
+from deltamesh.gateway.fetch import Fetcher, Source
+from deltamesh.gateway.http import client_session, request_json
+from deltamesh.gateway.upload import upload_version
+
+MODEL = "bench"
+PIECE = 4 * 1024 * 1024
+STATIC_SERVER = """
+import sys
+from aiohttp import web
+app = web.Application()
+app.router.add_static("/", sys.argv[1])
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=None, access_log=None)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz") -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + path, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def make_version(key, version: int, pieces: list[bytes]) -> tuple[Manifest, bytes]:
+    m = Manifest(model_id=MODEL, version=version, base_version=None, kind="full", codec="bench",
+                 tensors=(TensorEntry("w", "U8", (sum(len(p) for p in pieces),), "0" * 32),),
+                 pieces=tuple(PieceEntry(len(p), digest(p), (0,)) for p in pieces))
+    return m, m.signed(key)
+
+
+async def pull(url: str, manifest: Manifest, connections: int, session) -> float:
+    """Fetch every piece of `manifest` from `url` (verified); returns seconds."""
+    t0 = time.perf_counter()
+    fetcher = Fetcher(session, [Source(url)], "pool/bench", stall_timeout_s=30, give_up_s=120)
+
+    async def drop(index: int, data: bytes) -> None:
+        return None
+
+    await fetcher.pieces(manifest, range(len(manifest.pieces)), connections, drop)
+    return time.perf_counter() - t0
+
+
+async def pull_static(url: str, files: list[str], connections: int, session) -> float:
+    t0 = time.perf_counter()
+    queue = list(files)
+
+    async def worker() -> None:
+        while queue:
+            name = queue.pop()
+            async with session.get(f"{url}/{name}") as r:
+                async for _ in r.content.iter_chunked(256 * 1024):
+                    pass
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    return time.perf_counter() - t0
+
+
+async def serve_throughput(origin: str, static: str, manifest: Manifest, files: list[str], n: int) -> tuple[float, float]:
+    total = manifest.payload_bytes * n
+    async with client_session(connections=4 * n, timeout_s=None) as s:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(pull(origin, manifest, 2, s) for _ in range(n)))
+        gw = total / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        await asyncio.gather(*(pull_static(static, files, 2, s) for _ in range(n)))
+        st = total / (time.perf_counter() - t0) / 1e9
+    return gw, st
+
+
+async def relay_hop(origin: str, relay: str, key, version: int, pieces: list[bytes], mode: str) -> float:
+    """Seconds from the start of publishing `version` until a puller holds all of it."""
+    manifest, raw = make_version(key, version, pieces)
+    async with client_session(connections=32, timeout_s=None) as s:
+        source = origin if mode == "direct" else relay
+        t0 = time.perf_counter()
+        publish = asyncio.create_task(upload_version(s, origin, manifest, raw, pieces, connections=4))
+        head = await request_json(s, "GET", f"{source}/v1/models/{MODEL}/head", params={"after": version - 1, "wait": 60})
+        assert head["head"] == version, head
+        if mode == "store_and_forward":
+            while True:
+                listing = await request_json(s, "GET", f"{relay}/v1/models/{MODEL}/versions")
+                if any(v["version"] == version and v["complete"] for v in listing["versions"]):
+                    break
+                await asyncio.sleep(0.005)
+        await pull(source, manifest, 4, s)
+        elapsed = time.perf_counter() - t0
+        await publish
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--size-mb", type=float, default=200.0, help="version size in MB")
+    ap.add_argument("--pullers", default="1,4,16", help="comma-separated numbers of concurrent pullers")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    counts = [int(x) for x in args.pullers.split(",")]
+    n_pieces = max(1, round(args.size_mb * 1e6 / PIECE))
+    base = os.urandom(PIECE)
+    # Distinct pieces (so nothing can be deduplicated), made cheaply from one random block.
+    pieces = [i.to_bytes(8, "little") + base[8:] for i in range(n_pieces)]
+    procs: list[subprocess.Popen] = []
+    deltamesh = str(Path(sys.executable).with_name("deltamesh"))
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        key = generate_key()
+        pub = save_keypair(key, Path(tmp) / "trainer.key")
+        try:
+            urls = {}
+            for region, ups in (("origin", []), ("relay", ["origin"])):
+                port = free_port()
+                urls[region] = f"http://127.0.0.1:{port}"
+                cmd = [deltamesh, "--log-level", "WARNING", "gateway", "--region", region,
+                       "--listen", f"127.0.0.1:{port}", "--store", f"{tmp}/{region}", "--trusted-key", str(pub),
+                       "--keep-fulls", "2", "--relay-connections", "4"]
+                for u in ups:
+                    cmd += ["--upstream", urls[u]]
+                procs.append(subprocess.Popen(cmd, start_new_session=True))
+            static_port = free_port()
+            urls["static"] = f"http://127.0.0.1:{static_port}"
+            static_dir = f"{tmp}/origin/models/{MODEL}/1/full/pieces"
+            Path(static_dir).mkdir(parents=True, exist_ok=True)
+            procs.append(subprocess.Popen([sys.executable, "-c", STATIC_SERVER, static_dir, str(static_port)],
+                                          start_new_session=True))
+            for proc, name in zip(procs, ("origin", "relay", "static")):
+                wait_healthy(urls[name], proc, "/healthz" if name != "static" else "/")
+            results = asyncio.run(run_all(urls, key, pieces, counts, args.repeats))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    results["version_mb"] = round(n_pieces * PIECE / 1e6, 1)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print_table(results)
+    return 0
+
+
+async def run_all(urls: dict[str, str], key, pieces: list[bytes], counts: list[int], repeats: int) -> dict:
+    manifest, raw = make_version(key, 1, pieces)
+    async with client_session(timeout_s=None) as s:
+        await upload_version(s, urls["origin"], manifest, raw, pieces, connections=4)
+    files = [str(i) for i in range(len(pieces))]
+    serve, static = {}, {}
+    for n in counts:
+        runs = [await serve_throughput(urls["origin"], urls["static"], manifest, files, n) for _ in range(repeats)]
+        serve[str(n)] = round(statistics.median(r[0] for r in runs), 3)
+        static[str(n)] = round(statistics.median(r[1] for r in runs), 3)
+    hop: dict[str, list[float]] = {"direct": [], "cut_through": [], "store_and_forward": []}
+    version = 2
+    for _ in range(repeats):
+        for mode in hop:
+            hop[mode].append(await relay_hop(urls["origin"], urls["relay"], key, version, pieces, mode))
+            version += 1
+    return {
+        "serve_gbps": serve,
+        "baseline_static_gbps": static,
+        "relay_hop_seconds": {mode: round(statistics.median(v), 3) for mode, v in hop.items()},
+    }
+
+
+def print_table(r: dict) -> None:
+    print(f"Gateway serving a {r['version_mb']} MB version on loopback (median of runs)")
+    print(f"{'pullers':>8} {'deltamesh GB/s':>15} {'static server GB/s':>19}")
+    for n, v in r["serve_gbps"].items():
+        print(f"{n:>8} {v:>15.3f} {r['baseline_static_gbps'][n]:>19.3f}")
+    hop = r["relay_hop_seconds"]
+    print(f"\nPublish-to-pulled seconds for a {r['version_mb']} MB version")
+    print(f"{'path':>20} {'seconds':>9} {'added by hop':>13}")
+    for mode in ("direct", "cut_through", "store_and_forward"):
+        print(f"{mode:>20} {hop[mode]:>9.3f} {hop[mode] - hop['direct']:>13.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

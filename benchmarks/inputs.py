@@ -1,0 +1,96 @@
+"""Benchmark inputs: pairs of bf16 weight versions (old, new) that a codec must carry.
+
+Two kinds. Real deltas: SmolLM2-135M-Instruct's pretrained weights as fp32 master weights, one Adam
+step on next-token loss over real English text, both sides cast to bf16 (built and cached by
+`deltamesh.trainer.models`). Synthetic: a model with Qwen3-0.6B's tensor names and shapes (hidden
+1024, 28 layers, intermediate 3072, 16 query / 8 key-value heads of dim 128, vocab 151936, tied
+embeddings: 1.19 GB in bf16) holding seeded random weights, of which a given fraction of words move
+by one or two bf16 ulps, as they do in a real step; it exists to measure speed at a realistic size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltamesh.trainer.models import smollm2_adam_versions, smollm2_state_dict, to_bf16
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class Case:
+    name: str
+    old: Weights
+    new: Weights
+    note: str = ""
+    checks: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.new.values())
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.new.values())
+
+    def changed_words(self) -> int:
+        return sum(int((self.old[k].view(torch.int16) != t.view(torch.int16)).sum()) for k, t in self.new.items())
+
+
+def real_cases(lrs: list[float]) -> list[Case]:
+    """SmolLM2-135M: base version and its bf16 weights after one real Adam step at each rate."""
+    old = to_bf16(smollm2_state_dict())
+    versions = smollm2_adam_versions(lrs)
+    return [
+        Case(f"smollm2-135m adam lr={lr:g}", old, versions[lr], note="real pretrained weights, one Adam step")
+        for lr in lrs
+    ]
+
+
+def qwen3_shapes(layers: int = 28, hidden: int = 1024, intermediate: int = 3072, q_heads: int = 16,
+                 kv_heads: int = 8, head_dim: int = 128, vocab: int = 151936) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Qwen3 decoder with tied embeddings (defaults: Qwen3-0.6B)."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def synthetic_case(shapes: dict[str, tuple[int, ...]], *, changed: float = 0.01, seed: int = 0,
+                   name: str = "qwen3-0.6b shapes, synthetic") -> Case:
+    """Seeded random bf16 weights and a version in which ~`changed` of the words move by 1-2 ulps."""
+    gen = torch.Generator().manual_seed(seed)
+    old, new = {}, {}
+    for tensor_name, shape in shapes.items():
+        if len(shape) == 1:  # norm gains sit near 1, matrices near 0, as in trained models
+            values = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+        else:
+            values = 0.02 * torch.randn(shape, generator=gen)
+        o = values.to(torch.bfloat16)
+        n = o.clone()
+        w_old, w_new = o.view(torch.int16).reshape(-1), n.view(torch.int16).reshape(-1)
+        count = round(o.numel() * changed)
+        pos = torch.randint(o.numel(), (count,), generator=gen)
+        step = torch.randint(1, 3, (count,), generator=gen, dtype=torch.int16)
+        step = torch.where(torch.rand(count, generator=gen) < 0.5, step, -step)
+        # A word whose magnitude bits are tiny only grows, so no step crosses zero into another sign.
+        step = torch.where((w_old[pos] & 0x7FFF) <= 2, step.abs(), step)
+        w_new[pos] = w_old[pos] + step
+        old[tensor_name], new[tensor_name] = o, n
+    return Case(name, old, new, note=f"seeded random weights, {changed:.1%} of words moved by 1-2 ulps")

@@ -1,0 +1,289 @@
+"""Hot-swap benchmark: from "version available at the gateway" to "engine generating with it".
+
+A real gateway (in this process, on a loopback socket) holds the versions; a pool's weight stream
+(`deltamesh.mesh.pool.weights.PolicyWeights`, the code `deltamesh pool run` uses) brings each new
+version into a live transformers engine that keeps generating meanwhile, one token per call. The
+clock starts when the publisher has uploaded the whole version and stops when the engine returns the
+first token generated with it. Two ways side by side, in one run, on the same versions:
+
+- in place: the plan's verified pieces are decoded and written into the live model (a delta changes
+  only its changed words; a full snapshot is decoded off to the side and copied in); the synced
+  directory is written afterwards, off the clock.
+- reload: the version is applied to the synced directory first (atomic, fsynced), then the engine
+  reloads the whole model from it (`load_version`: read, hash-check, copy in), which is what an
+  engine without hot swap does.
+
+Each is measured for a delta (one step later) and a full snapshot (a version published as a full
+snapshot only, so the plan must take it). Models: SmolLM2-135M-Instruct (real weights, one real
+Adam step) and a synthetic model with Qwen3-0.6B's shapes (1.19 GB of seeded random bf16 weights,
+1% of words moving per version). Medians of `--repeats` runs. Prints a table, or with --json one
+object `{"cases": [{"model", "kind", "in_place_seconds", "reload_seconds", ...}]}`.
+
+    .venv/bin/python benchmarks/swap.py [--quick] [--json] [--repeats N] [--no-synthetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from aiohttp import web
+
+from inputs import qwen3_shapes, synthetic_case
+
+from deltamesh.delta import generate_key, read_weights, save_keypair, write_weights
+from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.gateway.server import create_app
+from deltamesh.mesh.engines.base import SamplingParams
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.mesh.pool.weights import PolicyWeights
+from deltamesh.trainer.models import char_tokenizer_dir, load_tokenizer, smollm2_adam_versions, smollm2_model_dir
+
+log = logging.getLogger("benchmarks.swap")
+
+Weights = dict[str, torch.Tensor]
+MODES = {"in_place": True, "reload": False}
+KINDS = ("delta", "full")
+TOKEN = "bench-token"
+
+
+@dataclass
+class ModelInput:
+    name: str
+    model_dir: Path
+    old: Weights
+    new: Weights
+    note: str
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.old.values())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
+    p.add_argument("--quick", action="store_true", help="one repeat, a 4-layer synthetic model (well under 1 GiB)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per case and way (default 3, quick 1)")
+    p.add_argument("--lr", type=float, default=5e-6, help="Adam learning rate of SmolLM2's real step")
+    p.add_argument("--no-smollm2", action="store_true", help="skip SmolLM2-135M")
+    p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
+    p.add_argument("--verbose", action="store_true", help="show the services' own logs")
+    p.add_argument("--workdir", help="where model copies, gateway store and synced directories go (default: a temp dir)")
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    return args
+
+
+# -- inputs ------------------------------------------------------------------------------------------
+
+def smollm2_input(lr: float) -> ModelInput:
+    model_dir = smollm2_model_dir()
+    old = read_weights(model_dir)
+    new = smollm2_adam_versions([lr])[lr]
+    if old.keys() != new.keys():
+        raise RuntimeError("SmolLM2's stepped weights do not match its model directory")
+    return ModelInput("smollm2-135m", model_dir, old, new, f"real weights, one Adam step at lr {lr:g}")
+
+
+def synthetic_input(workdir: Path, layers: int) -> ModelInput:
+    """A Qwen3-0.6B-shaped model directory (config, character tokenizer, seeded random bf16 weights)."""
+    from transformers import AutoConfig
+
+    case = synthetic_case(qwen3_shapes(layers=layers), changed=0.01)
+    model_dir = workdir / "synthetic-model"
+    tokenizer = load_tokenizer(char_tokenizer_dir())
+    AutoConfig.for_model(
+        "qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="bfloat16",
+    ).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    write_weights(model_dir, case.old)
+    name = "qwen3-0.6b-synthetic" if layers == 28 else f"qwen3-synthetic-{layers}l"
+    return ModelInput(name, model_dir, case.old, case.new, case.note)
+
+
+# -- the measured system -------------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
+    runner = web.AppRunner(create_app(config), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+class Generating:
+    """Keeps an engine generating (one greedy token per call) and notes when each version first served."""
+
+    def __init__(self, engine: TransformersEngine):
+        self.engine = engine
+        self.prompt = engine.encode("12+30=")
+        self.first_served: dict[int, float] = {}
+        self._seen = asyncio.Event()
+
+    async def __aenter__(self) -> "Generating":
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _loop(self) -> None:
+        params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+        while True:
+            (gen,) = await self.engine.generate([self.prompt], params)
+            self.first_served.setdefault(gen.versions[0], time.perf_counter())
+            self._seen.set()
+            self._seen.clear()
+
+    async def first_token_of(self, version: int) -> float:
+        while version not in self.first_served:
+            await self._seen.wait()
+        return self.first_served[version]
+
+
+class Trainer:
+    """Publishes alternate versions (old, new, old, ...) as a delta, or as a full snapshot only."""
+
+    def __init__(self, url: str, key, model: ModelInput):
+        self.url, self.key, self.model = url, key, model
+        self.publisher = Publisher(url, key, model.name, full_every=0)
+        self.current = model.old
+
+    async def start(self) -> None:
+        await self.publisher.publish(self.model.old, 0)
+
+    async def publish(self, kind: str) -> tuple[int, int]:
+        """Publish the next version as `kind`; returns (version, payload bytes) once all of it is uploaded."""
+        target = self.model.new if self.current is self.model.old else self.model.old
+        if kind == "delta":
+            published = await self.publisher.publish(target)
+        else:
+            # A publisher without a base continues after the gateway's head with a full snapshot only.
+            published = await Publisher(self.url, self.key, self.model.name, full_every=0).publish(target)
+            self.publisher.set_base(published.version, target, published.manifests[0].weights_hash)
+        self.current = target
+        return published.version, published.manifests[0].payload_bytes
+
+
+async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[dict]:
+    key = generate_key()
+    public = save_keypair(key, workdir / "trainer.key")
+    config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], pool_tokens=[TOKEN],
+                           keep_fulls=1, keep_deltas=4)
+    times: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
+    payload: dict[str, list[int]] = {k: [] for k in KINDS}
+    async with running_gateway(config) as url:
+        trainer = Trainer(url, key, model)
+        await trainer.start()
+        for mode, hot_swap in MODES.items():
+            engine = await asyncio.to_thread(
+                TransformersEngine, TransformersEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
+            sync = PoolSyncConfig(gateways=[url], token=TOKEN, name=f"bench-{mode}", dir=str(workdir / mode),
+                                  trusted_keys=[str(public)], model=model.name, connections=4, give_up_s=600)
+            async with PolicyWeights(engine, sync, hot_swap=hot_swap) as weights:
+                await weights.sync_round()  # to the head, off the clock
+                async with Generating(engine) as generating:
+                    for rep in range(repeats):
+                        for kind in KINDS:
+                            version, nbytes = await trainer.publish(kind)
+                            available = time.perf_counter()
+                            round_ = asyncio.create_task(weights.sync_round())
+                            served = await generating.first_token_of(version)
+                            await round_  # the directory write finishes before the next version
+                            times[(kind, mode)].append(served - available)
+                            payload[kind].append(nbytes)
+                            log.info("%s %s %s: v%d serving after %.3f s (%d payload bytes)", model.name, kind, mode,
+                                     version, served - available, nbytes)
+                            if weights.status.last_error:
+                                raise RuntimeError(f"{model.name} {kind} {mode}: {weights.status.last_error}")
+            await engine.close()
+            del engine, weights
+            gc.collect()
+    cases = []
+    for kind in KINDS:
+        in_place, reload = times[(kind, "in_place")], times[(kind, "reload")]
+        cases.append({
+            "model": model.name, "kind": kind, "in_place_seconds": statistics.median(in_place),
+            "reload_seconds": statistics.median(reload), "model_bytes": model.model_bytes,
+            "payload_bytes": int(statistics.median(payload[kind])), "runs": len(in_place),
+            "in_place_runs": in_place, "reload_runs": reload, "note": model.note,
+        })
+    return cases
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="version available at the gateway -> engine generating with it (median s)")
+    for col in ("model", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place"):
+        table.add_column(col, justify="left" if col in ("model", "kind") else "right")
+    for c in result["cases"]:
+        table.add_row(c["model"], f"{c['model_bytes'] / 1e6:.0f}", c["kind"], f"{c['payload_bytes'] / 1e6:.1f}",
+                      f"{c['in_place_seconds']:.3f}", f"{c['reload_seconds']:.3f}",
+                      f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x")
+    console = Console()
+    console.print(table)
+    console.print(f"{result['repeats']} runs per cell; {result['threads']} torch threads; "
+                  "the engine generates one token per call throughout.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO,
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
+    for noisy in (("aiohttp.access",) if args.verbose else ("deltamesh", "aiohttp.access")):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    result = {"repeats": args.repeats, "threads": torch.get_num_threads(), "cases": []}
+    with tempfile.TemporaryDirectory(prefix="swap-bench-", dir=args.workdir) as tmp:
+        root = Path(tmp)
+        builders = []
+        if not args.no_smollm2:
+            builders.append(lambda: smollm2_input(args.lr))
+        if not args.no_synthetic:
+            builders.append(lambda: synthetic_input(root, 4 if args.quick else 28))
+        for i, build in enumerate(builders):
+            model = build()
+            workdir = root / f"case{i}"
+            workdir.mkdir()
+            result["cases"] += asyncio.run(measure_model(model, args.repeats, workdir))
+            del model
+            gc.collect()
+    if args.save:
+        Path(args.save).write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

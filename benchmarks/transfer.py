@@ -1,0 +1,116 @@
+"""Cross-region transfer benchmark: deltamesh and its baselines over emulated WAN links, side by side.
+
+Four scenarios (transfer_scenarios.py and transfer_training.py describe each method):
+
+1. `long_link`: one 400 Mbit/s, 300 ms link; a 200 MB version, deltamesh's parallel piece fetch vs
+   one HTTP stream (`single_stream`).
+2. `relay_chain`: origin -> A -> B over two long hops; deltamesh cut-through relaying vs
+   `store_and_forward` vs B pulling straight from the origin (`direct`).
+3. `fan_out`: origin -> 3 regions x 4 pools; deltamesh relays vs every pool pulling its own copy from
+   the origin (`astraflow`).
+4. `real_training`: 10 successive real SmolLM2-135M RL-step versions published and propagated over the
+   fan-out mesh to 12 `deltamesh pool sync` agents.
+
+Needs root and the WAN emulator (benchmarks/wan/setup.sh). Each figure is the median of --repeats
+runs. `--json` prints one object {"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...},
+"methods": {"<method>": {"seconds", "utilization", "origin_egress_bytes", "payload_bytes", ...}}}]};
+utilization = payload bits / seconds / link rate. Results are also saved (merged by scenario name)
+to .cache/transfer/results.json (results-quick.json with --quick), which benchmarks/simulate.py reads.
+`--quick` runs a small version over links with a fifth of the RTT, once: for trying things out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from deltamesh.logs import setup_logging
+
+log = logging.getLogger("transfer")
+
+ORDER = ("long_link", "relay_chain", "fan_out", "real_training")
+RESULTS = Path(__file__).resolve().parent.parent / ".cache" / "transfer"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=ORDER, action="append", help="run only this scenario (repeatable)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--quick", action="store_true", help="16 MB version, RTTs / 5, one run, 4 training steps")
+    ap.add_argument("--repeats", type=int, help="runs per method (default 3; 1 with --quick)")
+    ap.add_argument("--payload-mb", type=float, help="version size for scenarios 1-3 (default 200)")
+    ap.add_argument("--connections", type=int, default=16,
+                    help="parallel piece fetches over long links (relay gateways, pullers)")
+    ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
+                    help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
+    ap.add_argument("--steps", type=int, help="training versions after the first (default 10; 4 with --quick)")
+    ap.add_argument("--step-seconds", type=float, default=6.0, help="seconds between two published training versions")
+    ap.add_argument("--no-verify", action="store_true", help="skip measuring the links before the runs")
+    ap.add_argument("--log-level", default=os.environ.get("DELTAMESH_LOG", "WARNING"))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    if os.geteuid() != 0:
+        print("the transfer benchmark needs root (network namespaces); see benchmarks/wan/README.md", file=sys.stderr)
+        return 2
+    from transfer_payload import prepare_payload
+    from transfer_scenarios import SCENARIOS, Settings
+
+    names = [n for n in ORDER if n in (args.scenario or ORDER)]
+    payload_mb = args.payload_mb or (16.0 if args.quick else 200.0)
+    payload = prepare_payload(payload_mb)
+    settings = Settings(payload=payload, payload_bytes=(payload / "version.bin").stat().st_size,
+                        repeats=args.repeats or (1 if args.quick else 3), rtt_scale=0.2 if args.quick else 1.0,
+                        connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify)
+    started = time.time()
+    scenarios = []
+    for name in names:
+        t0 = time.monotonic()
+        log.warning("scenario %s ...", name)
+        if name == "real_training":
+            from transfer_training import real_training
+
+            result = real_training(settings, steps=args.steps or (4 if args.quick else 10),
+                                   step_seconds=args.step_seconds)
+        else:
+            result = SCENARIOS[name](settings)
+        result["wall_seconds"] = round(time.monotonic() - t0, 1)
+        result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        scenarios.append(result)
+    report = {"scenarios": scenarios, "quick": args.quick, "started": started,
+              "payload_mb": payload_mb, "command": " ".join(["benchmarks/transfer.py", *(argv or sys.argv[1:])])}
+    save(report, RESULTS / ("results-quick.json" if args.quick else "results.json"))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        from transfer_report import print_report
+
+        print_report(report)
+    return 0
+
+
+def save(report: dict, path: Path) -> None:
+    """Merge this run's scenarios into the results file, replacing earlier runs of the same names."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {"scenarios": []}
+    ran = {s["name"] for s in report["scenarios"]}
+    kept = [s for s in old.get("scenarios", []) if s["name"] not in ran]
+    merged = {**report, "scenarios": sorted(kept + report["scenarios"], key=lambda s: ORDER.index(s["name"]))}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""The processes of the transfer benchmark that run inside emulated hosts (network namespaces).
+
+`benchmarks/transfer.py` starts one of these per role with `Host.spawn`: a publisher that uploads a
+prepared version to the origin gateway, deltamesh pullers that fetch a version's pieces from a
+gateway (parallel, verified, as a relay or pool agent does), a plain HTTP file server and single-stream
+clients for the baselines, and small probes. Every timed agent follows the same protocol so that all
+agents of a run start at the same instant: it does its set-up (imports, reading its input), creates
+its `--ready` file, waits for the `--go` file to appear, does its work and writes one JSON object of
+wall-clock times (`time.time()`, one clock for every namespace of the machine) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+GO_POLL_S = 0.002
+
+
+def write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def ready_then_wait(args: argparse.Namespace) -> float:
+    """Signal ready, then block until the go file exists; returns the time work starts."""
+    Path(args.ready).touch()
+    while not os.path.exists(args.go):
+        time.sleep(GO_POLL_S)
+    return time.time()
+
+
+class Progress:
+    """(time, bytes) marks each time another tenth of a transfer has arrived: its ramp, for the report."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.marks = total, 0, []
+        self._next = total / 10
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.total and self.done >= self._next:
+            self.marks.append((round(time.time(), 4), self.done))
+            self._next = (len(self.marks) + 1) * self.total / 10
+
+
+def add_sync_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready", required=True, help="file created once set up")
+    p.add_argument("--go", required=True, help="file whose appearance starts the work")
+    p.add_argument("--out", required=True, help="where the JSON result is written")
+
+
+# --- probes -------------------------------------------------------------------------------------
+
+def wait_http(args: argparse.Namespace) -> int:
+    """Exit 0 once `url` answers at all (any HTTP status below 500), 1 after the timeout."""
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(args.url, timeout=2):
+                return 0
+        except urllib.error.HTTPError as e:
+            if e.code < 500:
+                return 0
+        except OSError:
+            pass
+        time.sleep(0.1)
+    print(f"{args.url} did not answer within {args.timeout:g} s", file=sys.stderr)
+    return 1
+
+
+def fetch_text(args: argparse.Namespace) -> int:
+    """Print the body of `url` (a gateway's /metrics or /v1/links, a file server's /stats)."""
+    with urllib.request.urlopen(args.url, timeout=30) as r:
+        sys.stdout.write(r.read().decode())
+    return 0
+
+
+# --- deltamesh: publish and pull -----------------------------------------------------------------
+
+def publish(args: argparse.Namespace) -> int:
+    """Upload a prepared version (transfer_payload.py's layout) to the origin gateway as `--version`."""
+    import dataclasses
+
+    from deltamesh.delta import Manifest, load_private_key
+    from deltamesh.gateway.http import client_session
+    from deltamesh.gateway.upload import upload_version
+
+    folder = Path(args.payload)
+    body = Manifest.from_body((folder / "manifest.json").read_bytes())
+    manifest = dataclasses.replace(body, version=args.version, created_ms=int(time.time() * 1000))
+    envelope = manifest.signed(load_private_key(args.key))
+    blob = (folder / "version.bin").read_bytes()
+    view, pieces, offset = memoryview(blob), [], 0
+    for entry in manifest.pieces:
+        pieces.append(view[offset:offset + entry.length])
+        offset += entry.length
+
+    async def main() -> dict:
+        async with client_session(connections=max(8, args.connections), timeout_s=None) as session:
+            t_start = ready_then_wait(args)
+            sent = await upload_version(session, args.gateway, manifest, envelope, pieces,
+                                        connections=args.connections)
+            return {"t_start": t_start, "t_done": time.time(), "bytes": sent}
+
+    write_json(args.out, asyncio.run(main()))
+    return 0
+
+
+def pull(args: argparse.Namespace) -> int:
+    """Fetch every piece of one version from a gateway, verified against the signed manifest.
+
+    With `--after-complete` the fetch starts only once the gateway holds the whole version, as a
+    store-and-forward relay would serve it; otherwise it starts the moment the version is announced.
+    """
+    from deltamesh.delta import load_manifest, load_public_key
+    from deltamesh.gateway.fetch import Fetcher, Source
+    from deltamesh.gateway.http import client_session, request_json
+
+    keys = [load_public_key(args.trusted_key)]
+    base = args.gateway.rstrip("/")
+    model = args.model
+
+    async def main() -> dict:
+        async with client_session(connections=max(8, 2 * args.connections), timeout_s=None) as session:
+            if args.warm_version is not None:
+                await _fetch_all(session, base, model, args.warm_version, args.kind, keys, args)
+            t_go = ready_then_wait(args)
+            while True:  # long-poll until the version is announced
+                answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
+                                            params={"after": args.version - 1, "wait": 30}, timeout_s=60)
+                if answer["head"] is not None and answer["head"] >= args.version:
+                    break
+            t_announced = time.time()
+            if args.after_complete:
+                while not await _complete_at(session, base, model, args.version, args.kind):
+                    await asyncio.sleep(0.02)
+            t_fetch = time.time()
+            fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
+            manifest = await fetcher.manifest_bytes(model, args.version, args.kind,
+                                                    _accept(load_manifest, keys))
+            progress = Progress(manifest.payload_bytes)
+
+            async def keep(index: int, data: bytearray) -> None:
+                progress.add(len(data))  # verified by the fetcher against the signed manifest
+
+            await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
+            return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, "t_done": time.time(),
+                    "bytes": progress.done, "pieces": len(manifest.pieces), "progress": progress.marks}
+
+    write_json(args.out, asyncio.run(main()))
+    return 0
+
+
+async def _fetch_all(session, base: str, model: str, version: int, kind: str, keys, args) -> None:
+    """Fetch a version that is already there, to bring this session's connections up to speed."""
+    from deltamesh.delta import load_manifest
+    from deltamesh.gateway.fetch import Fetcher, Source
+
+    fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
+    manifest = await fetcher.manifest_bytes(model, version, kind, _accept(load_manifest, keys))
+
+    async def drop(index: int, data: bytearray) -> None:
+        return None
+
+    await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, drop)
+
+
+def _accept(load_manifest, keys):
+    async def accept(raw: bytes):
+        return load_manifest(raw, keys)
+    return accept
+
+
+async def _complete_at(session, base: str, model: str, version: int, kind: str) -> bool:
+    from deltamesh.gateway.http import HttpError, request_json
+
+    try:
+        listing = await request_json(session, "GET", f"{base}/v1/models/{model}/versions", timeout_s=30)
+    except HttpError as e:
+        if e.status == 404:
+            return False
+        raise
+    return any(v["version"] == version and v["kind"] == kind and v["complete"] for v in listing["versions"])
+
+
+# --- baselines: one plain file server, single-stream clients -----------------------------------------
+
+def serve(args: argparse.Namespace) -> int:
+    """A plain aiohttp file server of one file (sendfile), optionally one transfer at a time.
+
+    `--serial` makes the server send to one client at a time, in arrival order, as AstraFlow's weight
+    sender does; `/stats` tells how many body bytes it has served.
+    """
+    from aiohttp import web
+
+    from deltamesh.gateway.http import serve as serve_app
+
+    path = Path(args.file)
+    size = path.stat().st_size
+    lock = asyncio.Lock() if args.serial else None
+    stats = {"bytes_served": 0, "requests": 0}
+
+    async def send(request: web.Request) -> web.StreamResponse:
+        resp = web.FileResponse(path, chunk_size=1024 * 1024)
+        await resp.prepare(request)
+        await resp.write_eof()
+        stats["bytes_served"] += size
+        stats["requests"] += 1
+        return resp
+
+    async def version(request: web.Request) -> web.StreamResponse:
+        if lock is None:
+            return await send(request)
+        async with lock:
+            return await send(request)
+
+    async def show_stats(request: web.Request) -> web.Response:
+        return web.json_response(stats)
+
+    app = web.Application()
+    app.router.add_get("/version.bin", version)
+    app.router.add_get("/stats", show_stats)
+    serve_app(app, "0.0.0.0", args.port)
+    return 0
+
+
+def get(args: argparse.Namespace) -> int:
+    """One HTTP GET of the whole version over one TCP connection, hashed as it arrives."""
+    import aiohttp
+    import xxhash
+
+    async def main() -> dict:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            t_go = ready_then_wait(args)
+            h, received, t_first = xxhash.xxh3_128(), 0, None
+            async with session.get(args.url) as resp:
+                resp.raise_for_status()
+                progress = Progress(resp.content_length or 0)
+                async for chunk in resp.content.iter_chunked(1024 * 1024):
+                    if t_first is None:
+                        t_first = time.time()
+                    h.update(chunk)
+                    received += len(chunk)
+                    progress.add(len(chunk))
+            return {"t_go": t_go, "t_first_byte": t_first, "t_done": time.time(), "bytes": received,
+                    "hash": h.hexdigest(), "progress": progress.marks}
+
+    write_json(args.out, asyncio.run(main()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("wait-http", help="wait until a URL answers")
+    p.add_argument("url")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(run=wait_http)
+
+    p = sub.add_parser("fetch", help="print the body of a URL")
+    p.add_argument("url")
+    p.set_defaults(run=fetch_text)
+
+    p = sub.add_parser("publish", help="upload a prepared version to an origin gateway")
+    p.add_argument("--gateway", required=True)
+    p.add_argument("--payload", required=True, help="folder with manifest.json (body) and version.bin")
+    p.add_argument("--version", type=int, required=True)
+    p.add_argument("--key", required=True, help="trainer private key (PEM)")
+    p.add_argument("--connections", type=int, default=4)
+    add_sync_args(p)
+    p.set_defaults(run=publish)
+
+    p = sub.add_parser("pull", help="fetch a version's pieces from a gateway")
+    p.add_argument("--gateway", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--version", type=int, required=True)
+    p.add_argument("--kind", default="full", choices=("full", "delta"))
+    p.add_argument("--trusted-key", required=True)
+    p.add_argument("--connections", type=int, default=4)
+    p.add_argument("--name", default="bench")
+    p.add_argument("--after-complete", action="store_true", help="start only once the gateway holds all of it")
+    p.add_argument("--warm-version", type=int, help="fetch this (present) version first, to warm the connections")
+    add_sync_args(p)
+    p.set_defaults(run=pull)
+
+    p = sub.add_parser("serve", help="serve one file over plain HTTP")
+    p.add_argument("--file", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--serial", action="store_true", help="one transfer at a time")
+    p.set_defaults(run=serve)
+
+    p = sub.add_parser("get", help="download a URL over one TCP connection")
+    p.add_argument("--url", required=True)
+    add_sync_args(p)
+    p.set_defaults(run=get)
+
+    args = ap.parse_args(argv)
+    from deltamesh.logs import setup_logging
+
+    setup_logging(process_name=f"agent-{args.command}")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

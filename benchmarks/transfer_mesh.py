@@ -1,0 +1,212 @@
+"""Running the transfer scenarios' processes on an emulated network: gateways, agents, counters, routes.
+
+`Mesh` wraps one `wan.Wan` with what every scenario needs: a working folder and trainer key, real
+`deltamesh gateway` processes in hosts, timed agents (transfer_agent.py) started together through
+ready/go files, the bytes a gateway or file server has sent, and the bytes that left a host's links.
+`route_through` lets a host reach a far host through a middle one by plain IP forwarding, with the
+middle host's link delays still applied to forwarded packets (the AstraFlow baseline's pools reach
+the trainer node that way). `set_tcp_buffers` chooses the hosts' TCP buffer limits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltamesh.delta import generate_key, save_keypair
+from wan import Host, Wan, WanError
+
+log = logging.getLogger(__name__)
+
+AGENT = Path(__file__).resolve().with_name("transfer_agent.py")
+DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
+GATEWAY_PORT = 8600
+FILE_PORT = 8700
+POOL_TOKEN = "bench-pool-token"
+
+# TCP buffer limits (min, default, max bytes) of every emulated host. "linux": the long-standing
+# kernel defaults an untuned host has (a sender keeps at most ~4 MiB in flight, ~110 Mbit/s at
+# 300 ms per stream); "tuned": 64 MiB, what the emulator sets by default, enough for one stream to
+# fill 400 Mbit/s x 300 ms.
+TCP_BUFFERS = {
+    "linux": {"net.ipv4.tcp_rmem": "4096 131072 6291456", "net.ipv4.tcp_wmem": "4096 16384 4194304"},
+    "tuned": {"net.ipv4.tcp_rmem": "4096 131072 67108864", "net.ipv4.tcp_wmem": "4096 65536 67108864"},
+}
+
+
+def url_of(host: Host, port: int = GATEWAY_PORT) -> str:
+    """The URL of a server on `host` (its own address, routed from its neighbours)."""
+    return f"http://{host.ip}:{port}"
+
+
+@dataclass
+class Agent:
+    name: str
+    proc: subprocess.Popen
+    ready: Path
+    out: Path
+    log: Path
+
+    def result(self) -> dict:
+        return json.loads(self.out.read_text())
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Batch:
+    """Agents that start their work together: set up, then all released at once by one go file."""
+
+    mesh: "Mesh"
+    go: Path
+    agents: list[Agent] = field(default_factory=list)
+
+    def add(self, host: Host, name: str, command: str, *args: str) -> Agent:
+        stem = self.mesh.work / f"{self.go.stem}-{name}"
+        ready, out, log_path = (stem.with_suffix(s) for s in (".ready", ".json", ".log"))
+        argv = [sys.executable, str(AGENT), command, *args, "--ready", str(ready), "--go", str(self.go),
+                "--out", str(out)]
+        with open(log_path, "ab") as log_file:
+            proc = host.spawn(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        agent = Agent(name, proc, ready, out, log_path)
+        self.agents.append(agent)
+        return agent
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        """Wait until every agent is ready, then release them; returns the release time."""
+        deadline = time.monotonic() + timeout_s
+        for agent in self.agents:
+            while not agent.ready.exists():
+                self._check_alive(agent)
+                if time.monotonic() > deadline:
+                    raise WanError(f"agent {agent.name} not ready after {timeout_s:g} s:\n{agent.log_tail()}")
+                time.sleep(0.02)
+        t0 = time.time()
+        self.go.touch()
+        return t0
+
+    def finish(self, timeout_s: float) -> dict[str, dict]:
+        """Wait for every agent's result (name -> JSON); raises with the agent's log if one fails."""
+        deadline = time.monotonic() + timeout_s
+        for agent in self.agents:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                agent.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                raise WanError(f"agent {agent.name} still running after {timeout_s:g} s:\n{agent.log_tail()}") from None
+            self._check_alive(agent)
+        return {agent.name: agent.result() for agent in self.agents}
+
+    @staticmethod
+    def _check_alive(agent: Agent) -> None:
+        code = agent.proc.poll()
+        if code is not None and (code != 0 or not agent.out.exists()):
+            raise WanError(f"agent {agent.name} exited with {code}:\n{agent.log_tail()}")
+
+
+class Mesh:
+    """One scenario's emulated network plus its processes, working folder and trainer key."""
+
+    def __init__(self, wan: Wan, work: Path):
+        self.wan = wan
+        self.work = work
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.key = generate_key()
+        self.private_key = work / "trainer.key"
+        self.public_key = save_keypair(self.key, self.private_key)
+        self._batches = 0
+
+    def batch(self) -> Batch:
+        self._batches += 1
+        return Batch(self, self.work / f"run{self._batches:03d}.go")
+
+    def gateway(self, host: Host, region: str, upstreams: list[str] = (), *, relay_connections: int = 4,
+                port: int = GATEWAY_PORT, extra: list[str] = ()) -> str:
+        """Start a `deltamesh gateway` on `host` and wait until it answers; returns its URL."""
+        url = url_of(host, port)
+        args = [DELTAMESH, "gateway", "--region", region, "--listen", f"0.0.0.0:{port}",
+                "--store", str(self.work / f"store-{region}"), "--trusted-key", str(self.public_key),
+                "--advertise", url, "--pool-token", POOL_TOKEN, "--relay-connections", str(relay_connections),
+                "--keep-fulls", "1", "--probe-interval", "2", *extra]
+        for up in upstreams:
+            args += ["--upstream", up]
+        self.spawn_logged(host, f"gateway-{region}", args)
+        self.wait_http(host, f"{url}/healthz")
+        return url
+
+    def file_server(self, host: Host, path: Path, *, serial: bool = False) -> str:
+        """Start the plain HTTP server of one file on `host`; returns the file's URL."""
+        argv = [sys.executable, str(AGENT), "serve", "--file", str(path), "--port", str(FILE_PORT)]
+        self.spawn_logged(host, f"files-{host.name}", argv + (["--serial"] if serial else []))
+        base = url_of(host, FILE_PORT)
+        self.wait_http(host, f"{base}/stats")
+        return f"{base}/version.bin"
+
+    def spawn_logged(self, host: Host, name: str, argv: list[str]) -> subprocess.Popen:
+        with open(self.work / f"{name}.log", "ab") as log_file:
+            return host.spawn(argv, stdout=log_file, stderr=subprocess.STDOUT)
+
+    def wait_http(self, host: Host, url: str, timeout_s: float = 90.0) -> None:
+        host.run([sys.executable, str(AGENT), "wait-http", url, "--timeout", str(timeout_s)], timeout=timeout_s + 30)
+
+    def fetch(self, host: Host, url: str) -> str:
+        return host.run([sys.executable, str(AGENT), "fetch", url], timeout=60).stdout
+
+    def gateway_bytes_out(self, host: Host, port: int = GATEWAY_PORT) -> int:
+        """Piece bytes the gateway on `host` has served so far (its Prometheus counter)."""
+        text = self.fetch(host, f"{url_of(host, port)}/metrics")
+        return int(metric_sum(text, "deltamesh_gateway_bytes_out_total"))
+
+    def file_bytes_out(self, host: Host) -> int:
+        return int(json.loads(self.fetch(host, f"{url_of(host, FILE_PORT)}/stats"))["bytes_served"])
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of every sample of metric `name` in Prometheus text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wire_tx_bytes(host: Host) -> int:
+    """Bytes (with TCP/IP headers) that have left `host` on its links so far."""
+    out = subprocess.run(["ip", "-n", host.namespace, "-j", "-s", "link", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return sum(i["stats64"]["tx"]["bytes"] for i in json.loads(out) if i["ifname"] != "lo")
+
+
+def set_tcp_buffers(wan: Wan, profile: str) -> None:
+    settings = [f"{k}={v}" for k, v in TCP_BUFFERS[profile].items()]
+    for host in wan.hosts.values():
+        host.run(["sysctl", "-q", "-w", *settings])
+
+
+def route_through(near: Host, middle: Host, far: Host) -> None:
+    """Let `near` and `far` (both linked to `middle`, not to each other) talk through `middle`.
+
+    `middle` forwards IP packets between its links. Its link delays are NFQUEUE rules on its INPUT
+    chain, which forwarded packets do not pass, so each such rule is mirrored on the FORWARD chain
+    (same interface, same delayer queue): a forwarded packet is delayed exactly as one delivered
+    locally, and the rate limits apply on the way out as for any packet.
+    """
+    middle.run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+    rules = middle.run(["iptables", "-w", "-S", "INPUT"]).stdout.splitlines()
+    forward = middle.run(["iptables", "-w", "-S", "FORWARD"]).stdout
+    for rule in rules:
+        if rule.startswith("-A INPUT ") and "NFQUEUE" in rule:
+            mirrored = rule.replace("-A INPUT ", "-A FORWARD ", 1)
+            if mirrored not in forward:
+                middle.run(["iptables", "-w", *mirrored.split()])
+    near.run(["ip", "route", "replace", f"{far.ip}/32", "via", near.addr_of(middle), "src", near.ip])
+    far.run(["ip", "route", "replace", f"{near.ip}/32", "via", far.addr_of(middle), "src", far.ip])

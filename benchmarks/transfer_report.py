@@ -1,0 +1,67 @@
+"""The transfer benchmark's tables: one per scenario, methods side by side, with the issue's targets."""
+
+from __future__ import annotations
+
+MB = 1e6
+
+TARGETS = {
+    "long_link": "target: deltamesh utilization >= 85%",
+    "relay_chain": "target: two hops (deltamesh) <= 1.15x one hop (direct)",
+    "fan_out": "targets: origin egress <= 3x the version; all 12 pools <= 1.25x one pool",
+}
+
+
+def _link(link: dict) -> str:
+    text = f"{link['mbit']:g} Mbit/s, {link['rtt_ms']:g} ms RTT"
+    if "hops" in link:
+        text = " + ".join(f"{h['mbit']:g} Mbit/s {h['rtt_ms']:g} ms" for h in link["hops"]) + f" (direct: {text})"
+    if link.get("measured_mbit") is not None:
+        text += f"; measured {link['measured_mbit']:.0f} Mbit/s, {link['measured_rtt_ms']:.1f} ms"
+    return text
+
+
+def print_network_scenario(s: dict) -> None:
+    payload = next(iter(s["methods"].values()))["payload_bytes"]
+    print(f"\n{s['name']}: {payload / MB:.0f} MB version over {_link(s['link'])}")
+    print(f"  TCP buffers {s['tcp_buffers']}, {s['connections']} parallel fetches on long links; "
+          f"median of runs; load average {s.get('load_average', ['?'])[0]}")
+    print(f"  {'method':<18} {'seconds':>8} {'util':>6} {'steady Mbit/s':>14} {'origin egress MB':>17} "
+          f"{'x version':>10}  runs")
+    for method, m in s["methods"].items():
+        steady = f"{m['steady_mbit']:.0f}" if "steady_mbit" in m else "-"
+        print(f"  {method:<18} {m['seconds']:>8.2f} {m['utilization']:>6.1%} {steady:>14} "
+              f"{m['origin_egress_bytes'] / MB:>17.1f} {m['origin_egress_bytes'] / payload:>10.2f}  "
+              f"{', '.join(f'{x:.2f}' for x in m['runs'])}")
+    if "two_hops_over_one" in s:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in s["two_hops_over_one"].items())
+        print(f"  two hops / one hop (direct): {ratios}")
+    if "one_pool_seconds" in s:
+        dm = s["methods"]["deltamesh"]
+        print(f"  one pool alone: {s['one_pool_seconds']:.2f}s; all {s['pools']} pools / one pool: "
+              f"{s['all_over_one_pool']:.2f}x; first pool done after {dm.get('first_pool_seconds', 0):.2f}s")
+    print(f"  {TARGETS[s['name']]}")
+
+
+def print_training(s: dict) -> None:
+    print(f"\nreal_training: {s['model']} lr {s['lr']:g}, {len(s['versions'])} versions, one every "
+          f"{s['step_seconds']:g}s, to {s['pools']} pools over the fan-out mesh")
+    print(f"  {'version':>7} {'kind':>6} {'delta MB':>9} {'full MB':>8} {'changed':>8} {'publish s':>10} "
+          f"{'all pools s':>12} {'first pool s':>13}")
+    for v in s["versions"]:
+        delta = "-" if v["delta_bytes"] is None else f"{v['delta_bytes'] / MB:.2f}"
+        changed = "-" if v["changed_fraction"] is None else f"{v['changed_fraction']:.2%}"
+        all_s = "-" if v["all_pools_seconds"] is None else f"{v['all_pools_seconds']:.2f}"
+        first = "-" if v["first_pool_seconds"] is None else f"{v['first_pool_seconds']:.2f}"
+        print(f"  {v['version']:>7} {v['published']:>6} {delta:>9} {v['full_bytes'] / MB:>8.1f} {changed:>8} "
+              f"{v['publish_seconds']:>10.2f} {all_s:>12} {first:>13}")
+    st = s["staleness"]
+    print(f"  staleness (versions behind the head, every pool every {st['sample_s']:g}s): mean {st['mean']:.2f}, "
+          f"p95 {st['p95']:.0f}, max {st['max']:.0f}; deltas median {s['median_delta_seconds']:.2f}s to all pools")
+
+
+def print_report(report: dict) -> None:
+    for s in report["scenarios"]:
+        if s["name"] == "real_training":
+            print_training(s)
+        else:
+            print_network_scenario(s)

@@ -1,0 +1,111 @@
+"""Bit-level change detection between two versions of a tensor, and the code of how each word moved.
+
+A word is mapped to an order-preserving integer key: for sign-magnitude dtypes (floats) the magnitude
+bits of negative words are flipped, so that consecutive representable values have consecutive keys,
+-0.0 and +0.0 are neighbours, and the map is a bijection on the word (NaN payloads survive). Integer
+dtypes are their own key. The change of a word is the key difference modulo 2**bits, zigzagged so
+that +-1 ulp becomes 2 or 1; since a changed word never has difference 0, the stored value is
+zigzag - 1 (so +-1 ulp is 1 or 0). Everything works on unsigned numpy words, whose arithmetic wraps
+by definition.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import NP_UWORDS
+
+SCAN_CHUNK_BYTES = 1 << 21  # per array per step: both chunks and the mask stay in L2/L3
+
+
+def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where two unsigned word arrays of the same size differ: (positions, old words, new words).
+
+    Positions are ascending flat indices (int64). Compares 8 bytes at a time, then resolves which
+    words inside a differing 8-byte block changed; chunked so each chunk is compared, hashed (into the
+    optional xxhash objects `hash_old`, `hash_new`) and mined for changes while it is in cache, and
+    no temporary as large as the arrays is ever allocated.
+    """
+    n, width = old.size, old.itemsize
+    per = 8 // width
+    body = n - n % per
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    if body:
+        a = old[:body].view(np.uint64)
+        b = new[:body].view(np.uint64)
+        step = SCAN_CHUNK_BYTES // 8
+        mask = np.empty(min(step, a.size), dtype=bool)
+        for s in range(0, a.size, step):
+            e = min(s + step, a.size)
+            m = mask[: e - s]
+            np.not_equal(a[s:e], b[s:e], out=m)
+            if hash_old is not None:
+                hash_old.update(a[s:e])
+            if hash_new is not None:
+                hash_new.update(b[s:e])
+            blocks = np.flatnonzero(m)
+            if not blocks.size:
+                continue
+            old_blocks = a[s:e][blocks]
+            new_blocks = b[s:e][blocks]
+            if per == 1:
+                found.append((blocks + s, old_blocks, new_blocks))
+                continue
+            old_words = old_blocks.view(old.dtype)
+            new_words = new_blocks.view(old.dtype)
+            inner = np.flatnonzero(old_words != new_words)
+            found.append(((blocks[inner // per] + s) * per + inner % per, old_words[inner], new_words[inner]))
+    if body < n:
+        if hash_old is not None:
+            hash_old.update(old[body:])
+        if hash_new is not None:
+            hash_new.update(new[body:])
+        tail = np.flatnonzero(old[body:] != new[body:]) + body
+        found.append((tail, old[tail], new[tail]))
+    if not found:
+        return np.empty(0, dtype=np.int64), old[:0].copy(), new[:0].copy()
+    positions = np.concatenate([f[0] for f in found]).astype(np.int64, copy=False)
+    return positions, np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found])
+
+
+def to_key(words: np.ndarray, is_float: bool) -> np.ndarray:
+    """The order-preserving key of unsigned words (an involution: to_key(to_key(w)) == w)."""
+    if not is_float:
+        return words
+    bits = words.itemsize * 8
+    dtype = words.dtype.type
+    magnitude = dtype((1 << (bits - 1)) - 1)
+    return words ^ ((words >> dtype(bits - 1)) * magnitude)
+
+
+def encode_moves(old: np.ndarray, new: np.ndarray, is_float: bool) -> np.ndarray:
+    """Stored move values of changed words, zigzag(key(new) - key(old)) - 1, as unsigned words."""
+    dtype = old.dtype.type
+    bits = old.itemsize * 8
+    d = to_key(new, is_float) - to_key(old, is_float)
+    ones = dtype(np.iinfo(dtype).max)
+    zig = (d << dtype(1)) ^ ((d >> dtype(bits - 1)) * ones)
+    return zig - dtype(1)
+
+
+def key_deltas(moves: np.ndarray, width: int) -> np.ndarray:
+    """Unzigzag stored move values (uint64) into key differences as unsigned words of `width` bytes.
+
+    Raises nothing: a move that does not fit the width is rejected by the caller (`fits_width`).
+    """
+    dtype = NP_UWORDS[width]
+    zig = (moves + np.uint64(1)).astype(dtype)
+    ones = dtype(np.iinfo(dtype).max)
+    return (zig >> dtype(1)) ^ ((zig & dtype(1)) * ones)
+
+
+def fits_width(moves: np.ndarray, width: int) -> bool:
+    """Whether every stored move is a valid value for words of `width` bytes (< 2**bits - 1)."""
+    if width == 8 or moves.size == 0:
+        return True
+    return bool(moves.max() < np.uint64((1 << (width * 8)) - 1))
+
+
+def apply_moves(old: np.ndarray, deltas: np.ndarray, is_float: bool) -> np.ndarray:
+    """New words from old words (unsigned) and key differences (same dtype)."""
+    return to_key(to_key(old, is_float) + deltas, is_float)

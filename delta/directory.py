@@ -1,0 +1,132 @@
+"""Atomic apply to a safetensors directory: readers see the old version or the new one, never a mix.
+
+The directory path is a symlink to a versioned sibling, `.NAME.vVERSION-TOKEN/`, which holds the
+safetensors files and `deltamesh-manifest.json` (the body of the last applied manifest: which
+version this is and what it hashes to, so the next delta's base check costs nothing). A new version
+is written into `.NAME.partial-TOKEN/`, fsynced, renamed to its versioned name, and made current by
+renaming a fresh symlink over the path (atomic on POSIX), then the parent directory is fsynced. A
+process killed at any point leaves the path on the old version; leftovers are removed by the next
+apply, which holds `.NAME.lock` so two appliers never interleave. The previous version's directory
+is kept until the apply after, so a reader that resolved the old symlink can finish reading it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from .apply import apply_chain
+from .errors import BaseMismatchError, CorruptError
+from .manifest import Manifest
+from .storage import fsync_dir, read_weights, shard_layout, write_weights
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FILE = "deltamesh-manifest.json"
+
+
+def dir_manifest(path: str | Path) -> Manifest | None:
+    """The manifest of the version a directory holds, or None if it holds none applied by us."""
+    file = Path(path).resolve() / MANIFEST_FILE
+    try:
+        body = file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CorruptError(f"{file}: {e}") from e
+    return Manifest.from_body(body)
+
+
+def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[bytes]]]) -> Manifest | None:
+    """Apply a full snapshot and/or a chain of deltas (already verified manifests, with their pieces)
+    to the weights at `path`, atomically; returns the manifest of the version the path now holds.
+
+    The base check is against the directory's recorded manifest when there is one, else against the
+    hash of the weights read from it. Tensors keep the directory's sharding.
+    """
+    path = Path(path).absolute()
+    steps = list(steps)
+    if not steps:
+        return dir_manifest(path) if path.exists() else None
+    parent, name = path.parent, path.name
+    parent.mkdir(parents=True, exist_ok=True)
+    with _locked(parent / f".{name}.lock"):
+        _remove_leftovers(parent, name, keep=_current_target(path))
+        current = path.resolve() if path.exists() else None
+        weights, base_hash, layout = None, None, None
+        if current is not None:
+            layout = shard_layout(current)
+        if steps[0][0].kind == "delta":
+            if current is None:
+                raise BaseMismatchError(f"{path}: holds no weights to apply a delta to")
+            weights = read_weights(current)
+            recorded = dir_manifest(current)
+            base_hash = recorded.weights_hash if recorded else None
+        weights, _ = apply_chain(weights, steps, base_hash=base_hash, in_place=True)
+        final = steps[-1][0]
+        token = secrets.token_hex(4)
+        partial = parent / f".{name}.partial-{token}"
+        write_weights(partial, weights, layout=layout, fsync=True)
+        with open(partial / MANIFEST_FILE, "wb") as f:
+            f.write(final.body_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(partial)
+        target = parent / f".{name}.v{final.version}-{token}"
+        os.rename(partial, target)
+        previous = _point(path, target, token)
+        log.info("%s now holds %s v%d", path, final.model_id, final.version)
+        _remove_leftovers(parent, name, keep=target, previous=previous)
+        return final
+
+
+def _point(path: Path, target: Path, token: str) -> Path | None:
+    """Make `path` a symlink to `target`; returns where the previous version now lives."""
+    link = path.parent / f".{path.name}.link-{token}"
+    os.symlink(target.name, link)
+    previous = path.resolve() if path.exists() else None
+    if previous is not None and not path.is_symlink():
+        # A plain directory cannot be replaced atomically: move it aside as a version first. Until
+        # the symlink lands (microseconds later) the path does not exist; from then on swaps are atomic.
+        previous = path.parent / f".{path.name}.v-original-{token}"
+        os.rename(path, previous)
+        log.warning("%s was a plain directory; it now points to versioned copies", path)
+    os.replace(link, path)
+    fsync_dir(path.parent)
+    return previous
+
+
+def _current_target(path: Path) -> Path | None:
+    return path.resolve() if path.is_symlink() and path.exists() else None
+
+
+def _remove_leftovers(parent: Path, name: str, keep: Path | None, previous: Path | None = None) -> None:
+    """Remove partial writes, stray links and old versions of `name` (never `keep` or `previous`)."""
+    spared = {p.name for p in (keep, previous) if p is not None}
+    prefix = f".{name}."
+    for entry in parent.iterdir():
+        if not entry.name.startswith(prefix):
+            continue
+        kind = entry.name[len(prefix) :]
+        if kind == "lock" or entry.name in spared:
+            continue
+        if kind.startswith("link-"):
+            entry.unlink(missing_ok=True)
+        elif kind.startswith(("partial-", "v")) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,120 @@
+"""Encoding a version: a bit-diff delta against the previous version, or a full snapshot.
+
+Both produce an `Encoded`: the signed manifest and its pieces. A delta carries, for every tensor
+whose dtype and shape are unchanged, where its words changed and how (see bitdiff.py and
+streams.py); tensors that are new or changed dtype/shape travel as full segments. Pieces hold whole
+segments and are cut near `piece_bytes` of payload so they can be relayed, verified and applied one
+by one. Output is a pure function of the inputs (plus the manifest's creation time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+import xxhash
+
+from .bitdiff import encode_moves, scan_changes
+from .dtypes import dtype_name, is_float, np_words
+from .errors import CodecError
+from .hashing import digest
+from .keys import Ed25519PrivateKey
+from .manifest import Manifest, PieceEntry, TensorEntry, table_hash
+from .parallel import thread_map
+from .piece import CODEC
+from .piece_writer import BuiltPiece, TensorChanges, delta_pieces, full_pieces
+from .tensors import cpu_tensor, tensor_entry
+
+PIECE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded version: the manifest, its signed envelope (as sent and stored), and its pieces."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    pieces: list[bytes]
+
+
+def encode_full(
+    weights: Mapping[str, torch.Tensor], *, model_id: str, version: int, key: Ed25519PrivateKey,
+    piece_bytes: int = PIECE_BYTES,
+) -> Encoded:
+    """A full snapshot of `weights`: every tensor, byte planes entropy-coded."""
+    _check_piece_bytes(piece_bytes)
+    tensors = {name: cpu_tensor(weights[name]) for name in sorted(weights)}
+    entries = thread_map(lambda item: tensor_entry(*item), list(tensors.items()))
+    words = [np_words(t) for t in tensors.values()]
+    pieces = full_pieces(words, list(range(len(entries))), piece_bytes)
+    manifest = _manifest(model_id, version, None, "full", entries, pieces, None)
+    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces])
+
+
+def encode_delta(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, model_id: str, version: int,
+    base_version: int, key: Ed25519PrivateKey, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
+) -> Encoded:
+    """The delta that turns `old` (version `base_version`) into `new` (version `version`).
+
+    `base_hash` is `weights_hash(old)` when the caller knows it (e.g. from old's manifest), which
+    saves hashing `old` again.
+    """
+    _check_piece_bytes(piece_bytes)
+    names = sorted(new)
+    scans = thread_map(
+        lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None), range(len(names))
+    )
+    entries = [s.entry for s in scans]
+    words = [s.words for s in scans]
+    full = [i for i, s in enumerate(scans) if s.full]
+    changes = [s.changes for s in scans if s.changes is not None]
+    if base_hash is None:
+        base_entries = {s.entry.name: s.base_entry for s in scans if s.base_entry is not None}
+        rest = [name for name in old if name not in base_entries]
+        base_entries.update(zip(rest, thread_map(lambda name: tensor_entry(name, cpu_tensor(old[name])), rest)))
+        base_hash = table_hash(base_entries.values())
+    pieces = delta_pieces(changes, piece_bytes) + full_pieces(words, full, piece_bytes)
+    manifest = _manifest(model_id, version, base_version, "delta", entries, pieces, base_hash)
+    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces])
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """One tensor of the new version compared with its base."""
+
+    entry: TensorEntry
+    words: np.ndarray
+    full: bool
+    changes: TensorChanges | None = None
+    base_entry: TensorEntry | None = None
+
+
+def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_base: bool) -> _Scan:
+    w = np_words(t)
+    if base is None or base.dtype != t.dtype or tuple(base.shape) != tuple(t.shape):
+        return _Scan(tensor_entry(name, t), w, full=True)
+    base = cpu_tensor(base)
+    # Hashing rides along with the scan while each chunk is in cache (the base only if needed).
+    hash_new, hash_old = xxhash.xxh3_128(), (xxhash.xxh3_128() if hash_base else None)
+    positions, old_words, new_words = scan_changes(np_words(base), w, hash_old, hash_new)
+    changes = None
+    if positions.size:
+        changes = TensorChanges.of(i, positions, encode_moves(old_words, new_words, is_float(dtype_name(t))))
+    base_entry = tensor_entry(name, base, hash_old.hexdigest()) if hash_old is not None else None
+    return _Scan(tensor_entry(name, t, hash_new.hexdigest()), w, False, changes, base_entry)
+
+
+def _check_piece_bytes(piece_bytes: int) -> None:
+    if not isinstance(piece_bytes, int) or piece_bytes < 16:
+        raise CodecError(f"piece_bytes must be an integer >= 16, got {piece_bytes!r}")
+
+
+def _manifest(model_id, version, base_version, kind, entries, pieces: list[BuiltPiece], base_hash) -> Manifest:
+    table = tuple(PieceEntry(len(p.data), digest(p.data), p.tensors) for p in pieces)
+    return Manifest(
+        model_id=model_id, version=version, base_version=base_version, kind=kind, codec=CODEC,
+        tensors=tuple(entries), pieces=table, base_hash=base_hash,
+    )

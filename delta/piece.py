@@ -1,0 +1,120 @@
+"""The byte layout of one piece: header, segment table, stream table, stream bytes (docs/FORMAT.md).
+
+A piece is self-contained: it names the tensors and element ranges it writes (segments) and carries
+the streams that say what to write there. This module only packs and parses that frame, validating
+every length and range against the manifest before anything is decompressed, so a hostile piece
+can neither read past its end nor make the decoder allocate more than its segments justify.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .errors import CorruptError
+from .manifest import DTYPE_SIZES, Manifest
+
+MAGIC = b"DMPC"
+PIECE_FORMAT = 1
+KIND_FULL, KIND_DELTA = 1, 2
+CODEC = "deltamesh-bitdiff-1"
+"""`Manifest.codec` of everything this codec writes."""
+
+HEADER = struct.Struct("<4sHBBII")  # magic, format, kind, reserved, n_segments, n_streams
+SEGMENT = struct.Struct("<IIQQQ")  # tensor, reserved, start, count, changed
+STREAM = struct.Struct("<B7sQQ")  # codec, reserved, raw_len, stored_len
+DELTA_STREAMS = 3  # gaps, codes, escapes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A (tensor, element range) a piece writes; `changed` counts changed words (delta pieces)."""
+
+    tensor: int
+    start: int
+    count: int
+    changed: int = 0
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    codec: int
+    raw_len: int
+    offset: int
+    stored_len: int
+
+
+@dataclass(frozen=True)
+class ParsedPiece:
+    kind: int
+    segments: tuple[Segment, ...]
+    streams: tuple[StreamRef, ...]
+
+
+def pack_piece(kind: int, segments: list[Segment], streams: list[tuple[int, int, bytes]]) -> bytes:
+    """Assemble a piece from its segments and (codec, raw_len, stored bytes) streams."""
+    parts = [HEADER.pack(MAGIC, PIECE_FORMAT, kind, 0, len(segments), len(streams))]
+    parts += [SEGMENT.pack(s.tensor, 0, s.start, s.count, s.changed) for s in segments]
+    parts += [STREAM.pack(codec, bytes(7), raw_len, len(data)) for codec, raw_len, data in streams]
+    parts += [data for _, _, data in streams]
+    return b"".join(parts)
+
+
+def parse_piece(manifest: Manifest, index: int, data: bytes | memoryview) -> ParsedPiece:
+    """Parse and validate the frame of piece `index` (not its streams' contents)."""
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER.size:
+        raise CorruptError(f"piece {index}: {len(view)} bytes, shorter than its header")
+    magic, fmt, kind, reserved, n_segments, n_streams = HEADER.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CorruptError(f"piece {index}: bad magic {bytes(magic)!r}")
+    if fmt != PIECE_FORMAT or reserved:
+        raise CorruptError(f"piece {index}: piece format {fmt}, this codec reads {PIECE_FORMAT}")
+    if kind not in (KIND_FULL, KIND_DELTA):
+        raise CorruptError(f"piece {index}: unknown kind {kind}")
+    if kind == KIND_DELTA and manifest.kind != "delta":
+        raise CorruptError(f"piece {index}: delta piece in a full snapshot")
+    tables = HEADER.size + n_segments * SEGMENT.size + n_streams * STREAM.size
+    if tables > len(view):
+        raise CorruptError(f"piece {index}: tables need {tables} bytes, piece has {len(view)}")
+    declared = set(manifest.pieces[index].tensors) if index < len(manifest.pieces) else set()
+    segments = []
+    pos = HEADER.size
+    for _ in range(n_segments):
+        tensor, reserved, start, count, changed = SEGMENT.unpack_from(view, pos)
+        pos += SEGMENT.size
+        segments.append(_check_segment(manifest, index, declared, kind, tensor, reserved, start, count, changed))
+    expected_streams = DELTA_STREAMS if kind == KIND_DELTA else sum(
+        DTYPE_SIZES[manifest.tensors[s.tensor].dtype] for s in segments
+    )
+    if n_streams != expected_streams:
+        raise CorruptError(f"piece {index}: {n_streams} streams, its segments need {expected_streams}")
+    streams = []
+    offset = tables
+    for _ in range(n_streams):
+        codec, reserved, raw_len, stored_len = STREAM.unpack_from(view, pos)
+        pos += STREAM.size
+        if any(reserved):
+            raise CorruptError(f"piece {index}: reserved stream bytes are not zero")
+        streams.append(StreamRef(codec, raw_len, offset, stored_len))
+        offset += stored_len
+    if offset != len(view):
+        raise CorruptError(f"piece {index}: streams end at byte {offset}, piece has {len(view)}")
+    return ParsedPiece(kind, tuple(segments), tuple(streams))
+
+
+def _check_segment(
+    manifest: Manifest, index: int, declared: set[int], kind: int,
+    tensor: int, reserved: int, start: int, count: int, changed: int,
+) -> Segment:
+    where = f"piece {index}, tensor {tensor}"
+    if tensor >= len(manifest.tensors) or tensor not in declared:
+        raise CorruptError(f"{where}: tensor not declared for this piece in the manifest")
+    numel = manifest.tensors[tensor].numel
+    if reserved or count == 0 or start + count > numel:
+        raise CorruptError(f"{where}: range [{start}, {start + count}) outside its {numel} elements")
+    if kind == KIND_FULL and changed:
+        raise CorruptError(f"{where}: full segment with a change count")
+    if kind == KIND_DELTA and not 0 < changed <= count:
+        raise CorruptError(f"{where}: {changed} changes in {count} elements")
+    return Segment(tensor, start, count, changed)

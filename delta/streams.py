@@ -1,0 +1,163 @@
+"""Byte streams of a piece: how gaps, change codes and escapes become bytes, and how bytes are packed.
+
+Every transform here is vectorized (numpy, no Python loop over elements) and its decoder validates
+what it reads, raising `CorruptError` on anything inconsistent rather than reading or writing out of
+bounds. The layouts are documented in docs/FORMAT.md:
+
+* gaps: each gap g (unchanged words before the next change) is g // 255 bytes 0xFF then g % 255.
+  The low byte of a geometric gap carries almost all of its entropy and 0xFF runs over long unchanged
+  stretches cost zstd almost nothing, so zstd's Huffman stage gets within ~1% of the entropy bound.
+* codes: one 4-bit code per change, two per byte (first in the low nibble); code 15 is an escape.
+* escapes: unsigned LEB128 varints, one per escape code.
+* stored streams are zstd frames (codec 1) or raw bytes (codec 0), whichever is smaller.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from .errors import CorruptError
+
+STORED, ZSTD = 0, 1
+NIBBLE_ESCAPE = 15
+MAX_VARINT_BYTES = 10  # a uint64 in LEB128
+
+
+# -- gaps ----------------------------------------------------------------------------------------
+def gaps_to_bytes(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode non-negative gaps (int64) as the 0xFF-run byte stream.
+
+    Returns the bytes and, for every gap, the index of its last byte (so the stream can be cut
+    between any two gaps without re-encoding it).
+    """
+    runs = gaps // 255
+    if not runs.any():  # the common case: every gap fits one byte
+        return gaps.astype(np.uint8), np.arange(gaps.size, dtype=np.int64)
+    ends = np.cumsum(runs + 1) - 1
+    out = np.full(int(ends[-1]) + 1, 255, dtype=np.uint8)
+    out[ends] = (gaps - runs * 255).astype(np.uint8)
+    return out, ends
+
+
+def bytes_to_gaps(data: np.ndarray, count: int) -> np.ndarray:
+    """Decode exactly `count` gaps from the whole of `data` (uint8)."""
+    ends = np.flatnonzero(data != 255)
+    if ends.size != count:
+        raise CorruptError(f"gap stream holds {ends.size} gaps, segments need {count}")
+    if count == 0:
+        if data.size:
+            raise CorruptError("gap stream has trailing bytes")
+        return np.empty(0, dtype=np.int64)
+    if ends[-1] != data.size - 1:
+        raise CorruptError("gap stream has trailing bytes")
+    runs = np.diff(ends, prepend=-1) - 1
+    return runs * 255 + data[ends].astype(np.int64)
+
+
+# -- change codes ------------------------------------------------------------------------------
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes (uint8, each < 16) two per byte, low nibble first; odd tail padded with 0."""
+    if codes.size % 2:
+        codes = np.concatenate([codes, np.zeros(1, dtype=np.uint8)])
+    pairs = codes.reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(data: np.ndarray, count: int) -> np.ndarray:
+    if data.size != (count + 1) // 2:
+        raise CorruptError(f"code stream has {data.size} bytes, {count} codes need {(count + 1) // 2}")
+    out = np.empty(data.size * 2, dtype=np.uint8)
+    out[0::2] = data & 15
+    out[1::2] = data >> 4
+    if count % 2 and out[-1]:
+        raise CorruptError("code stream padding is not zero")
+    return out[:count]
+
+
+# -- escapes -----------------------------------------------------------------------------------
+def varints_to_bytes(values: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128 of each uint64 value, concatenated."""
+    values = values.astype(np.uint64, copy=False)
+    if values.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    shifts = np.arange(MAX_VARINT_BYTES, dtype=np.uint64) * np.uint64(7)
+    groups = (values[:, None] >> shifts[None, :]) & np.uint64(0x7F)
+    # A value needs as many bytes as its highest non-zero 7-bit group (at least one).
+    nonzero = groups != 0
+    nbytes = np.where(nonzero.any(axis=1), MAX_VARINT_BYTES - np.argmax(nonzero[:, ::-1], axis=1), 1)
+    keep = np.arange(MAX_VARINT_BYTES)[None, :] < nbytes[:, None]
+    more = np.arange(MAX_VARINT_BYTES)[None, :] < (nbytes[:, None] - 1)
+    out = groups.astype(np.uint8) | (more.astype(np.uint8) << 7)
+    return out[keep]
+
+
+def bytes_to_varints(data: np.ndarray, count: int) -> np.ndarray:
+    """Decode exactly `count` LEB128 uint64 values from the whole of `data` (uint8)."""
+    ends = np.flatnonzero(data < 128)
+    if ends.size != count:
+        raise CorruptError(f"escape stream holds {ends.size} values, codes need {count}")
+    if count == 0:
+        if data.size:
+            raise CorruptError("escape stream has trailing bytes")
+        return np.empty(0, dtype=np.uint64)
+    if ends[-1] != data.size - 1:
+        raise CorruptError("escape stream has trailing bytes")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if lengths.max() > MAX_VARINT_BYTES:
+        raise CorruptError("escape varint longer than 10 bytes")
+    within = np.arange(data.size) - np.repeat(starts, lengths)
+    last_of_ten = data[ends[lengths == MAX_VARINT_BYTES]]
+    if last_of_ten.size and last_of_ten.max() > 1:
+        raise CorruptError("escape varint overflows 64 bits")
+    parts = (data & 0x7F).astype(np.uint64) << (within.astype(np.uint64) * np.uint64(7))
+    return np.bitwise_or.reduceat(parts, starts)
+
+
+# -- stored streams ----------------------------------------------------------------------------
+def compressor() -> zstandard.ZstdCompressor:
+    """zstd tuned for these streams (measured on gap, code and exponent-plane bytes): level 1's
+    fast strategy with 7-byte minimum matches spends less time on the spurious short matches of
+    near-random bytes and leaves them to the Huffman stage, which is both faster and smaller than
+    plain level 1 (higher levels are slower and no smaller)."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        1, strategy=zstandard.STRATEGY_FAST, min_match=7, search_log=1, hash_log=12, window_log=17,
+        write_content_size=True,
+    )
+    return zstandard.ZstdCompressor(compression_params=params)
+
+
+def compress(raw: np.ndarray | bytes, compressor: zstandard.ZstdCompressor) -> tuple[int, bytes]:
+    """(codec, stored bytes) of a raw stream: a zstd frame when that is smaller, else the raw bytes."""
+    raw = memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw
+    if len(raw) == 0:
+        return STORED, b""
+    frame = compressor.compress(raw)
+    if len(frame) < len(raw):
+        return ZSTD, frame
+    return STORED, bytes(raw)
+
+
+def decompress(codec: int, stored: memoryview, raw_len: int) -> np.ndarray:
+    """The raw bytes (uint8 array, possibly a view of `stored`) of a stream, exactly `raw_len` long."""
+    if codec == STORED:
+        if len(stored) != raw_len:
+            raise CorruptError(f"stored stream is {len(stored)} bytes, header says {raw_len}")
+        return np.frombuffer(stored, dtype=np.uint8)
+    if codec != ZSTD:
+        raise CorruptError(f"unknown stream codec {codec}")
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise CorruptError(f"bad zstd frame header: {e}") from e
+    if declared != raw_len:
+        # Checked before decompressing, so a frame cannot make us allocate more than the header allows.
+        raise CorruptError(f"zstd frame declares {declared} bytes, header says {raw_len}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptError(f"zstd stream does not decode: {e}") from e
+    if len(out) != raw_len:
+        raise CorruptError(f"zstd stream decodes to {len(out)} bytes, header says {raw_len}")
+    return np.frombuffer(out, dtype=np.uint8)

@@ -1,0 +1,36 @@
+"""Weights as the codec sees them: name -> contiguous CPU tensor, their table entries and their hash.
+
+`weights_hash(weights)` is the identity of a set of weights; it equals `Manifest.weights_hash` of
+the manifest that produced them, so a delta's `base_hash` can be checked against weights in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .dtypes import dtype_name
+from .errors import CodecError
+from .hashing import tensor_digest
+from .manifest import TensorEntry, table_hash
+
+
+def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor detached, on the CPU and contiguous (copies only when one of those is needed)."""
+    if not isinstance(t, torch.Tensor):
+        raise CodecError(f"expected a torch.Tensor, got {type(t).__name__}")
+    return t.detach().cpu().contiguous()
+
+
+def tensor_entry(name: str, t: torch.Tensor, digest: str | None = None) -> TensorEntry:
+    return TensorEntry(name, dtype_name(t), tuple(t.shape), digest or tensor_digest(t))
+
+
+def tensor_table(weights: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+    return [tensor_entry(name, cpu_tensor(weights[name])) for name in sorted(weights)]
+
+
+def weights_hash(weights: Mapping[str, torch.Tensor]) -> str:
+    """Digest of the weights' tensor table (names, dtypes, shapes, hashes of every tensor's bytes)."""
+    return table_hash(tensor_table(weights))

@@ -1,0 +1,240 @@
+"""Fetching a version's pieces from gateways: parallel, ranged, verified, failing over between sources.
+
+Both a relay (mirroring its upstreams) and a pool agent (pulling a plan) fetch pieces the same way.
+Each piece is fetched over its own request from the first healthy source; bytes already received
+are kept when a source dies or stalls, and the next source is asked only for the rest (HTTP Range),
+so a switch of source never refetches what arrived. A piece is accepted only when its length and
+xxh3-128 match the (signed) manifest; a source that serves a bad piece is penalised and the piece is
+fetched again. A piece a source has announced but not yet received (503) is simply asked for again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable, Sequence
+
+import aiohttp
+
+from deltamesh.delta.errors import CodecError, CorruptError
+from deltamesh.delta.manifest import Manifest
+from deltamesh.gateway.http import HttpError, request_bytes
+from deltamesh.gateway.links import PEER_HEADER, Link, LinkMonitor
+
+log = logging.getLogger(__name__)
+
+CHUNK = 256 * 1024
+
+
+class FetchError(Exception):
+    """No source delivered a piece (or manifest) before the deadline."""
+
+
+class RateLimiter:
+    """Caps the bytes per second of one link, shared by all concurrent transfers over it."""
+
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.05):
+        self.bytes_per_s = bytes_per_s
+        self.burst_s = burst_s
+        self._free_at = 0.0
+
+    async def take(self, nbytes: int) -> None:
+        now = time.monotonic()
+        # A virtual clock of when the link is next free: each transfer books its bytes' airtime.
+        self._free_at = max(self._free_at, now - self.burst_s) + nbytes / self.bytes_per_s
+        delay = self._free_at - now
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+@dataclass
+class _Partial:
+    """A piece being received: its final-size buffer and how much of it has arrived."""
+
+    data: bytearray
+    filled: int = 0
+
+
+@dataclass(eq=False)
+class Source:
+    """A gateway to fetch from, with its health and optional bandwidth cap."""
+
+    url: str
+    link: Link | None = None
+    limiter: RateLimiter | None = None
+    bad_until: float = 0.0
+
+    def healthy(self, now: float) -> bool:
+        return self.bad_until <= now
+
+
+def pieces_url(base: str, manifest: Manifest) -> str:
+    return f"{base}/v1/models/{manifest.model_id}/versions/{manifest.version}/{manifest.kind}"
+
+
+def order_sources(sources: Sequence[Source]) -> list[Source]:
+    """Healthy sources in preference order; if none is healthy, the one penalised longest ago first."""
+    now = time.monotonic()
+    healthy = [s for s in sources if s.healthy(now)]
+    return healthy or sorted(sources, key=lambda s: s.bad_until)
+
+
+@dataclass
+class Fetcher:
+    """Fetches pieces of signed manifests from a list of sources."""
+
+    session: aiohttp.ClientSession
+    sources: Sequence[Source]
+    peer: str
+    monitor: LinkMonitor | None = None
+    stall_timeout_s: float = 20.0
+    give_up_s: float = 120.0
+    penalty_s: float = 5.0
+    on_bytes: Callable[[int], None] | None = None
+
+    def _fail(self, source: Source, reason: str, penalty: bool = True) -> None:
+        if penalty:
+            source.bad_until = time.monotonic() + self.penalty_s
+        if self.monitor is not None and source.link is not None:
+            self.monitor.record_error(source.link, reason)
+        log.info("fetch from %s: %s", source.url, reason)
+
+    async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]]):
+        """Fetch a manifest envelope and pass it to `accept` (which verifies it); try each source in turn."""
+        deadline = time.monotonic() + self.give_up_s
+        started = time.monotonic()
+        rejected: dict[str, str] = {}
+        attempt = 0
+        while True:
+            for source in order_sources(self.sources):
+                url = f"{source.url}/v1/models/{model}/versions/{version}/{kind}/manifest"
+                try:
+                    raw = await request_bytes(self.session, "GET", url, headers={PEER_HEADER: self.peer},
+                                              timeout_s=self.stall_timeout_s)
+                    return await accept(raw)
+                except HttpError as e:
+                    if e.status == 404 and time.monotonic() - started < self.stall_timeout_s:
+                        break  # the preferred source has not got it yet; give it a moment (see `piece`)
+                    self._fail(source, f"manifest: {e}", penalty=e.status == 0 or e.status >= 500)
+                except CodecError as e:  # malformed or badly signed: that source is not to be believed
+                    self._fail(source, f"manifest rejected: {e}")
+                    rejected[source.url] = str(e)
+                    if len(rejected) == len(self.sources):
+                        raise FetchError(f"{model} v{version} {kind}: no source served a valid manifest "
+                                         f"({'; '.join(sorted(set(rejected.values())))})") from e
+            attempt += 1
+            if time.monotonic() > deadline:
+                raise FetchError(f"{model} v{version} {kind}: no source served a valid manifest")
+            await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
+
+    async def piece(self, manifest: Manifest, index: int) -> bytearray:
+        """One verified piece, resuming across sources with Range requests."""
+        entry = manifest.pieces[index]
+        part = _Partial(bytearray(entry.length))
+        deadline = time.monotonic() + self.give_up_s
+        pending_since: float | None = None
+        attempt = 0
+        while True:
+            for source in order_sources(self.sources):
+                outcome = await self._try(source, manifest, index, part)
+                if outcome == "done":
+                    try:
+                        manifest.check_piece(index, part.data)
+                    except CorruptError as e:
+                        part.filled = 0
+                        self._fail(source, f"served a bad piece {index}: {e}")
+                        continue
+                    return part.data
+                if outcome in ("pending", "missing"):
+                    # Not there yet (not arrived, or the version not even announced there): wait for
+                    # the preferred source, which is about to get it, unless it has kept us waiting
+                    # for longer than a stall; then ask the others too.
+                    pending_since = pending_since or time.monotonic()
+                    if time.monotonic() - pending_since < self.stall_timeout_s:
+                        break
+            attempt += 1
+            if time.monotonic() > deadline:
+                raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
+                                 f"no source delivered it within {self.give_up_s:.0f}s "
+                                 f"({part.filled}/{entry.length} bytes)")
+            await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
+
+    async def _try(self, source: Source, manifest: Manifest, index: int, part: "_Partial") -> str:
+        """One request for the rest of a piece; returns 'done', 'pending', 'missing' or 'failed'."""
+        length = len(part.data)
+        headers = {PEER_HEADER: self.peer}
+        if part.filled:
+            headers["Range"] = f"bytes={part.filled}-"
+        url = f"{pieces_url(source.url, manifest)}/pieces/{index}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
+        t0 = time.perf_counter()
+        start = part.filled
+        view = memoryview(part.data)
+        try:
+            async with self.session.get(url, headers=headers, timeout=timeout) as resp:
+                if resp.status == 503:
+                    await resp.read()
+                    return "pending"
+                if resp.status == 404:
+                    await resp.read()
+                    return "missing"
+                if resp.status not in (200, 206):
+                    body = await resp.read()
+                    self._fail(source, f"piece {index}: HTTP {resp.status} {body[:200]!r}")
+                    return "failed"
+                if resp.status == 200 and part.filled:
+                    part.filled = start = 0  # the source ignored the Range header: take the whole piece again
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    n = len(chunk)
+                    if part.filled + n > length:
+                        part.filled = 0
+                        self._fail(source, f"piece {index}: more bytes than the manifest's {length}")
+                        return "failed"
+                    view[part.filled:part.filled + n] = chunk
+                    part.filled += n
+                    if source.limiter is not None:
+                        await source.limiter.take(n)
+                    if self.on_bytes is not None:
+                        self.on_bytes(n)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._fail(source, f"piece {index}: {type(e).__name__}: {e}")
+            return "failed"
+        finally:
+            view.release()
+        received = part.filled - start
+        if self.monitor is not None and source.link is not None and received:
+            self.monitor.record_transfer(source.link, received, time.perf_counter() - t0)
+        if part.filled < length:
+            self._fail(source, f"piece {index}: connection ended at {part.filled}/{length} bytes")
+            return "failed"
+        return "done"
+
+    async def pieces(
+        self,
+        manifest: Manifest,
+        indices: Iterable[int],
+        connections: int,
+        on_piece: Callable[[int, bytearray], Awaitable[None]],
+    ) -> None:
+        """Fetch `indices` with `connections` parallel requests, handing each verified piece to `on_piece`."""
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in indices:
+            queue.put_nowait(i)
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await on_piece(i, await self.piece(manifest, i))
+
+        workers = [asyncio.create_task(worker()) for _ in range(max(1, min(connections, queue.qsize())))]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)

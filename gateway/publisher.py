@@ -1,0 +1,151 @@
+"""The trainer's publisher: encode each new version against the previous one, sign it, upload it.
+
+`Publisher.publish(weights)` makes version v a delta against the last version it published (and
+also a full snapshot every `full_every` versions; the first version it publishes is a full
+snapshot), signs the manifests with the trainer key and streams them to the origin gateway with
+`deltamesh.gateway.upload`. The delta is uploaded first, so pools that follow the chain can start at
+once. A publisher that starts without a base (a new process) asks the gateway for its head and
+continues the numbering with a full snapshot, which is always a valid plan for every pool.
+
+`PublishState` keeps the last published weights on disk, so the one-shot `deltamesh publish` command
+can encode a delta against them next time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, write_weights
+from deltamesh.delta.keys import Ed25519PrivateKey
+from deltamesh.delta.manifest import Manifest
+from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.gateway.upload import upload_version
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PIECE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Published:
+    version: int
+    manifests: list[Manifest]
+    bytes_sent: int
+
+
+class Publisher:
+    def __init__(self, gateway: str, key: Ed25519PrivateKey, model_id: str, *, full_every: int = 10,
+                 piece_bytes: int = DEFAULT_PIECE_BYTES, connections: int = 4,
+                 on_progress: Callable[[int], None] | None = None,
+                 on_encoded: Callable[[Encoded], None] | None = None):
+        if full_every < 0:
+            raise ValueError("full_every must be >= 0 (0: only the first version is full)")
+        self.gateway = gateway.rstrip("/")
+        self.key = key
+        self.model_id = model_id
+        self.full_every = full_every
+        self.piece_bytes = piece_bytes
+        self.connections = connections
+        self.on_progress = on_progress
+        self.on_encoded = on_encoded
+        self.base: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        """(version, weights) of the last published version: what the next delta is encoded against."""
+        self._base_hash: str | None = None
+
+    def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None) -> None:
+        """Encode the next delta against `weights` as version `version` (e.g. after a restart)."""
+        self.base, self._base_hash = (version, weights), weights_hash
+
+    async def gateway_head(self) -> int | None:
+        async with client_session(timeout_s=30.0) as s:
+            return (await request_json(s, "GET", f"{self.gateway}/v1/models/{self.model_id}/head"))["head"]
+
+    async def publish(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> Published:
+        """Publish `weights` as `version` (default: one after the base, or after the gateway's head).
+
+        `weights` become the base of the next delta, so they must not be changed in place afterwards
+        (a trainer passes its bf16 copy, not its live parameters).
+        """
+        if version is None:
+            if self.base is not None:
+                version = self.base[0] + 1
+            else:
+                head = await self.gateway_head()
+                version = 0 if head is None else head + 1
+        if self.base is not None and version <= self.base[0]:
+            raise ValueError(f"version {version} is not after the last published {self.base[0]}")
+        encodings = []
+        if self.base is not None:
+            encodings.append(await asyncio.to_thread(
+                encode_delta, self.base[1], weights, model_id=self.model_id, version=version,
+                base_version=self.base[0], key=self.key, base_hash=self._base_hash, piece_bytes=self.piece_bytes))
+        if self.base is None or (self.full_every and version % self.full_every == 0):
+            encodings.append(await asyncio.to_thread(
+                encode_full, weights, model_id=self.model_id, version=version, key=self.key,
+                piece_bytes=self.piece_bytes))
+        sent = 0
+        async with client_session(connections=max(4, self.connections), timeout_s=None) as s:
+            for enc in encodings:
+                if self.on_encoded is not None:
+                    self.on_encoded(enc)
+                sent += await upload_version(s, self.gateway, enc.manifest, enc.manifest_bytes, enc.pieces,
+                                             connections=self.connections, on_progress=self.on_progress)
+                log.info("published %s v%d %s: %d pieces, %d bytes", self.model_id, version, enc.manifest.kind,
+                         len(enc.pieces), enc.manifest.payload_bytes)
+        # Remembering the hash spares hashing the base again for the next delta.
+        self.set_base(version, weights, encodings[0].manifest.weights_hash)
+        return Published(version, [e.manifest for e in encodings], sent)
+
+
+class PublishState:
+    """The last published version's weights and number, kept in a directory between publishes."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.weights_dir = self.dir / "weights"
+        self.info_path = self.dir / "published.json"
+
+    def load(self) -> tuple[int, str, dict[str, torch.Tensor]] | None:
+        """(version, gateway URL, weights) of the last publish, or None."""
+        try:
+            info = json.loads(self.info_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not self.weights_dir.is_dir():
+            return None
+        return int(info["version"]), str(info["gateway"]), read_weights(self.weights_dir)
+
+    def save(self, version: int, gateway: str, weights: Mapping[str, torch.Tensor]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.info_path.unlink(missing_ok=True)  # no stale number beside new weights if we crash here
+        write_weights(self.weights_dir, dict(weights))
+        tmp = self.info_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": version, "gateway": gateway}))
+        os.replace(tmp, self.info_path)
+
+
+async def publish_dir(publisher: Publisher, weights_dir: str | Path, state: PublishState,
+                      version: int | None = None) -> Published:
+    """Publish a safetensors directory, continuing from the saved state when it matches the gateway."""
+    weights = await asyncio.to_thread(read_weights, weights_dir)
+    saved = await asyncio.to_thread(state.load)
+    try:
+        head = await publisher.gateway_head()
+    except HttpError as e:
+        raise RuntimeError(f"cannot reach gateway {publisher.gateway}: {e}") from e
+    if saved is not None and saved[0] == head and saved[1] == publisher.gateway:
+        publisher.set_base(saved[0], saved[2])
+    elif saved is not None:
+        log.info("saved state is v%d for %s, gateway head is %s: publishing a full snapshot",
+                 saved[0], saved[1], head)
+    result = await publisher.publish(weights, version)
+    await asyncio.to_thread(state.save, result.version, publisher.gateway, weights)
+    return result

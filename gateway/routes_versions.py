@@ -1,0 +1,281 @@
+"""HTTP routes of the version plane: heads (long poll), listings, plans, manifests and pieces.
+
+Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
+with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
+is announced but not yet here waits (bounded) for it, so consumers downstream see pieces the moment
+they land. Every path part is validated before it touches the store: model ids must match the
+manifest's model id pattern, versions and piece indices are plain decimal integers, kinds are
+`delta` or `full`. See docs/api/gateway.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from aiohttp import web
+
+from deltamesh.delta.errors import CorruptError, SignatureError
+from deltamesh.delta.manifest import MODEL_ID_RE, load_manifest
+from deltamesh.gateway.http import JSON_LIMIT, error_response, parse_range, read_body
+from deltamesh.gateway.links import PEER_HEADER
+from deltamesh.gateway.plan import NoPlanError, make_plan
+from deltamesh.gateway.service import Gateway
+from deltamesh.gateway.store import KINDS, ConflictError, StoredVersion
+
+_INT_RE = re.compile(r"^[0-9]{1,12}$")
+_HEX_SIG = re.compile(r"^[0-9a-f]{128}$")
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, reason: str):
+        self.status, self.reason = status, reason
+
+
+def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not re.fullmatch(r"-?[0-9]{1,12}", raw):
+        raise _Reject(400, f"query parameter {name} must be an integer, got {raw[:40]!r}")
+    return int(raw)
+
+
+def _float_param(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _Reject(400, f"query parameter {name} must be a number") from None
+    if not value >= 0:
+        raise _Reject(400, f"query parameter {name} must be >= 0")
+    return value
+
+
+def _model(request: web.Request) -> str:
+    model = request.match_info["model"]
+    if not MODEL_ID_RE.match(model):
+        raise _Reject(400, f"invalid model id {model[:80]!r}")
+    return model
+
+
+def _version_kind(request: web.Request) -> tuple[str, int, str]:
+    model = _model(request)
+    version, kind = request.match_info["version"], request.match_info["kind"]
+    if not _INT_RE.match(version):
+        raise _Reject(400, f"invalid version {version[:40]!r}: a decimal integer")
+    if kind not in KINDS:
+        raise _Reject(400, f"invalid kind {kind[:40]!r}: one of {list(KINDS)}")
+    return model, int(version), kind
+
+
+def _entry(gw: Gateway, request: web.Request) -> StoredVersion:
+    model, version, kind = _version_kind(request)
+    entry = gw.store.get(model, version, kind)
+    if entry is None:
+        raise _Reject(404, f"{model} v{version} {kind} is not in this gateway's store")
+    return entry
+
+
+def _index(request: web.Request, entry: StoredVersion) -> int:
+    raw = request.match_info["index"]
+    if not _INT_RE.match(raw):
+        raise _Reject(400, f"invalid piece name {raw[:40]!r}: pieces are named by integer index")
+    index = int(raw)
+    if index >= len(entry.manifest.pieces):
+        raise _Reject(404, f"piece {index} out of range ({len(entry.manifest.pieces)} pieces)")
+    return index
+
+
+def _peer_role(request: web.Request) -> tuple[str, str]:
+    """('pool'|'downstream'|'anonymous', name) from the peer header a client sends."""
+    kind, _, name = request.headers.get(PEER_HEADER, "").partition("/")
+    if kind == "pool" and name:
+        return "pool", name[:64]
+    if kind == "gateway" and name:
+        return "downstream", name[:64]
+    return "anonymous", ""
+
+
+def add_version_routes(app: web.Application, gw: Gateway) -> None:
+    cfg = gw.config
+
+    def guarded(handler):
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except web.HTTPException as e:  # from the shared body readers (413)
+                gw.metrics.rejected.labels(str(e.status)).inc()
+                raise
+            except _Reject as r:
+                if r.status != 503:
+                    gw.metrics.rejected.labels(str(r.status)).inc()
+                resp = error_response(r.status, r.reason)
+                if r.status == 503:
+                    resp.headers["Retry-After"] = "1"
+                return resp
+        return wrapped
+
+    async def heads(request: web.Request) -> web.Response:
+        since = _int_param(request, "since", -1)
+        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        if request.query.get("instance") != gw.instance:
+            since = -1  # a follower of an earlier life of this gateway: answer at once
+        epoch = await gw.store.wait_change(since, wait)
+        return web.json_response({"region": cfg.region, "instance": gw.instance, "epoch": epoch,
+                                  "heads": gw.store.heads()})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"region": cfg.region, "models": gw.store.heads()})
+
+    async def head(request: web.Request) -> web.Response:
+        model = _model(request)
+        after = _int_param(request, "after")
+        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        h = await gw.store.wait_head(model, after, wait)
+        return web.json_response({"model": model, "head": h, "region": cfg.region})
+
+    async def versions(request: web.Request) -> web.Response:
+        model = _model(request)
+        entries = gw.store.entries(model)
+        if not entries:
+            raise _Reject(404, f"model {model} is not in this gateway's store")
+        return web.json_response({"model": model, "head": gw.store.head(model),
+                                  "versions": [e.describe() for e in entries]})
+
+    async def plan(request: web.Request) -> web.Response:
+        model = _model(request)
+        entries = gw.store.entries(model)
+        if not entries:
+            raise _Reject(404, f"model {model} is not in this gateway's store")
+        head_v = gw.store.head(model)
+        frm = _int_param(request, "from")
+        to = _int_param(request, "to", head_v)
+        since_full = _int_param(request, "since_full")
+        full_every = _int_param(request, "full_every", 0)
+        try:
+            p = make_plan(model, [e.manifest for e in entries], frm, to, since_full=since_full, full_every=full_every)
+        except NoPlanError as e:
+            raise _Reject(409, str(e)) from None
+        gw.store.lease([gw.store.get(model, s.version, s.kind) for s in p.steps], cfg.lease_s)
+        return web.json_response(p.to_json())
+
+    async def get_manifest(request: web.Request) -> web.Response:
+        entry = _entry(gw, request)
+        gw.store.lease([entry], cfg.lease_s)
+        return web.Response(body=entry.manifest_bytes, content_type="application/json")
+
+    async def put_manifest(request: web.Request) -> web.Response:
+        if not cfg.is_origin:
+            raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+        model, version, kind = _version_kind(request)
+        if request.content_length is not None and request.content_length > JSON_LIMIT:
+            raise _Reject(413, f"manifest of {request.content_length} bytes exceeds {JSON_LIMIT}")
+        raw = await read_body(request, limit=JSON_LIMIT)
+        _check_envelope(raw)
+        try:
+            m = load_manifest(raw, gw.trusted_keys)
+        except SignatureError as e:
+            raise _Reject(403, f"signature refused: {e}") from None
+        except CorruptError as e:
+            raise _Reject(400, str(e)) from None
+        if (m.model_id, m.version, m.kind) != (model, version, kind):
+            raise _Reject(400, f"manifest is {m.model_id} v{m.version} {m.kind}, URL says {model} v{version} {kind}")
+        if any(p.length > cfg.max_piece_bytes for p in m.pieces):
+            raise _Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
+        try:
+            entry, new = await gw.store.put_manifest(raw)
+        except ConflictError as e:
+            raise _Reject(409, str(e)) from None
+        return web.json_response({"stored": new, "missing": entry.missing}, status=201 if new else 200)
+
+    async def put_piece(request: web.Request) -> web.Response:
+        if not cfg.is_origin:
+            raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+        entry = _entry(gw, request)
+        index = _index(request, entry)
+        expected = entry.manifest.pieces[index].length
+        if request.content_length is not None and request.content_length > expected:
+            raise _Reject(413, f"piece {index} is {expected} bytes, body says {request.content_length}")
+        data = await read_body(request, limit=expected)
+        with gw.store.using(entry):
+            try:
+                stored = await gw.store.put_piece(entry, index, data)
+            except CorruptError as e:
+                gw.metrics.corrupt_pieces.labels("upload").inc()
+                raise _Reject(400, str(e)) from None
+        if stored:
+            gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
+        return web.json_response({"stored": stored, "complete": entry.complete}, status=201 if stored else 200)
+
+    async def get_piece(request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        entry = _entry(gw, request)
+        index = _index(request, entry)
+        gw.store.lease([entry], cfg.lease_s)
+        with gw.store.using(entry):
+            data = await _wait_and_read(gw, entry, index, t0 + cfg.piece_wait_s)
+        try:
+            span = parse_range(request.headers.get("Range"), len(data))
+        except ValueError as e:
+            raise _Reject(416, str(e)) from None
+        start, end = span if span is not None else (0, len(data))
+        headers = {"Accept-Ranges": "bytes", "X-Deltamesh-Piece-Hash": entry.manifest.pieces[index].hash,
+                   "Content-Type": "application/octet-stream"}
+        if span is not None:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        resp = web.StreamResponse(status=206 if span is not None else 200, headers=headers)
+        resp.content_length = end - start
+        await resp.prepare(request)
+        t_send = time.monotonic()
+        await resp.write(memoryview(data)[start:end])
+        await resp.write_eof()
+        done = time.monotonic()
+        role, name = _peer_role(request)
+        gw.metrics.bytes_out.labels(entry.kind, role).inc(end - start)
+        gw.metrics.piece_seconds.labels("serve").observe(done - t0)
+        link = gw.links.find(name, role) if name else None
+        if link is not None:  # only peers that registered or announced themselves get a link
+            gw.links.record_transfer(link, end - start, done - t_send)
+        return resp
+
+    base = "/v1/models/{model}"
+    one = base + "/versions/{version}/{kind}"
+    app.router.add_get("/v1/heads", guarded(heads))
+    app.router.add_get("/v1/models", guarded(models))
+    app.router.add_get(base + "/head", guarded(head))
+    app.router.add_get(base + "/versions", guarded(versions))
+    app.router.add_get(base + "/plan", guarded(plan))
+    app.router.add_get(one + "/manifest", guarded(get_manifest))
+    app.router.add_put(one + "/manifest", guarded(put_manifest))
+    app.router.add_get(one + "/pieces/{index}", guarded(get_piece))
+    app.router.add_put(one + "/pieces/{index}", guarded(put_piece))
+
+
+def _check_envelope(raw: bytes) -> None:
+    """401 for a manifest that is not a signed envelope at all; the signature itself is checked later."""
+    try:
+        env = json.loads(raw)
+    except ValueError as e:
+        raise _Reject(400, f"malformed JSON: {e}") from None
+    if not isinstance(env, dict) or not isinstance(env.get("body"), str):
+        raise _Reject(400, "manifest must be a signed envelope {body, key_id, signature}")
+    if not isinstance(env.get("key_id"), str) or not isinstance(env.get("signature"), str):
+        raise _Reject(401, "manifest is not signed")
+    if not _HEX_SIG.match(env["signature"]):
+        raise _Reject(401, "malformed signature: expected 128 hex characters")
+
+
+async def _wait_and_read(gw: Gateway, entry: StoredVersion, index: int, deadline: float) -> bytes:
+    """The verified bytes of a piece, waiting until `deadline` for one that has not arrived (yet, or again)."""
+    while True:
+        left = deadline - time.monotonic()
+        if await gw.store.wait_piece(entry, index, max(left, 0.0)):
+            try:
+                return await gw.store.read_piece(entry, index)
+            except CorruptError:
+                continue  # dropped by the store; a relay fetches it again, so wait for that
+        raise _Reject(503, f"piece {index} of {entry.model} v{entry.version} {entry.kind} has not arrived yet")

@@ -1,0 +1,110 @@
+"""The state and background work of one running gateway: store, pool registry, links, metrics, relay.
+
+`Gateway` owns everything the HTTP routes share and the tasks that run beside them: the relay
+(when there are upstreams), garbage collection after each completed version, link probes, and the
+announcement of this gateway to its upstreams. `start()` and `stop()` are hooked to the aiohttp
+application's start-up and clean-up by `deltamesh.gateway.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Awaitable, Callable, Iterable
+
+import aiohttp
+
+from deltamesh.delta.keys import load_public_key
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.http import client_session
+from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
+from deltamesh.gateway.metrics import GatewayMetrics
+from deltamesh.gateway.registry import PoolRegistry
+from deltamesh.gateway.relay import Relay, announce_forever
+from deltamesh.gateway.store import StoredVersion, VersionStore
+
+log = logging.getLogger(__name__)
+
+GC_INTERVAL_S = 30.0
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.instance = uuid.uuid4().hex
+        self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
+        self.store = VersionStore(config.store, self.trusted_keys)
+        self.pools = PoolRegistry(config.heartbeat_timeout_s)
+        self.links = LinkMonitor()
+        self.metrics = GatewayMetrics()
+        self.relay = Relay(config, self.store, self.links, self.metrics) if config.upstreams else None
+        self.downstreams: dict[str, str] = {}  # region -> URL, from announcements
+        self._tasks: list[asyncio.Task] = []
+        self._gc_wake = asyncio.Event()
+        self._probe_session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.load)
+        self.store.on_version_complete.append(self._on_complete)
+        self.store.on_piece_corrupt.append(lambda entry, index: self.metrics.corrupt_pieces.labels("disk").inc())
+        self._probe_session = client_session(timeout_s=max(2.0, self.config.probe_interval_s))
+        self._tasks = [
+            asyncio.create_task(self._gc_loop()),
+            asyncio.create_task(probe_forever(self.links, self._probe_targets, self.config.probe_interval_s)),
+        ]
+        if self.relay is not None:
+            await self.relay.start()
+            self._tasks.append(asyncio.create_task(announce_forever(self.config, max(10.0, self.config.probe_interval_s))))
+        log.info("gateway %s up: %s, store %s", self.config.region,
+                 "origin" if self.config.is_origin else f"relaying from {', '.join(self.config.upstreams)}",
+                 self.config.store)
+
+    async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._probe_session is not None:
+            await self._probe_session.close()
+
+    # -- garbage collection ------------------------------------------------------------------------
+    def _on_complete(self, entry: StoredVersion) -> None:
+        source = "publish" if self.config.is_origin else "relay"
+        self.metrics.transfer_seconds.labels(entry.kind, source).observe(time.monotonic() - entry.created)
+        self._gc_wake.set()
+
+    async def _gc_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._gc_wake.wait(), GC_INTERVAL_S)
+            self._gc_wake.clear()
+            self.store.collect(self.config.keep_deltas, self.config.keep_fulls)
+
+    # -- link probes -------------------------------------------------------------------------------
+    def add_downstream(self, region: str, url: str) -> None:
+        self.downstreams[region] = url
+        self.links.link(region, "downstream", url)
+
+    def _probe_targets(self) -> Iterable[tuple[Link, Callable[[], Awaitable[float]]]]:
+        timeout = max(2.0, self.config.probe_interval_s)
+        for url in self.config.upstreams:
+            yield self.links.link(url, "upstream", url), self._http_probe(url)
+        for region, url in self.downstreams.items():
+            yield self.links.link(region, "downstream", url), self._http_probe(url)
+        for pool in self.pools.pools():
+            if pool.endpoint and self.pools.is_up(pool):
+                yield self.links.link(pool.name, "pool", pool.endpoint), lambda e=pool.endpoint: tcp_rtt(e, timeout)
+
+    def _http_probe(self, url: str) -> Callable[[], Awaitable[float]]:
+        async def probe() -> float:
+            t0 = time.perf_counter()
+            async with self._probe_session.get(f"{url}/healthz") as resp:
+                await resp.read()
+                resp.raise_for_status()
+            return time.perf_counter() - t0
+
+        return probe

@@ -1,0 +1,344 @@
+"""The gateway's version store: signed manifests and their pieces on disk, indexed in memory.
+
+Layout: `ROOT/models/<model>/<version>/<kind>/manifest.json` (the signed envelope exactly as received)
+and `.../pieces/<index>` (raw piece bytes). Files are written to a temporary name, fsynced and renamed,
+so a crash leaves either the whole file or none; a restart re-indexes what is on disk and nothing has
+to be uploaded again. A version is announced (the head moves, waiters wake) as soon as its manifest
+is in, and each piece becomes readable the moment it has been written and verified, which is what
+lets relays forward a version while the rest of it is still arriving. Pieces are hashed again on
+every read, so a piece corrupted on disk is detected, dropped and reported instead of served.
+Retention keeps the newest deltas and full snapshots; garbage collection skips anything that is
+being read, written, or promised to a transfer by a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from deltamesh.delta.errors import CorruptError, SignatureError
+from deltamesh.delta.keys import Ed25519PublicKey
+from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+KINDS = ("delta", "full")
+
+
+class ConflictError(Exception):
+    """A manifest for a (model, version, kind) the store already holds with different contents."""
+
+
+@dataclass(eq=False)
+class StoredVersion:
+    """One (model, version, kind) in the store: its manifest and which of its pieces are on disk."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    path: Path
+    present: set[int] = field(default_factory=set)
+    readers: int = 0
+    lease_until: float = 0.0
+    created: float = field(default_factory=time.monotonic)
+    _arrivals: dict[int, asyncio.Event] = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.kind
+
+    @property
+    def complete(self) -> bool:
+        return len(self.present) == len(self.manifest.pieces)
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.manifest.pieces)) if i not in self.present]
+
+    def piece_path(self, index: int) -> Path:
+        return self.path / "pieces" / str(index)
+
+    def describe(self) -> dict:
+        m = self.manifest
+        return {
+            "version": m.version, "kind": m.kind, "base_version": m.base_version,
+            "payload_bytes": m.payload_bytes, "pieces": len(m.pieces), "present": len(self.present),
+            "complete": self.complete, "weights_hash": m.weights_hash,
+        }
+
+
+class VersionStore:
+    """All versions a gateway holds, with async waits for new heads and for pieces to arrive."""
+
+    def __init__(self, root: str | Path, trusted_keys: Iterable[Ed25519PublicKey]):
+        self.root = Path(root)
+        self.trusted_keys = list(trusted_keys)
+        self._models: dict[str, dict[tuple[int, str], StoredVersion]] = {}
+        self._epoch = 0
+        self._changed = asyncio.Event()
+        self._closing = False
+        self._manifest_lock = asyncio.Lock()
+        self.on_piece_corrupt: list[Callable[[StoredVersion, int], None]] = []
+        self.on_version_complete: list[Callable[[StoredVersion], None]] = []
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self) -> int:
+        """Index what is on disk (after a restart); returns how many versions were found."""
+        models_dir = self.root / "models"
+        models_dir.mkdir(parents=True, exist_ok=True)
+        found = 0
+        for model_dir in sorted(models_dir.iterdir()):
+            if not MODEL_ID_RE.match(model_dir.name):
+                continue
+            for version_dir in model_dir.iterdir():
+                if not version_dir.name.isdigit():
+                    continue
+                for kind in KINDS:
+                    entry = self._load_entry(model_dir.name, int(version_dir.name), kind, version_dir / kind)
+                    if entry is not None:
+                        self._models.setdefault(entry.model, {})[(entry.version, entry.kind)] = entry
+                        found += 1
+        log.info("store %s: %d versions of %d models", self.root, found, len(self._models))
+        return found
+
+    def _load_entry(self, model: str, version: int, kind: str, path: Path) -> StoredVersion | None:
+        try:
+            raw = (path / "manifest.json").read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = load_manifest(raw, self.trusted_keys)
+        except CorruptError as e:
+            log.warning("store: dropping unreadable manifest %s: %s", path, e)
+            return None
+        except SignatureError as e:  # signed by a key that is no longer trusted
+            log.warning("store: ignoring %s: %s", path, e)
+            return None
+        if (manifest.model_id, manifest.version, manifest.kind) != (model, version, kind):
+            log.warning("store: %s holds a manifest of another version; ignored", path)
+            return None
+        entry = StoredVersion(manifest, raw, path)
+        pieces_dir = path / "pieces"
+        pieces_dir.mkdir(exist_ok=True)
+        for f in pieces_dir.iterdir():
+            if not f.name.isdigit():
+                f.unlink(missing_ok=True)  # a temp file from an interrupted write
+                continue
+            i = int(f.name)
+            if i < len(manifest.pieces) and f.stat().st_size == manifest.pieces[i].length:
+                entry.present.add(i)
+        return entry
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """A counter that grows whenever a new manifest is stored (so followers can long-poll)."""
+        return self._epoch
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def head(self, model: str) -> int | None:
+        entries = self._models.get(model)
+        return max(v for v, _ in entries) if entries else None
+
+    def heads(self) -> dict[str, int]:
+        return {m: v for m in self._models if (v := self.head(m)) is not None}
+
+    def entries(self, model: str) -> list[StoredVersion]:
+        return sorted(self._models.get(model, {}).values(), key=lambda e: (e.version, e.kind))
+
+    def get(self, model: str, version: int, kind: str) -> StoredVersion | None:
+        return self._models.get(model, {}).get((version, kind))
+
+    # -- waiting ---------------------------------------------------------------------------------
+    async def wait_change(self, since_epoch: int, timeout: float) -> int:
+        """Wait until the epoch passes `since_epoch` (or `timeout`); return the epoch."""
+        deadline = time.monotonic() + timeout
+        while self._epoch <= since_epoch and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return self._epoch
+
+    async def wait_head(self, model: str, after: int | None, timeout: float) -> int | None:
+        """Wait until `model`'s head is newer than `after` (or `timeout`); return the head."""
+        deadline = time.monotonic() + timeout
+        while True:
+            head = self.head(model)
+            if head is not None and (after is None or head > after):
+                return head
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing:
+                return head
+            await self.wait_change(self._epoch, left)
+
+    async def wait_piece(self, entry: StoredVersion, index: int, timeout: float) -> bool:
+        if index in entry.present or self._closing:
+            return index in entry.present
+        event = entry._arrivals.setdefault(index, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        return index in entry.present
+
+    def close(self) -> None:
+        """Release every waiter at once (on shutdown, so long polls do not hold the process up)."""
+        self._closing = True
+        self._changed.set()
+        for entries in self._models.values():
+            for entry in entries.values():
+                for event in entry._arrivals.values():
+                    event.set()
+
+    def _bump(self) -> None:
+        self._epoch += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- writing ---------------------------------------------------------------------------------
+    async def put_manifest(self, raw: bytes) -> tuple[StoredVersion, bool]:
+        """Verify and store a signed manifest; returns (entry, whether it is new).
+
+        Raises SignatureError (untrusted or bad signature), CorruptError (malformed) or
+        ConflictError (a different manifest for the same version and kind is already stored).
+        """
+        manifest = load_manifest(raw, self.trusted_keys)
+        async with self._manifest_lock:  # check, write and index as one step (manifests are rare)
+            existing = self._same_as_stored(manifest)
+            if existing is not None:
+                return existing, False
+            path = self.root / "models" / manifest.model_id / str(manifest.version) / manifest.kind
+            await asyncio.to_thread(_write_manifest, path, raw)
+            entry = StoredVersion(manifest, raw, path)
+            self._models.setdefault(manifest.model_id, {})[(manifest.version, manifest.kind)] = entry
+        self._bump()
+        if not manifest.pieces:
+            self._completed(entry)
+        return entry, True
+
+    def _same_as_stored(self, manifest: Manifest) -> StoredVersion | None:
+        existing = self.get(manifest.model_id, manifest.version, manifest.kind)
+        if existing is not None and (existing.manifest.weights_hash != manifest.weights_hash
+                                     or existing.manifest.pieces != manifest.pieces):
+            raise ConflictError(
+                f"{manifest.model_id} v{manifest.version} {manifest.kind} is already stored with other contents")
+        return existing
+
+    async def put_piece(self, entry: StoredVersion, index: int, data: bytes) -> bool:
+        """Verify and store one piece; returns False if it was already present. Raises CorruptError."""
+        entry.manifest.check_piece(index, data)
+        if index in entry.present:
+            return False
+        try:
+            await asyncio.to_thread(_write_atomic, entry.piece_path(index), data)
+        except FileNotFoundError:
+            return False  # collected meanwhile (only possible for an entry nobody marked as in use)
+        if self.get(entry.model, entry.version, entry.kind) is not entry:
+            return False
+        entry.present.add(index)
+        event = entry._arrivals.pop(index, None)
+        if event is not None:
+            event.set()
+        if entry.complete:
+            self._completed(entry)
+        return True
+
+    def _completed(self, entry: StoredVersion) -> None:
+        for callback in self.on_version_complete:
+            callback(entry)
+
+    async def read_piece(self, entry: StoredVersion, index: int) -> bytes:
+        """Read a present piece and check it against the manifest.
+
+        A piece that fails the check is removed from disk and from `present`, the corruption
+        callbacks run (a relay refetches it), and CorruptError is raised.
+        """
+        path = entry.piece_path(index)
+        try:
+            return await asyncio.to_thread(_read_checked, path, entry.manifest, index)
+        except (CorruptError, FileNotFoundError) as e:
+            log.error("store: piece %d of %s v%d %s is damaged on disk (%s); dropped",
+                      index, entry.model, entry.version, entry.kind, e)
+            entry.present.discard(index)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            for callback in self.on_piece_corrupt:
+                callback(entry, index)
+            raise CorruptError(f"piece {index} of {entry.model} v{entry.version} {entry.kind} was damaged on disk") from e
+
+    # -- leases and garbage collection -------------------------------------------------------------
+    def lease(self, entries: Iterable[StoredVersion], seconds: float) -> None:
+        until = time.monotonic() + seconds
+        for e in entries:
+            e.lease_until = max(e.lease_until, until)
+
+    @contextlib.contextmanager
+    def using(self, entry: StoredVersion) -> Iterator[StoredVersion]:
+        """Mark `entry` as in use (being read or written) so garbage collection leaves it alone."""
+        entry.readers += 1
+        try:
+            yield entry
+        finally:
+            entry.readers -= 1
+
+    def collect(self, keep_deltas: int, keep_fulls: int) -> list[StoredVersion]:
+        """Delete versions beyond retention that nobody is using; returns what was deleted."""
+        now = time.monotonic()
+        removed = []
+        for model, entries in self._models.items():
+            head = self.head(model)
+            for kind, keep in (("delta", keep_deltas), ("full", keep_fulls)):
+                of_kind = sorted((e for e in entries.values() if e.kind == kind), key=lambda e: -e.version)
+                for e in of_kind[keep:]:
+                    if e.readers or e.lease_until > now or e.version == head:
+                        continue
+                    del entries[(e.version, e.kind)]
+                    shutil.rmtree(e.path, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        e.path.parent.rmdir()  # the version directory, once both kinds are gone
+                    removed.append(e)
+        for e in removed:
+            log.info("store: collected %s v%d %s", e.model, e.version, e.kind)
+        return removed
+
+
+def _read_checked(path: Path, manifest: Manifest, index: int) -> bytes:
+    data = path.read_bytes()
+    manifest.check_piece(index, data)  # hashing off the event loop too: it is most of the cost
+    return data
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_manifest(path: Path, raw: bytes) -> None:
+    (path / "pieces").mkdir(parents=True, exist_ok=True)
+    _write_atomic(path / "manifest.json", raw)
+    # Make the new directories themselves durable, so a restart finds the manifest.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

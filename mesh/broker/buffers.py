@@ -1,0 +1,84 @@
+"""One model's buffers in the broker's memory: fresh groups waiting to be trained on, replay groups, the
+trainer's version, its balance window, and the signal that wakes long-polling trainers.
+
+Only group summaries live here; token arrays stay in the store until a batch is served. Groups are
+kept in arrival order (dicts preserve insertion order), which is the order the planner takes them in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+from deltamesh.mesh.broker.balance import BalanceWindow
+from deltamesh.mesh.broker.store import GroupSummary
+
+
+class ModelBuffer:
+    def __init__(self, model_id: str, version: int, window_steps: int):
+        self.model_id = model_id
+        self.version = version
+        self.fresh: dict[str, GroupSummary] = {}
+        self.replay: dict[str, GroupSummary] = {}
+        self.fresh_samples = 0  # kept in step with the dicts: summing them per request would cost O(groups)
+        self.replay_samples = 0
+        self.balance = BalanceWindow(window_steps)
+        self._changed = asyncio.Event()
+        self.taking = asyncio.Lock()  # one batch is planned and taken at a time per model
+
+    def add_fresh(self, groups: Iterable[GroupSummary]) -> None:
+        for g in groups:
+            if g.group_id not in self.fresh:
+                self.fresh[g.group_id] = g
+                self.fresh_samples += g.size
+        self._notify()
+
+    def remove_fresh(self, groups: Iterable[GroupSummary]) -> None:
+        for g in groups:
+            if self.fresh.pop(g.group_id, None) is not None:
+                self.fresh_samples -= g.size
+
+    def replay_overflow(self, adding: list[GroupSummary], removing: list[GroupSummary],
+                        capacity: int) -> list[GroupSummary]:
+        """The oldest groups that would no longer fit in `capacity` samples after this change."""
+        gone = {g.group_id for g in removing}
+        order = [g for g in self.replay.values() if g.group_id not in gone] + adding
+        total = sum(g.size for g in order)
+        evicted = []
+        for g in order:
+            if total <= capacity:
+                break
+            evicted.append(g)
+            total -= g.size
+        return evicted
+
+    def add_replay(self, groups: Iterable[GroupSummary]) -> None:
+        for g in groups:
+            if g.group_id not in self.replay:
+                self.replay[g.group_id] = g
+                self.replay_samples += g.size
+
+    def remove_replay(self, groups: Iterable[GroupSummary]) -> None:
+        for g in groups:
+            if self.replay.pop(g.group_id, None) is not None:
+                self.replay_samples -= g.size
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._notify()  # a new version can make waiting groups stale: let waiters re-plan
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Return when groups arrive or the version moves, or after `timeout_s`."""
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def status(self) -> dict[str, int]:
+        return {"version": self.version, "fresh_groups": len(self.fresh), "fresh_samples": self.fresh_samples,
+                "replay_groups": len(self.replay), "replay_samples": self.replay_samples}

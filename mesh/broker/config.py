@@ -1,0 +1,134 @@
+"""Typed settings of the dataflow broker (`deltamesh broker --config FILE`, table `[broker]`).
+
+One dataclass per concern: where data lives and how durable an acknowledgement is, the task source
+and its curator, the data policies applied to trajectories and batches, and the balance report.
+Each validates itself, so a bad value fails at start-up with the key that is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""What a model_id may look like (as at the gateways): it appears in URL paths."""
+
+
+@dataclass
+class CuratorConfig:
+    """Pre-rollout curator: which prompts are leased out again (see curators.py)."""
+
+    name: str = "accept_all"
+    history: int = 4  # recent groups per task that filter_solved looks at
+    solved_reward: float = 1.0  # a sample with at least this reward counts as solved
+    greso_target: float = 0.25  # wanted share of zero-variance groups among observed ones
+    greso_step: float = 0.01  # how much the exploration probability moves per observed group
+    greso_start: float = 0.5
+    greso_min: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.history < 1:
+            raise ValueError("curator.history must be >= 1")
+        if not 0.0 <= self.greso_target <= 1.0 or not 0.0 < self.greso_step <= 1.0:
+            raise ValueError("curator.greso_target must be in [0, 1] and greso_step in (0, 1]")
+        if not 0.0 < self.greso_min <= self.greso_start <= 1.0:
+            raise ValueError("curator needs 0 < greso_min <= greso_start <= 1")
+
+
+@dataclass
+class TasksConfig:
+    """Where rollout tasks come from and how they are leased to pools."""
+
+    dataset: str | None = None  # JSONL of {"id", "prompt", ...}; imported into the store on first start
+    epochs: int = 1
+    n_samples: int = 8  # samples per prompt: one group
+    model_ids: list[str] = field(default_factory=list)  # models each task produces for; empty = all known
+    lease_timeout_s: float = 600.0
+    max_lease_batch: int = 64  # most tasks one lease request gets
+    max_inflight_per_pool: int = 256  # leases a pool may hold before it returns results
+    curator: CuratorConfig = field(default_factory=CuratorConfig)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.n_samples < 1:
+            raise ValueError("tasks.epochs and tasks.n_samples must be >= 1")
+        if self.lease_timeout_s <= 0 or self.max_lease_batch < 1 or self.max_inflight_per_pool < 1:
+            raise ValueError("tasks.lease_timeout_s, max_lease_batch and max_inflight_per_pool must be positive")
+
+
+@dataclass
+class ReplayConfig:
+    """Replay: a fraction of every batch drawn (whole groups) from groups already trained on."""
+
+    fraction: float = 0.0
+    selector: str = "latest"  # latest | uniform | reward, or "module:callable"
+    max_staleness: int | None = None  # versions behind the trainer a replayed group may be
+    capacity: int = 65536  # samples kept for replay; the oldest are retired beyond it
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction < 1.0:
+            raise ValueError("replay.fraction must be in [0, 1)")
+        if self.capacity < 0 or (self.max_staleness is not None and self.max_staleness < 0):
+            raise ValueError("replay.capacity and replay.max_staleness must be >= 0")
+
+
+@dataclass
+class PoliciesConfig:
+    """Data policies: post-rollout group filters, the staleness bound, replay."""
+
+    filters: list[str] = field(default_factory=lambda: ["keep_all"])  # applied in order when a group completes
+    max_staleness: int | None = None  # versions behind the trainer a fresh group may be; None = no bound
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+
+    def __post_init__(self) -> None:
+        if not self.filters:
+            raise ValueError("policies.filters must name at least one filter (keep_all keeps everything)")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("policies.max_staleness must be >= 0")
+
+
+@dataclass
+class BalanceConfig:
+    """The balance report: wait fraction and the rollout GPU target (AstraFlow's controller)."""
+
+    window_steps: int = 20  # trainer steps the report looks back over
+    scale_up_above: float = 0.10  # wait fraction above which rollout capacity grows
+    scale_down_below: float = 0.05
+    headroom: float = 1.10  # kept when shrinking towards the consumption rate
+    pool_ttl_s: float = 120.0  # a pool counts towards the GPU total this long after its last request
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or self.pool_ttl_s <= 0 or self.headroom < 1.0:
+            raise ValueError("balance.window_steps, pool_ttl_s must be positive and headroom >= 1")
+        if not 0.0 <= self.scale_down_below <= self.scale_up_above < 1.0:
+            raise ValueError("balance needs 0 <= scale_down_below <= scale_up_above < 1")
+
+
+@dataclass
+class BrokerConfig:
+    """Everything `deltamesh broker` needs besides --listen and --db."""
+
+    models: list[str] = field(default_factory=list)  # model_ids known from the start
+    allow_register: bool = True  # a trainer's first version report registers its model_id
+    # "fsync": an acknowledgement survives power loss (SQLite synchronous=FULL); "process": it survives
+    # a killed broker process but not a crashed machine (synchronous=NORMAL), for more ingest per core.
+    durability: Literal["fsync", "process"] = "fsync"
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_trajectories_per_submission: int = 4096
+    max_tokens: int = 262144  # per trajectory
+    max_poll_s: float = 300.0  # longest a batch long-poll may wait
+    max_commit_trajectories: int = 8192  # most trajectories one group commit writes
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    policies: PoliciesConfig = field(default_factory=PoliciesConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.models if not MODEL_ID.match(m)]
+        if bad:
+            raise ValueError(f"models {bad} do not match {MODEL_ID.pattern}")
+        if self.max_body_bytes < 1024 or self.max_trajectories_per_submission < 1 or self.max_tokens < 1:
+            raise ValueError("max_body_bytes, max_trajectories_per_submission and max_tokens must be positive")
+        if self.max_poll_s <= 0 or self.max_commit_trajectories < 1:
+            raise ValueError("max_poll_s and max_commit_trajectories must be positive")

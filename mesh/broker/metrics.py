@@ -1,0 +1,37 @@
+"""Prometheus metrics of one broker, in its own registry (several brokers can share a test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ingested = Counter("deltamesh_broker_trajectories_ingested_total", "Trajectories stored",
+                                ["model_id"], registry=r)
+        self.duplicates = Counter("deltamesh_broker_trajectories_duplicate_total",
+                                  "Trajectories submitted again and skipped", registry=r)
+        self.rejected = Counter("deltamesh_broker_requests_rejected_total", "Requests refused, by HTTP status",
+                                ["status"], registry=r)
+        self.commits = Counter("deltamesh_broker_commits_total", "Group commits of submissions", registry=r)
+        self.groups = Counter("deltamesh_broker_groups_total", "Completed groups by outcome",
+                              ["model_id", "outcome"], registry=r)
+        self.batches = Counter("deltamesh_broker_batches_served_total", "Batches served", ["model_id"], registry=r)
+        self.batch_samples = Counter("deltamesh_broker_batch_samples_total", "Samples served, fresh or replay",
+                                     ["model_id", "source"], registry=r)
+        self.batch_seconds = Histogram("deltamesh_broker_batch_build_seconds",
+                                       "Time to take and encode a ready batch", ["model_id"], registry=r,
+                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.buffer_samples = Gauge("deltamesh_broker_buffer_samples", "Samples waiting, by buffer",
+                                    ["model_id", "buffer"], registry=r)
+        self.trainer_version = Gauge("deltamesh_broker_trainer_version", "Latest version a trainer reported",
+                                     ["model_id"], registry=r)
+        self.leases = Counter("deltamesh_broker_leases_total", "Leases issued, expired and prompts skipped",
+                              ["event"], registry=r)
+        self.wait_fraction = Gauge("deltamesh_broker_wait_fraction", "Trainer wait fraction over the window",
+                                   ["model_id"], registry=r)
+        self.target_gpus = Gauge("deltamesh_broker_target_gpus", "Rollout GPU target per trainer",
+                                 ["model_id"], registry=r)
+        self.rollout_gpus = Gauge("deltamesh_broker_rollout_gpus", "GPUs of pools seen recently", registry=r)

@@ -1,0 +1,110 @@
+"""Runs the broker's blocking store off the event loop, on one worker thread, with group commit.
+
+Every store call goes through one single-thread executor, so the store sees one caller at a time and
+long-polls and the HTTP server stay responsive while SQLite works. Trajectory submissions are
+coalesced: while one commit runs, new submissions queue, and the next commit writes all of them in
+one transaction (each still all-or-nothing on its own). That is what makes a durable acknowledgement
+cheap at thousands of trajectories per second: one fsync per commit, not per submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
+
+from deltamesh.mesh.broker.store import BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable
+from deltamesh.trainer.data import Trajectory
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class StoreRunner:
+    """`on_ingested` sees every committed submission's result on the event loop, even one whose
+    submitter has gone away, so the broker's memory always follows what the store holds."""
+
+    def __init__(self, open_store: Callable[[], BrokerStore], verdict: GroupVerdict, *, max_commit: int,
+                 on_ingested: Callable[[IngestResult], None], on_commit: Callable[[], None] = lambda: None):
+        self._open_store = open_store
+        self._verdict = verdict
+        self._max_commit = max_commit
+        self._on_ingested = on_ingested
+        self._on_commit = on_commit
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="broker-store")
+        self._pending: deque[tuple[Sequence[Trajectory], asyncio.Future[IngestResult]]] = deque()
+        self._wakeup = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self.store: BrokerStore | None = None
+
+    async def start(self) -> None:
+        self.store = await self._run(self._open_store)
+        self._flusher = asyncio.create_task(self._flush_forever(), name="broker-group-commit")
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+        for _, fut in self._pending:
+            if not fut.done():
+                fut.set_exception(ConnectionAbortedError("broker is shutting down"))
+        if self.store is not None:
+            await self._run(self.store.close)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def call(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run `fn` (a method of `self.store`) on the worker thread."""
+        return await self._run(fn, *args)
+
+    async def ingest(self, trajectories: Sequence[Trajectory]) -> IngestResult:
+        """Store one submission durably; returns once its commit is done. Raises StoreConflict/StoreUnavailable."""
+        fut: asyncio.Future[IngestResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((trajectories, fut))
+        self._wakeup.set()
+        return await fut
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, count = [], 0
+                while self._pending and (not batch or count + len(self._pending[0][0]) <= self._max_commit):
+                    item = self._pending.popleft()
+                    batch.append(item)
+                    count += len(item[0])
+                await self._commit(batch)
+
+    async def _commit(self, batch: list[tuple[Sequence[Trajectory], asyncio.Future[IngestResult]]]) -> None:
+        assert self.store is not None
+        try:
+            results = await self._run(self.store.ingest, [t for t, _ in batch], self._verdict)
+        except asyncio.CancelledError:
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(ConnectionAbortedError("broker is shutting down"))
+            raise
+        except Exception as e:  # StoreUnavailable, or a bug: no submission of this commit was stored
+            if isinstance(e, StoreUnavailable):
+                log.warning("commit of %d submissions failed: %s", len(batch), e)
+            else:
+                log.exception("commit of %d submissions failed", len(batch))
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        self._on_commit()
+        for (_, fut), result in zip(batch, results):
+            if not isinstance(result, StoreConflict):
+                self._on_ingested(result)
+            if fut.done():  # the submitter went away; what was committed stays committed
+                continue
+            if isinstance(result, StoreConflict):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)

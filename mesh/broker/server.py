@@ -1,0 +1,174 @@
+"""The broker's HTTP API (aiohttp): pools lease tasks and submit trajectories, trainers report versions
+and step timings and long-poll batches, operators read status, the balance report and /metrics.
+
+Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
+conflicting data, 404 unknown model, 409 version going backwards, 413 body too large, 503 store
+unavailable), always as `{"error": reason}`. Endpoints are documented in docs/api/broker.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from deltamesh.gateway.http import error_response, json_errors, read_body, read_json
+from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
+from deltamesh.mesh.broker.sqlite_store import SqliteStore
+from deltamesh.mesh.broker.store import BrokerStore, StoreConflict, StoreUnavailable
+from deltamesh.mesh.broker.json_form import trajectories_from_json
+from deltamesh.trainer.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
+
+log = logging.getLogger(__name__)
+
+BROKER_KEY = web.AppKey("broker", Broker)
+RETRY_AFTER_S = "1"
+
+
+_REQUIRED = object()
+
+
+def _field(body: Any, key: str, kind: type, default: Any = _REQUIRED, *, minimum: float | None = None) -> Any:
+    """One typed field of a JSON request body (absent or null: `default`), or HTTP 400 naming it."""
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(reason="body must be a JSON object")
+    value = body.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise web.HTTPBadRequest(reason=f"{key} is required")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
+        raise web.HTTPBadRequest(reason=f"{key} must be a finite {kind.__name__}, got {value!r:.40}")
+    if minimum is not None and value < minimum:
+        raise web.HTTPBadRequest(reason=f"{key} must be >= {minimum}")
+    return value
+
+
+def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Map the broker's exceptions to HTTP answers, counting each refusal by status."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request)
+        except (DataFormatError, StoreConflict) as e:
+            resp = error_response(400, str(e))
+        except UnknownModel as e:
+            resp = error_response(404, str(e))
+        except VersionConflict as e:
+            resp = error_response(409, str(e))
+        except StoreUnavailable as e:
+            resp = error_response(503, str(e))
+            resp.headers["Retry-After"] = RETRY_AFTER_S
+        except web.HTTPException as e:
+            request.app[BROKER_KEY].metrics.rejected.labels(str(e.status)).inc()
+            raise
+        request.app[BROKER_KEY].metrics.rejected.labels(str(resp.status)).inc()
+        return resp
+    return handler
+
+
+def build_app(config: BrokerConfig, db: str | Path | None = None, *,
+              open_store: Callable[[], BrokerStore] | None = None) -> web.Application:
+    """The broker as an aiohttp application; the store opens on start-up and closes on clean-up."""
+    if open_store is None:
+        if db is None:
+            raise ValueError("build_app needs db or open_store")
+        open_store = lambda: SqliteStore(db, durability=config.durability)  # noqa: E731
+    broker = Broker(config, open_store)
+    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
+    app[BROKER_KEY] = broker
+
+    async def on_startup(app: web.Application) -> None:
+        await broker.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await broker.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+
+    @_errors
+    async def submit(request: web.Request) -> web.Response:
+        raw = await read_body(request, limit=config.max_body_bytes)
+        limits = {"max_trajectories": config.max_trajectories_per_submission, "max_tokens": config.max_tokens}
+        if request.content_type == TRAJECTORIES_CONTENT_TYPE:
+            trajectories = decode_trajectories(raw, **limits)
+        elif request.content_type == "application/json":
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                raise DataFormatError(f"malformed JSON: {e}") from e
+            trajectories = trajectories_from_json(body, **limits)
+        else:
+            raise DataFormatError(f"Content-Type must be {TRAJECTORIES_CONTENT_TYPE} or application/json, "
+                                  f"got {request.content_type!r}")
+        result = await broker.submit(trajectories)
+        return web.json_response({"accepted": result.accepted, "duplicates": result.duplicates})
+
+    @_errors
+    async def lease(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        pool = _field(body, "pool", str)
+        region = _field(body, "region", str, "")
+        gpus = _field(body, "gpus", int, 1, minimum=0)
+        max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
+        leases = await broker.lease(pool, region, gpus, max_tasks)
+        return web.json_response({"leases": leases, "tasks": broker.status()["tasks"]})
+
+    async def list_leases(request: web.Request) -> web.Response:
+        return web.json_response({"leases": broker.leases(request.query.get("pool"))})
+
+    @_errors
+    async def version(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        v = _field(body, "version", int, minimum=0)
+        return web.json_response(await broker.report_version(request.match_info["model_id"], v))
+
+    @_errors
+    async def steps(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        wait_s = _field(body, "wait_s", float, minimum=0)
+        step_s = _field(body, "step_s", float, minimum=0)
+        if wait_s > step_s:
+            raise web.HTTPBadRequest(reason="wait_s cannot exceed step_s")
+        return web.json_response(broker.report_step(request.match_info["model_id"], wait_s, step_s))
+
+    @_errors
+    async def batch(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        size = _field(body, "size", int, minimum=1)
+        v = _field(body, "version", int, None, minimum=0)
+        timeout_s = min(_field(body, "timeout_s", float, 30.0, minimum=0), config.max_poll_s)
+        served = await broker.next_batch(request.match_info["model_id"], size, v, timeout_s)
+        if served is None:
+            return web.Response(status=204)
+        batch_id, data = served
+        return web.Response(body=data, content_type=BATCH_CONTENT_TYPE, headers={"X-Batch-Id": batch_id})
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(broker.status())
+
+    async def balance(request: web.Request) -> web.Response:
+        return web.json_response(broker.balance())
+
+    async def metrics(request: web.Request) -> web.Response:
+        broker.balance()  # refresh the report's gauges
+        return web.Response(body=generate_latest(broker.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_post("/v1/trajectories", submit)
+    app.router.add_post("/v1/leases", lease)
+    app.router.add_get("/v1/leases", list_leases)
+    app.router.add_post("/v1/models/{model_id}/version", version)
+    app.router.add_post("/v1/models/{model_id}/steps", steps)
+    app.router.add_post("/v1/models/{model_id}/batch", batch)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/balance", balance)
+    app.router.add_get("/metrics", metrics)
+    return app

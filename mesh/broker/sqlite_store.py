@@ -1,0 +1,320 @@
+"""The embedded store of the broker: SQLite in WAL mode, one connection owned by one worker thread.
+
+Durability: an acknowledgement is sent only after COMMIT returns. With `durability = "fsync"`
+(synchronous=FULL) a committed transaction survives power loss; with "process" (synchronous=NORMAL)
+it survives the broker process being killed (the WAL is in the OS page cache) but not the machine
+crashing. The connection runs in EXCLUSIVE locking mode, so SQLite keeps the WAL index in process
+memory (no shared-memory file that could fault on a full disk) and a second broker on the same file
+fails at start instead of interleaving writes. Token arrays are stored as one raw little-endian blob
+per trajectory: tokens int32 | logprobs float32 | versions int32 | loss_mask uint8. Disk full and
+I/O errors roll the transaction back and surface as StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from deltamesh.mesh.broker.store import (
+    GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot, StoreUnavailable,
+    TaskRecord,
+)
+from deltamesh.trainer.data import Trajectory
+
+SCHEMA_VERSION = "1"
+_UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
+                sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY}
+_ID_CHUNK = 500  # ids per IN (...) query, well under SQLite's variable limit
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS models(model_id TEXT PRIMARY KEY, version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks(seq INTEGER PRIMARY KEY, task_id TEXT UNIQUE NOT NULL, prompt TEXT NOT NULL,
+    metadata TEXT NOT NULL, n_samples INTEGER, model_ids TEXT);
+CREATE TABLE IF NOT EXISTS leases(lease_no INTEGER PRIMARY KEY, lease_id TEXT UNIQUE NOT NULL,
+    task_id TEXT NOT NULL, epoch INTEGER NOT NULL, pool TEXT NOT NULL, region TEXT NOT NULL,
+    model_ids TEXT NOT NULL, n_samples INTEGER NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL,
+    state TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_state ON leases(state);
+CREATE TABLE IF NOT EXISTS groups(model_id TEXT NOT NULL, group_id TEXT NOT NULL, task_id TEXT NOT NULL,
+    size INTEGER NOT NULL, count INTEGER NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    seq INTEGER, batch_no INTEGER, min_version INTEGER, max_version INTEGER,
+    reward_min REAL, reward_max REAL, reward_mean REAL, PRIMARY KEY(model_id, group_id)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS groups_state ON groups(state, seq);
+CREATE INDEX IF NOT EXISTS groups_group ON groups(group_id);
+CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, model_id TEXT NOT NULL, group_id TEXT NOT NULL,
+    task_id TEXT NOT NULL, reward REAL NOT NULL, min_version INTEGER NOT NULL, max_version INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL, pool TEXT NOT NULL, region TEXT NOT NULL, meta TEXT NOT NULL, payload BLOB);
+CREATE INDEX IF NOT EXISTS trajectories_group ON trajectories(model_id, group_id);
+CREATE TABLE IF NOT EXISTS batches(batch_no INTEGER PRIMARY KEY, batch_id TEXT UNIQUE NOT NULL,
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, served_at REAL NOT NULL, n_groups INTEGER NOT NULL);
+"""
+
+
+def pack_payload(t: Trajectory) -> bytes:
+    return b"".join((t.tokens.astype("<i4", copy=False).tobytes(), t.logprobs.astype("<f4", copy=False).tobytes(),
+                     t.versions.astype("<i4", copy=False).tobytes(), t.loss_mask.astype("u1", copy=False).tobytes()))
+
+
+def unpack_payload(blob: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, logprobs, versions, loss_mask) views of a stored blob of `n` tokens."""
+    if len(blob) != 13 * n:
+        raise ValueError(f"stored payload has {len(blob)} bytes for {n} tokens")
+    return (np.frombuffer(blob, "<i4", n, 0), np.frombuffer(blob, "<f4", n, 4 * n),
+            np.frombuffer(blob, "<i4", n, 8 * n), np.frombuffer(blob, "u1", n, 12 * n))
+
+
+class SqliteStore:
+    """`BrokerStore` on one SQLite file. Use from a single thread (the broker's store worker)."""
+
+    def __init__(self, path: str | Path, *, durability: str = "fsync", history_limit: int = 100_000):
+        self.path = Path(path)
+        self.history_limit = history_limit
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=2.0)
+            # Exclusive mode before WAL: the WAL index then lives in heap memory, not in a -shm mmap.
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            self._db.execute("PRAGMA page_size=16384")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'NORMAL'}")
+            self._db.execute("PRAGMA wal_autocheckpoint=4096")  # 64 MiB of WAL between checkpoints, not 16
+            self._db.execute("PRAGMA temp_store=MEMORY")
+            self._db.execute("PRAGMA cache_size=-65536")
+            self._db.executescript(SCHEMA)  # idempotent; executescript would commit any open transaction
+            with self._transaction():
+                row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+                if row is None:
+                    self._db.execute("INSERT INTO meta VALUES('schema', ?), ('cursor', '[0, 0]')", (SCHEMA_VERSION,))
+                elif row[0] != SCHEMA_VERSION:
+                    raise StoreUnavailable(f"{self.path} has schema {row[0]}, this broker needs {SCHEMA_VERSION}")
+            self._seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM groups").fetchone()[0]
+        except sqlite3.Error as e:
+            raise StoreUnavailable(f"cannot open {self.path}: {e}") from e
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            yield
+            self._db.execute("COMMIT")
+        except BaseException as e:
+            if self._db.in_transaction:
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the failed COMMIT may already have rolled back
+            if isinstance(e, sqlite3.Error) and _result_code(e) in _UNAVAILABLE:
+                raise StoreUnavailable(f"store unavailable: {e}") from e
+            raise
+
+    # ---- start-up -------------------------------------------------------------------------------------
+
+    def load(self) -> StoreSnapshot:
+        db = self._db
+        cursor = json.loads(db.execute("SELECT value FROM meta WHERE key='cursor'").fetchone()[0])
+        leases = [
+            Lease(no, task, epoch, pool, region, json.loads(mids), n, issued, deadline, state)
+            for no, task, epoch, pool, region, mids, n, issued, deadline, state in db.execute(
+                "SELECT lease_no, task_id, epoch, pool, region, model_ids, n_samples, issued_at, deadline, state "
+                "FROM leases WHERE state IN ('active', 'expired') ORDER BY lease_no")
+        ]
+        cols = "model_id, group_id, task_id, size, min_version, max_version, reward_min, reward_max, reward_mean, seq, state, reason"
+        history = [GroupSummary(*r) for r in db.execute(
+            f"SELECT {cols} FROM groups WHERE seq IS NOT NULL ORDER BY seq DESC LIMIT ?", (self.history_limit,))]
+        return StoreSnapshot(
+            models=dict(db.execute("SELECT model_id, version FROM models")),
+            task_ids=[r[0] for r in db.execute("SELECT task_id FROM tasks ORDER BY seq")],
+            cursor=(int(cursor[0]), int(cursor[1])),
+            next_lease_no=db.execute("SELECT COALESCE(MAX(lease_no), 0) + 1 FROM leases").fetchone()[0],
+            leases=leases,
+            fresh=[GroupSummary(*r) for r in db.execute(f"SELECT {cols} FROM groups WHERE state='fresh' ORDER BY seq")],
+            replay=[GroupSummary(*r) for r in db.execute(
+                f"SELECT {cols} FROM groups WHERE state='consumed' ORDER BY batch_no, seq")],
+            history=history[::-1],
+        )
+
+    def import_tasks(self, tasks: Sequence[TaskRecord]) -> None:
+        with self._transaction():
+            self._db.executemany(
+                "INSERT INTO tasks(task_id, prompt, metadata, n_samples, model_ids) VALUES (?, ?, ?, ?, ?)",
+                [(t.task_id, json.dumps(t.prompt), json.dumps(t.metadata), t.n_samples,
+                  None if t.model_ids is None else json.dumps(t.model_ids)) for t in tasks])
+
+    def set_model_version(self, model_id: str, version: int) -> None:
+        with self._transaction():
+            self._db.execute("INSERT INTO models VALUES (?, ?) ON CONFLICT(model_id) DO UPDATE SET version=excluded.version",
+                             (model_id, version))
+
+    # ---- leases ---------------------------------------------------------------------------------------
+
+    def issue_leases(self, new: Sequence[Lease], reissued: Sequence[str], cursor: tuple[int, int]) -> dict[str, TaskRecord]:
+        with self._transaction():
+            self._db.executemany(
+                "INSERT INTO leases(lease_no, lease_id, task_id, epoch, pool, region, model_ids, n_samples, issued_at, "
+                "deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(le.lease_no, le.lease_id, le.task_id, le.epoch, le.pool, le.region,
+                  json.dumps(le.model_ids), le.n_samples, le.issued_at, le.deadline, le.state) for le in new])
+            self._db.executemany("UPDATE leases SET state='reissued' WHERE lease_id=?", [(i,) for i in reissued])
+            self._db.execute("UPDATE meta SET value=? WHERE key='cursor'", (json.dumps(list(cursor)),))
+            tasks = {}
+            for task_id in {le.task_id for le in new}:
+                prompt, meta, n, mids = self._db.execute(
+                    "SELECT prompt, metadata, n_samples, model_ids FROM tasks WHERE task_id=?", (task_id,)).fetchone()
+                tasks[task_id] = TaskRecord(task_id, json.loads(prompt), json.loads(meta), n,
+                                            None if mids is None else json.loads(mids))
+        return tasks
+
+    def expire_leases(self, lease_ids: Sequence[str]) -> list[str]:
+        expired = []
+        with self._transaction():
+            for lid in lease_ids:
+                if self._db.execute("UPDATE leases SET state='expired' WHERE lease_id=? AND state='active'", (lid,)).rowcount:
+                    expired.append(lid)
+        return expired
+
+    # ---- trajectories ---------------------------------------------------------------------------------
+
+    def ingest(self, submissions: Sequence[Sequence[Trajectory]], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
+        results: list[IngestResult | StoreConflict] = []
+        with self._transaction():
+            for trajectories in submissions:
+                self._db.execute("SAVEPOINT submission")
+                try:
+                    results.append(self._ingest_one(trajectories, verdict))
+                except StoreConflict as e:
+                    self._db.execute("ROLLBACK TO submission")
+                    results.append(e)
+                self._db.execute("RELEASE submission")
+        return results
+
+    def _ingest_one(self, trajectories: Sequence[Trajectory], verdict: GroupVerdict) -> IngestResult:
+        db = self._db
+        ids = [t.id for t in trajectories]
+        existing: set[str] = set()
+        for i in range(0, len(ids), _ID_CHUNK):
+            chunk = ids[i:i + _ID_CHUNK]
+            existing.update(r[0] for r in db.execute(
+                f"SELECT id FROM trajectories WHERE id IN ({','.join('?' * len(chunk))})", chunk))
+        new = [t for t in trajectories if t.id not in existing]
+        db.executemany(
+            "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(t.id, t.model_id, t.group_id, t.task_id, t.reward, t.min_version, t.max_version, len(t.tokens), t.pool,
+              t.region, json.dumps({"timings": t.timings, "metadata": t.metadata}), pack_payload(t)) for t in new])
+        result = IngestResult(accepted=len(new), duplicates=len(existing),
+                              accepted_by_model=dict(Counter(t.model_id for t in new)))
+        first: dict[GroupKey, Trajectory] = {}
+        counts: Counter[GroupKey] = Counter()
+        for t in new:
+            key = (t.model_id, t.group_id)
+            seen = first.setdefault(key, t)
+            if (seen.group_size, seen.task_id) != (t.group_size, t.task_id):
+                raise StoreConflict(f"group {t.group_id!r} of {t.model_id!r}: trajectories disagree on group_size or task_id")
+            counts[key] += 1
+        for key, added in counts.items():
+            summary = self._add_to_group(key, first[key], added, verdict)
+            if summary is not None:
+                result.completed.append(summary)
+        for group_id in {s.group_id for s in result.completed}:
+            if self._finish_lease(group_id):
+                result.done_leases.append(group_id)
+        return result
+
+    def _add_to_group(self, key: GroupKey, sample: Trajectory, added: int, verdict: GroupVerdict) -> GroupSummary | None:
+        db = self._db
+        row = db.execute("SELECT size, count, task_id FROM groups WHERE model_id=? AND group_id=?", key).fetchone()
+        size, count = (sample.group_size, 0) if row is None else (row[0], row[1])
+        if row is not None and (size, row[2]) != (sample.group_size, sample.task_id):
+            raise StoreConflict(f"group {key[1]!r} of {key[0]!r} has size {size} and task {row[2]!r}; "
+                                f"got group_size {sample.group_size} and task {sample.task_id!r}")
+        if count + added > size:
+            raise StoreConflict(f"group {key[1]!r} of {key[0]!r} would hold {count + added} samples; its size is {size}")
+        if row is None:
+            db.execute("INSERT INTO groups(model_id, group_id, task_id, size, count, state) VALUES (?, ?, ?, ?, ?, 'open')",
+                       (*key, sample.task_id, size, added))
+        else:
+            db.execute("UPDATE groups SET count=? WHERE model_id=? AND group_id=?", (count + added, *key))
+        if count + added < size:
+            return None
+        agg = db.execute("SELECT MIN(min_version), MAX(max_version), MIN(reward), MAX(reward), AVG(reward) "
+                         "FROM trajectories WHERE model_id=? AND group_id=?", key).fetchone()
+        self._seq += 1
+        summary = GroupSummary(key[0], key[1], sample.task_id, size, *agg, seq=self._seq)
+        reason = verdict(summary)
+        if reason is not None:
+            summary.state, summary.reason = "filtered", reason
+            db.execute("UPDATE trajectories SET payload=NULL WHERE model_id=? AND group_id=?", key)
+        db.execute("UPDATE groups SET state=?, reason=?, seq=?, min_version=?, max_version=?, reward_min=?, reward_max=?, "
+                   "reward_mean=? WHERE model_id=? AND group_id=?",
+                   (summary.state, summary.reason, summary.seq, *agg, *key))
+        return summary
+
+    def _finish_lease(self, group_id: str) -> bool:
+        """Mark the lease behind `group_id` done once every model it asked for has a complete group."""
+        row = self._db.execute("SELECT model_ids FROM leases WHERE lease_id=? AND state IN ('active', 'expired')",
+                               (group_id,)).fetchone()
+        if row is None:
+            return False
+        complete = {r[0] for r in self._db.execute(
+            "SELECT model_id FROM groups WHERE group_id=? AND seq IS NOT NULL", (group_id,))}
+        if not set(json.loads(row[0])) <= complete:
+            return False
+        self._db.execute("UPDATE leases SET state='done' WHERE lease_id=?", (group_id,))
+        return True
+
+    # ---- batches --------------------------------------------------------------------------------------
+
+    def take_batch(self, batch_id: str, model_id: str, version: int, fresh: Sequence[GroupKey],
+                   replay: Sequence[GroupKey], drop: Sequence[tuple[GroupKey, str]]) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        with self._transaction():
+            batch_no = self._db.execute(
+                "INSERT INTO batches(batch_id, model_id, version, served_at, n_groups) VALUES (?, ?, ?, ?, ?)",
+                (batch_id, model_id, version, time.time(), len(fresh) + len(replay))).lastrowid
+            self._db.executemany("UPDATE groups SET state='consumed', batch_no=? WHERE model_id=? AND group_id=?",
+                                 [(batch_no, *key) for key in fresh])
+            for key in [*replay, *fresh]:
+                out.extend(self._group_trajectories(key))
+            self._drop(drop)  # after reading: served groups may be retired by this very batch
+        return out
+
+    def _group_trajectories(self, key: GroupKey) -> list[Trajectory]:
+        size = self._db.execute("SELECT size FROM groups WHERE model_id=? AND group_id=?", key).fetchone()[0]
+        out = []
+        for tid, task_id, reward, n, pool, region, meta, vmin, vmax, payload in self._db.execute(
+                "SELECT id, task_id, reward, n_tokens, pool, region, meta, min_version, max_version, payload "
+                "FROM trajectories WHERE model_id=? AND group_id=? ORDER BY rowid", key):
+            if payload is None:
+                raise StoreConflict(f"group {key[1]!r} of {key[0]!r} has no stored tokens (it was dropped)")
+            tokens, logprobs, versions, loss_mask = unpack_payload(payload, n)
+            extra = json.loads(meta)
+            out.append(Trajectory(tid, task_id, key[1], size, key[0], tokens, logprobs, loss_mask, versions, reward,
+                                  pool, region, extra["timings"], extra["metadata"], vmin, vmax))
+        return out
+
+    def drop_groups(self, drop: Sequence[tuple[GroupKey, str]]) -> None:
+        with self._transaction():
+            self._drop(drop)
+
+    def _drop(self, drop: Sequence[tuple[GroupKey, str]]) -> None:
+        self._db.executemany("UPDATE groups SET state=? WHERE model_id=? AND group_id=?", [(st, *k) for k, st in drop])
+        self._db.executemany("UPDATE trajectories SET payload=NULL WHERE model_id=? AND group_id=?", [k for k, _ in drop])
+
+
+def _result_code(e: sqlite3.Error) -> int:
+    """The primary SQLite result code of an error (Python 3.11+ carries it; 3.10 only says it in text)."""
+    if sys.version_info >= (3, 11):
+        return e.sqlite_errorcode & 0xFF
+    text = str(e).lower()  # pragma: no cover - Python 3.10
+    return sqlite3.SQLITE_FULL if "full" in text else sqlite3.SQLITE_IOERR if "i/o" in text else 0

@@ -1,0 +1,146 @@
+"""The broker's durable store: the records it keeps and the narrow interface every backend implements.
+
+The broker keeps its working state (buffers, lease table, cursor, curator) in memory and uses the
+store as a durable log of changes: each method is one transaction that either commits completely or
+changes nothing, and the broker acknowledges only after it returns. `load` rebuilds everything at
+start-up. That is all a backend must do, so a server database (PostgreSQL) can replace the embedded
+SQLite one (`SqliteStore`) by implementing `BrokerStore`. Methods are blocking; the broker calls
+them from one worker thread, never from its event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from deltamesh.trainer.data import Trajectory
+
+GroupKey = tuple[str, str]
+"""(model_id, group_id): a group is the samples of one prompt for one model."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot commit right now (disk full, I/O error, locked); nothing was changed. HTTP 503."""
+
+
+class StoreConflict(Exception):
+    """A submission contradicts what is stored (e.g. more samples than its group's size). HTTP 400."""
+
+
+@dataclass
+class GroupSummary:
+    """What policies need to know about a complete group, without its token arrays."""
+
+    model_id: str
+    group_id: str
+    task_id: str
+    size: int
+    min_version: int
+    max_version: int
+    reward_min: float
+    reward_max: float
+    reward_mean: float
+    seq: int = 0  # completion order, across all models
+    state: str = "fresh"  # fresh | filtered | consumed | stale | retired
+    reason: str = ""  # which filter dropped it, when state is filtered
+
+    @property
+    def key(self) -> GroupKey:
+        return self.model_id, self.group_id
+
+
+@dataclass
+class TaskRecord:
+    """One prompt of the dataset: what a pool needs to produce a group for it."""
+
+    task_id: str
+    prompt: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+    n_samples: int | None = None  # None: the configured default
+    model_ids: list[str] | None = None  # None: the configured default
+
+
+@dataclass
+class Lease:
+    """A task handed to a pool until `deadline` (unix time). Its id doubles as the group id."""
+
+    lease_no: int
+    task_id: str
+    epoch: int
+    pool: str
+    region: str
+    model_ids: list[str]
+    n_samples: int
+    issued_at: float
+    deadline: float
+    state: str = "active"  # active | expired (waiting to be issued again) | reissued | done
+
+    @property
+    def lease_id(self) -> str:
+        return f"L{self.lease_no}"
+
+
+@dataclass
+class IngestResult:
+    """What one submission changed: new trajectories, duplicates skipped, groups and leases completed."""
+
+    accepted: int
+    duplicates: int
+    accepted_by_model: dict[str, int] = field(default_factory=dict)
+    completed: list[GroupSummary] = field(default_factory=list)
+    done_leases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StoreSnapshot:
+    """Everything the broker rebuilds its memory from after a restart."""
+
+    models: dict[str, int]  # model_id -> trainer version
+    task_ids: list[str]  # in dataset order
+    cursor: tuple[int, int]  # (epoch, position) of the next task never issued
+    next_lease_no: int
+    leases: list[Lease]  # active and expired ones
+    fresh: list[GroupSummary]  # complete, not yet served, in completion order
+    replay: list[GroupSummary]  # served and kept for replay, oldest first
+    history: list[GroupSummary]  # recent complete groups (any state), oldest first, for curators
+
+
+GroupVerdict = Callable[[GroupSummary], str | None]
+"""Post-rollout filter chain: the name of the filter that drops a just-completed group, or None."""
+
+
+class BrokerStore(Protocol):
+    def load(self) -> StoreSnapshot: ...
+
+    def import_tasks(self, tasks: Sequence[TaskRecord]) -> None: ...
+
+    def set_model_version(self, model_id: str, version: int) -> None: ...
+
+    def issue_leases(self, new: Sequence[Lease], reissued: Sequence[str], cursor: tuple[int, int]) -> dict[str, TaskRecord]:
+        """Record new leases, mark `reissued` ones, move the cursor; return the leased tasks by id."""
+        ...
+
+    def expire_leases(self, lease_ids: Sequence[str]) -> list[str]:
+        """Mark active leases expired; return those that were still active."""
+        ...
+
+    def ingest(self, submissions: Sequence[Sequence[Trajectory]], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
+        """Store several submissions in one commit (group commit); each is all-or-nothing on its own.
+
+        A submission that conflicts comes back as its StoreConflict and stores nothing; the others
+        commit. StoreUnavailable means the whole commit failed and nothing was stored.
+        """
+        ...
+
+    def take_batch(self, batch_id: str, model_id: str, version: int, fresh: Sequence[GroupKey],
+                   replay: Sequence[GroupKey], drop: Sequence[tuple[GroupKey, str]]) -> list[Trajectory]:
+        """Mark `fresh` groups consumed by this batch, move `drop` groups to their state (see
+        drop_groups), and return the trajectories of `replay` then `fresh` groups, in order."""
+        ...
+
+    def drop_groups(self, drop: Sequence[tuple[GroupKey, str]]) -> None:
+        """Move groups to a final state (`stale`, `retired`); their token arrays are deleted, their
+        trajectory ids stay (so a late duplicate is still recognised)."""
+        ...
+
+    def close(self) -> None: ...

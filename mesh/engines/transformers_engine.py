@@ -1,0 +1,313 @@
+"""The in-process rollout engine: a transformers causal LM on CPU or CUDA, with hot weight swap.
+
+Generation is a custom decode loop (left-padded batch, attention mask, explicit positions, KV cache)
+rather than `model.generate`, because weights may change between two decode steps: every step runs
+under the engine's step lock, and a weight update takes the same lock, so an update lands exactly at
+a step boundary (FIFO: it waits for at most the step in progress of each running generation). Each
+token is tagged with the version that was live when its step ran; in-flight generations carry on
+with the new weights over the KV cache built so far. Pieces are decoded and verified before the lock
+is taken, so generation pauses only for the in-place write and the hash check.
+
+Calls that touch the model run in a worker thread (`asyncio.to_thread`) under `torch.inference_mode`,
+keeping the pool's event loop free for network I/O meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from deltamesh.delta import BaseMismatchError, CorruptError, Manifest, dir_manifest, read_weights, tensor_digest
+from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
+from deltamesh.mesh.engines.hotswap import (
+    copy_weights_in_place,
+    decode_delta,
+    decode_full,
+    live_tensors,
+    verify_base,
+    write_delta_in_place,
+)
+from deltamesh.mesh.engines.metrics import EngineMetrics
+from deltamesh.mesh.engines.sampling import sample_next
+from deltamesh.trainer.models import load_causal_lm, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TransformersEngineConfig:
+    model_id: str
+    model_dir: str
+    """A Hugging Face model directory (config, tokenizer, safetensors)."""
+    device: str = "cpu"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    version: int | None = None
+    """Version of the weights in `model_dir`; None takes it from the directory's manifest, else 0."""
+    max_batch: int = 64
+    """Most prompts decoded together; larger requests run in consecutive batches."""
+    seed: int | None = 0
+    """Seed of the engine's sampling generator (None: random); a request's own seed overrides it."""
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must be set")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.version is not None and self.version < 0:
+            raise ValueError(f"version must be >= 0, got {self.version}")
+        torch.device(self.device)  # raises on a malformed device string
+
+
+@dataclass
+class _DecodeState:
+    """The batch being decoded: next inputs, attention mask, positions and the KV cache."""
+
+    inputs: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: Any = None
+    done: list[bool] = field(default_factory=list)
+
+
+class TransformersEngine:
+    """In-process engine (see the module docstring). Construction loads the model and blocks."""
+
+    def __init__(self, config: TransformersEngineConfig, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.model_id = config.model_id
+        self._device = torch.device(config.device)
+        self._model = load_causal_lm(config.model_dir, dtype=_DTYPES[config.dtype], device=config.device)
+        self._tokenizer = load_tokenizer(config.model_dir)
+        self._live = live_tensors(self._model)
+        forward = inspect.signature(self._model.forward).parameters
+        # transformers 5 renamed `past_key_values` to `cache`; use whichever this version takes.
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in forward
+        self._eos = _eos_ids(self._model, self._tokenizer)
+        pad = self._tokenizer.pad_token_id
+        self._pad = int(pad if pad is not None else (self._eos[0] if self._eos else 0))
+        self._vocab = int(self._model.get_output_embeddings().weight.shape[0])
+        seed = config.seed if config.seed is not None else secrets.randbits(63)
+        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._lock = asyncio.Lock()
+        self._closed = False
+        manifest = dir_manifest(config.model_dir)
+        if manifest is not None and config.version is not None and manifest.version != config.version:
+            raise EngineError(f"{config.model_dir} holds v{manifest.version}, config says v{config.version}")
+        self._version = manifest.version if manifest is not None else (config.version or 0)
+        self._weights_hash = manifest.weights_hash if manifest is not None else None
+        self.metrics = EngineMetrics(self.model_id, "transformers", registry)
+        self.metrics.version.set(self._version)
+        log.info("%s: transformers engine on %s serving v%d from %s", self.model_id, self._device,
+                 self._version, config.model_dir)
+
+    # -- the Engine interface --------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def weights_hash(self) -> str | None:
+        """`weights_hash` of the served weights: known when they came with a manifest or after the
+        first delta (which computes it to check the delta's base); None before."""
+        return self._weights_hash
+
+    @property
+    def supports_in_place(self) -> bool:
+        return True
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        self._check_open()
+        prompts = [[int(t) for t in p] for p in prompts]
+        for p in prompts:
+            if not p:
+                raise ValueError("every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= self._vocab:
+                raise ValueError(f"prompt token out of range [0, {self._vocab})")
+        results: list[Generation] = []
+        for start in range(0, len(prompts), self.config.max_batch):
+            results += await self._generate_batch(prompts[start:start + self.config.max_batch], params)
+        return results
+
+    async def load_version(self, path: str | Path, version: int) -> None:
+        """Read and verify the weights of `path` (while generation goes on), then copy them in."""
+        self._check_open()
+        started = time.perf_counter()
+        try:
+            weights, manifest = await asyncio.to_thread(_read_verified, Path(path), version)
+            async with self._lock:
+                paused = time.perf_counter()
+                await asyncio.to_thread(copy_weights_in_place, self._live, weights)
+                self._set_version(version, manifest.weights_hash if manifest is not None else None)
+        except Exception:
+            self.metrics.update_done("disk", False, 0.0)
+            raise
+        self.metrics.update_done("disk", True, time.perf_counter() - paused)
+        log.info("%s: now serving v%d from %s (%.3f s, %.3f s paused)", self.model_id, version, path,
+                 time.perf_counter() - started, time.perf_counter() - paused)
+
+    async def apply_update(self, manifest: Manifest, pieces: Sequence[bytes]) -> None:
+        """Hot-swap delta or full snapshot `manifest` into the live model between two decode steps."""
+        self._check_open()
+        if manifest.model_id != self.model_id:
+            raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
+        way = manifest.kind
+        try:
+            if manifest.kind == "delta":
+                decoded = await asyncio.to_thread(decode_delta, manifest, pieces)
+                async with self._lock:
+                    paused = time.perf_counter()
+                    self._weights_hash = await asyncio.to_thread(
+                        verify_base, self._live, manifest, self._version, self._weights_hash)
+                    stats = await asyncio.to_thread(write_delta_in_place, self._live, decoded)
+                    self._set_version(manifest.version, manifest.weights_hash)
+                log.info("%s: hot-swapped v%d -> v%d in place (%d words in %d tensors, %.3f s paused)",
+                         self.model_id, manifest.base_version, manifest.version, stats.words_changed,
+                         stats.tensors_written, time.perf_counter() - paused)
+            else:
+                weights = await asyncio.to_thread(decode_full, manifest, pieces)
+                async with self._lock:
+                    paused = time.perf_counter()
+                    await asyncio.to_thread(copy_weights_in_place, self._live, weights)
+                    self._set_version(manifest.version, manifest.weights_hash)
+                log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version,
+                         time.perf_counter() - paused)
+        except Exception:
+            self.metrics.update_done(way, False, 0.0)
+            raise
+        self.metrics.update_done(way, True, time.perf_counter() - paused)
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._closed = True
+            self._live = {}
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self.model_id}: engine is closed")
+
+    def _set_version(self, version: int, weights_hash: str | None) -> None:
+        self._version = version
+        self._weights_hash = weights_hash
+        self.metrics.version.set(version)
+
+    async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        started = time.perf_counter()
+        gens = [Generation(prompt=p) for p in prompts]
+        state = _start_state(prompts, self._pad, self._device)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= set(self._eos)
+        for _ in range(params.max_new_tokens):
+            async with self._lock:
+                self._check_open()
+                version = self._version
+                tokens, logprobs = await asyncio.to_thread(self._step, state, params, generator)
+            for i, gen in enumerate(gens):
+                if state.done[i]:
+                    continue
+                gen.tokens.append(tokens[i])
+                gen.logprobs.append(logprobs[i])
+                gen.versions.append(version)
+                if tokens[i] in stop:
+                    gen.finish_reason = "stop"
+                    state.done[i] = True
+            if all(state.done):
+                break
+        elapsed = time.perf_counter() - started
+        for gen in gens:
+            gen.generate_s = elapsed
+            if len(set(gen.versions)) > 1:
+                self.metrics.straddled.inc()
+        self.metrics.generations.inc(len(gens))
+        self.metrics.tokens.inc(sum(len(g.tokens) for g in gens))
+        return gens
+
+    def _step(
+        self, state: _DecodeState, params: SamplingParams, generator: torch.Generator,
+    ) -> tuple[list[int], list[float]]:
+        """One forward pass and one sampled token per row; prepares the next step's inputs."""
+        with torch.inference_mode():
+            kwargs: dict[str, Any] = {self._cache_arg: state.cache, "use_cache": True}
+            if self._logits_to_keep:
+                kwargs["logits_to_keep"] = 1
+            out = self._model(input_ids=state.inputs, attention_mask=state.mask, position_ids=state.positions, **kwargs)
+            state.cache = out[self._cache_arg]
+            tokens, logprobs = sample_next(out.logits[:, -1, :], params, generator)
+            done = torch.tensor(state.done, device=self._device)
+            # Finished rows keep stepping (a batch moves together) on padding whose outputs are ignored.
+            state.inputs = tokens.masked_fill(done, self._pad)[:, None]
+            state.positions = state.positions[:, -1:] + 1
+            state.mask = torch.cat([state.mask, state.mask.new_ones((state.mask.shape[0], 1))], dim=1)
+        return tokens.tolist(), logprobs.tolist()
+
+
+def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _DecodeState:
+    """Left-pad the prompts; positions count real tokens only, so padding does not shift them."""
+    width = max(len(p) for p in prompts)
+    inputs = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        inputs[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts))
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (tokenizer.eos_token_id, model.generation_config.eos_token_id):
+        for t in source if isinstance(source, (list, tuple)) else [source]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+def _read_verified(path: Path, version: int) -> tuple[dict[str, torch.Tensor], Manifest | None]:
+    """The weights of a model directory, checked against its manifest when it has one."""
+    if not path.is_dir():
+        raise EngineError(f"{path} is not a model directory")
+    manifest = dir_manifest(path)
+    weights = read_weights(path)
+    if manifest is None:
+        return weights, None
+    if manifest.version != version:
+        raise BaseMismatchError(f"{path} holds v{manifest.version}, v{version} was asked for")
+    expected = {t.name: t.hash for t in manifest.tensors}
+    if set(expected) != set(weights):
+        raise CorruptError(f"{path}: tensors differ from its manifest")
+    for name, w in weights.items():
+        if tensor_digest(w) != expected[name]:
+            raise CorruptError(f"{path}: tensor {name!r} does not match its manifest")
+    return weights, manifest

@@ -1,0 +1,175 @@
+"""Typed settings of a rollout pool (`deltamesh pool run --config FILE`, table `[pool]`).
+
+A pool serves one or more policies (model_ids), each with its own engine and its own weight stream
+from the region's gateway, and runs one workflow over the tasks it leases from the broker. Flags
+given on the command line override the file; every value is checked here, so a bad setting fails at
+start-up naming the key. A single-policy pool needs no file: `--model PATH` (and optionally
+`--model-id`) describe its one policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from deltamesh.gateway.http import parse_listen
+
+
+@dataclass
+class PolicyConfig:
+    """One policy the pool serves: its model_id and where its engine starts from."""
+
+    model_id: str = ""
+    """Empty: the one model the gateway serves (only for a single-policy pool)."""
+    model_path: str = ""
+    """A Hugging Face model directory (config and tokenizer; its weights are replaced by the synced
+    version before the pool generates). The SGLang engine launches its server from it unless
+    `engine_url` attaches to a running one, and reads its tokenizer from it."""
+    engine_url: str = ""
+    """SGLang only: base URL of a running SGLang server to attach to."""
+    engine_port: int = 30000
+    """SGLang only: port of the server the pool launches (when `engine_url` is empty)."""
+
+    def __post_init__(self) -> None:
+        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine_url {self.engine_url!r} must be an http(s) URL")
+        if not 0 < self.engine_port < 65536:
+            raise ValueError(f"engine_port {self.engine_port} out of range")
+
+
+@dataclass
+class SamplingConfig:
+    """How the pool samples (see `deltamesh.mesh.engines.base.SamplingParams`)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+
+
+@dataclass
+class PoolConfig:
+    """Everything `deltamesh pool run` needs."""
+
+    name: str = ""
+    gateways: list[str] = field(default_factory=list)
+    """The region's gateway first, alternates after (used when it fails)."""
+    broker: str = ""
+    token: str = ""
+    """The region's pool token (registration with the gateway)."""
+    trusted_keys: list[str] = field(default_factory=list)
+    """PEM files of the trainer public keys whose signed versions are accepted."""
+    dir: str = "pool-weights"
+    """Root of the synced weights: each policy's directory is DIR/<model_id>, kept at the gateway's
+    head atomically; a restarted pool resumes from it without downloading what it already holds."""
+    region: str = ""
+    """Empty: the region of the first gateway that answers."""
+    tier: str = ""
+    gpus: int = 0
+    engine: Literal["transformers", "sglang"] = "transformers"
+    device: str = "cpu"
+    """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
+    threads: int = 0
+    """Torch CPU threads of this process (0: torch's default)."""
+    seed: int | None = None
+    """Seed of the transformers engine's sampling (None: random, so pools do not sample alike)."""
+    hot_swap: bool = True
+    """Apply new versions into a live transformers engine in place; False reloads every version from
+    the synced directory (what an engine without hot swap does)."""
+    listen: str = "127.0.0.1:0"
+    """HOST:PORT of the pool's own status and /metrics server (port 0: any free port)."""
+    advertise: str = ""
+    """The status server's URL as the gateway should reach it (its RTT probes); default: the listen address."""
+    models: list[PolicyConfig] = field(default_factory=list)
+    workflow: str = "math"
+    workflow_options: dict[str, Any] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    """Workflow role -> model_id. A role left out is played by the model_id of the same name, or by
+    the only policy when there is one."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_staleness: int | None = None
+    """Stop leasing while a policy's engine is more than this many versions behind the newest version
+    known (the trainer's, as the broker reports it, or the gateway's head); None: no bound."""
+    lease_batch: int = 4
+    """Most tasks asked for in one lease request."""
+    max_episodes: int = 8
+    """Episodes run at once; their generate calls are merged into shared engine batches."""
+    batch_window_s: float = 0.005
+    """How long the transformers engine's batcher waits for more generate calls to join a batch (0: no merging)."""
+    max_batch: int = 64
+    """Most prompts one engine batch decodes together."""
+    idle_s: float = 0.5
+    """Pause before asking again when the broker had no task (or the pool may not lease)."""
+    broker_refresh_s: float = 1.0
+    """How often the trainer versions are read from the broker for the staleness bound."""
+    submit_retries: int = 10
+    drain_s: float = 30.0
+    """On stop: how long running episodes may take to finish and submit (unfinished leases expire)."""
+    connections: int = 4
+    """Parallel piece fetches per transfer."""
+    heartbeat_s: float = 2.0
+    poll_wait_s: float = 30.0
+    stall_timeout_s: float = 20.0
+    give_up_s: float = 120.0
+    full_every: int = 0
+    """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name is required")
+        if not self.gateways:
+            raise ValueError("gateways must list at least one gateway URL")
+        for url in [*self.gateways, self.broker]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} must be an http(s) URL (gateways and broker are required)")
+        self.gateways = [u.rstrip("/") for u in self.gateways]
+        self.broker = self.broker.rstrip("/")
+        if not self.token:
+            raise ValueError("token is required (the region's pool token)")
+        if not self.trusted_keys:
+            raise ValueError("trusted_keys must name at least one trainer public key file")
+        if not self.models:
+            raise ValueError("models must describe at least one policy (or give --model)")
+        ids = [m.model_id for m in self.models]
+        if len(self.models) > 1 and (not all(ids) or len(set(ids)) != len(ids)):
+            raise ValueError(f"a pool of several policies needs distinct model_ids, got {ids}")
+        for m in self.models:
+            if self.engine == "transformers" and not m.model_path:
+                raise ValueError(f"policy {m.model_id or '(default)'}: the transformers engine needs model_path")
+            if self.engine == "sglang" and not (m.model_path or m.engine_url):
+                raise ValueError(f"policy {m.model_id or '(default)'}: the SGLang engine needs model_path or engine_url")
+        unknown = sorted(set(self.roles.values()) - set(ids))
+        if unknown:
+            raise ValueError(f"roles name model_ids the pool does not serve: {unknown}")
+        parse_listen(self.listen)
+        if self.advertise and not self.advertise.startswith(("http://", "https://")):
+            raise ValueError(f"advertise {self.advertise!r} must be an http(s) URL")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        if min(self.lease_batch, self.max_episodes, self.max_batch, self.connections) < 1:
+            raise ValueError("lease_batch, max_episodes, max_batch and connections must be >= 1")
+        if self.gpus < 0 or self.threads < 0 or self.submit_retries < 0 or self.full_every < 0:
+            raise ValueError("gpus, threads, submit_retries and full_every must be >= 0")
+        if self.batch_window_s < 0 or self.drain_s < 0:
+            raise ValueError("batch_window_s and drain_s must be >= 0")
+        if min(self.idle_s, self.broker_refresh_s, self.heartbeat_s, self.poll_wait_s, self.stall_timeout_s,
+               self.give_up_s) <= 0:
+            raise ValueError("idle_s, broker_refresh_s, heartbeat_s, poll_wait_s, stall_timeout_s and give_up_s "
+                             "must be > 0")
+
+    def policy_dir(self, model_id: str) -> Path:
+        """The synced weights directory of one policy."""
+        return Path(self.dir) / model_id
+
+    def registration_name(self, model_id: str) -> str:
+        """The name each policy's weight stream registers with at the gateway: the pool's name, with
+        the model_id appended when the pool serves several (the registry keeps one model per name)."""
+        return self.name if len(self.models) == 1 else f"{self.name}.{model_id}"

@@ -1,0 +1,54 @@
+"""Prometheus metrics of a rollout pool, in the one registry its status server exposes at `/metrics`.
+
+The pool's own counters (leases, episodes, submitted trajectories, weight transfers, whether it may
+lease) live in a per-pool `CollectorRegistry`. Each engine keeps its metrics in a registry of its own
+(two engines of one process would otherwise register the same metric names twice);
+`EngineMetricsCollector` merges their families into the pool's registry, one family per name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+_EPISODE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class PoolMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = self.registry = registry
+        self.leases = Counter("deltamesh_pool_leases", "Tasks leased from the broker", registry=r)
+        self.episodes = Counter("deltamesh_pool_episodes", "Episodes finished, by result", ["result"], registry=r)
+        self.episode_seconds = Histogram("deltamesh_pool_episode_seconds", "Wall time of one episode",
+                                         buckets=_EPISODE_BUCKETS, registry=r)
+        self.submitted = Counter("deltamesh_pool_submitted_trajectories", "Trajectories acknowledged by the broker",
+                                 ["model"], registry=r)
+        self.running = Gauge("deltamesh_pool_running_episodes", "Episodes in progress", registry=r)
+        self.leasing = Gauge("deltamesh_pool_leasing", "1 while the pool may lease, 0 while it waits for weights",
+                             registry=r)
+        self.behind = Gauge("deltamesh_pool_versions_behind",
+                            "Versions the engine is behind the newest known version", ["model"], registry=r)
+        self.transfers = Counter("deltamesh_pool_transfer_steps", "Plan steps fetched, by kind",
+                                 ["model", "kind"], registry=r)
+        self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes", "Payload bytes fetched", ["model"], registry=r)
+        self.swaps = Counter("deltamesh_pool_weight_swaps", "Versions brought into an engine, by way",
+                             ["model", "way"], registry=r)
+
+
+class EngineMetricsCollector:
+    """Exposes the metrics of several engines' registries as one set of families."""
+
+    def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
+        self.registries = list(registries)
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged.samples.extend(family.samples)
+        return list(families.values())

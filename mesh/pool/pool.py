@@ -1,0 +1,206 @@
+"""A rollout pool process: engines, their weight-sync loops and the rollout worker, wired together.
+
+`RolloutPool(config).run(stop)` does, in order: serve its status and `/metrics`; learn the region
+(and a missing model_id) from the gateway; bind the workflow and check that every role has a policy;
+start one engine per policy; start each policy's weight stream, which resumes from the synced
+directory, registers with the gateway and syncs to the head; and run the rollout worker, which
+leases only once every engine serves a published version within the staleness bound. Each weight
+stream and the worker are their own asyncio loops (the transformers engine decodes in worker
+threads), so transfers, swaps and generation overlap. On `stop` the worker drains, then the weight
+streams and engines are closed. A weight stream that dies unexpectedly stops the pool: a pool that
+cannot follow the trainer must not keep generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.mesh.engines.base import Engine, SamplingParams
+from deltamesh.mesh.pool.batching import BatchingEngine
+from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
+from deltamesh.mesh.pool.engines import open_engine
+from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
+from deltamesh.mesh.pool.staleness import LeaseGate
+from deltamesh.mesh.pool.status import serving, status_app
+from deltamesh.mesh.pool.weights import PolicyWeights
+from deltamesh.mesh.pool.worker import RolloutWorker, WorkerSettings
+from deltamesh.mesh.workflows import EpisodeContext, make_workflow
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(RuntimeError):
+    """The pool cannot run as configured (no policy for a workflow role, ambiguous model, ...)."""
+
+
+def resolve_roles(workflow_roles: Sequence[str], model_ids: Sequence[str], roles: Mapping[str, str]) -> dict[str, str]:
+    """Role -> model_id: as configured, else the model_id named like the role, else the only policy."""
+    resolved = {}
+    for role in workflow_roles:
+        if role in roles:
+            resolved[role] = roles[role]
+        elif role in model_ids:
+            resolved[role] = role
+        elif len(model_ids) == 1:
+            resolved[role] = model_ids[0]
+        else:
+            raise PoolError(f"no policy plays role {role!r} of the workflow: set roles "
+                            f"(--role {role}=MODEL_ID); policies: {list(model_ids)}")
+    return resolved
+
+
+async def gateway_info(gateways: Sequence[str], stop: asyncio.Event, retry_s: float = 1.0) -> dict[str, Any] | None:
+    """The first answer of `GET /v1/models` ({"region", "models"}) from the gateways; None if stopped first."""
+    async with client_session(timeout_s=10.0) as session:
+        while not stop.is_set():
+            for url in gateways:
+                try:
+                    return await request_json(session, "GET", f"{url}/v1/models")
+                except HttpError as e:
+                    log.warning("gateway %s: %s", url, e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), retry_s)
+    return None
+
+
+class RolloutPool:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = PoolMetrics(self.registry)
+        self.region = config.region
+        self.url = ""
+        self.started_at = time.time()
+        self.weights: dict[str, PolicyWeights] = {}
+        self.worker: RolloutWorker | None = None
+        self.gate: LeaseGate | None = None
+
+    def status(self) -> dict[str, Any]:
+        cfg = self.config
+        models = {}
+        for model_id, w in self.weights.items():
+            models[model_id] = {
+                "engine_version": w.version, "dir_version": w.sync.version, "head": w.sync.head, "ready": w.ready,
+                "resumed_from_dir": w.status.resumed_from_dir, "fetched": w.status.fetched, "swaps": w.status.swaps,
+                "last_swap_at": w.status.last_swap_at, "last_error": w.status.last_error,
+            }
+        worker = dataclasses.asdict(self.worker.counts) if self.worker is not None else {}
+        verdict = self.gate.last if self.gate is not None else None
+        return {
+            "name": cfg.name, "region": self.region, "tier": cfg.tier, "engine": cfg.engine, "gpus": cfg.gpus,
+            "started_at": self.started_at, "models": models,
+            "leasing": None if verdict is None else {"may_lease": verdict.may_lease, "reason": verdict.reason,
+                                                     "behind": verdict.behind},
+            "running_episodes": self.worker.running if self.worker is not None else 0, "worker": worker,
+        }
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)
+        async with contextlib.AsyncExitStack() as stack:
+            self.url = await stack.enter_async_context(serving(status_app(self.status, self.registry), cfg.listen))
+            log.info("pool %s: status and /metrics at %s", cfg.name, self.url)
+            policies = await self._resolve(stop)
+            if policies is None:
+                return
+            workflow = make_workflow(cfg.workflow, cfg.workflow_options)
+            model_ids = [p.model_id for p in policies]
+            roles = resolve_roles(workflow.roles, model_ids, cfg.roles)
+
+            engines: dict[str, Engine] = {}
+            registries = []
+            for policy in policies:
+                engine, registry = await open_engine(cfg, policy)
+                stack.push_async_callback(engine.close)
+                engines[policy.model_id] = engine
+                registries.append(registry)
+            self.registry.register(EngineMetricsCollector(registries))
+
+            for model_id, engine in engines.items():
+                self.weights[model_id] = PolicyWeights(engine, self._sync_config(model_id), hot_swap=cfg.hot_swap,
+                                                       metrics=self.metrics)
+            generating: dict[str, Engine] = {}
+            for model_id, engine in engines.items():
+                if engine.supports_in_place and cfg.batch_window_s > 0:
+                    engine = await stack.enter_async_context(
+                        BatchingEngine(engine, max_prompts=cfg.max_batch, window_s=cfg.batch_window_s))
+                generating[model_id] = engine
+            s = cfg.sampling
+            params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                    top_k=s.top_k, ignore_eos=s.ignore_eos)
+            ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region)
+            client = PoolClient(cfg.broker, pool=cfg.name, region=self.region, gpus=cfg.gpus)
+            stack.push_async_callback(client.close)
+            self.gate = LeaseGate(self.weights, client.status, max_staleness=cfg.max_staleness,
+                                  refresh_s=cfg.broker_refresh_s, metrics=self.metrics)
+            self.worker = RolloutWorker(
+                client, workflow, ctx, self.gate,
+                WorkerSettings(lease_batch=cfg.lease_batch, max_episodes=cfg.max_episodes, idle_s=cfg.idle_s,
+                               submit_retries=cfg.submit_retries, drain_s=cfg.drain_s, tier=cfg.tier),
+                metrics=self.metrics)
+            await self._run_loops(stop)
+
+    async def _run_loops(self, stop: asyncio.Event) -> None:
+        assert self.worker is not None
+        failed: list[BaseException] = []
+
+        def watch(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                failed.append(task.exception())
+                log.error("pool %s: %s failed, stopping: %r", self.config.name, task.get_name(), task.exception())
+                stop.set()
+
+        streams = []
+        for model_id, w in self.weights.items():
+            task = asyncio.create_task(w.run(stop), name=f"weights-{model_id}")
+            task.add_done_callback(watch)
+            streams.append(task)
+        try:
+            await self.worker.run(stop)
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+        if failed:
+            raise PoolError(f"pool {self.config.name} stopped: {failed[0]!r}") from failed[0]
+
+    async def _resolve(self, stop: asyncio.Event) -> list[PolicyConfig] | None:
+        """The policies with their model_ids, and the region, asking the gateway when not configured."""
+        cfg = self.config
+        policies = list(cfg.models)
+        if self.region and all(p.model_id for p in policies):
+            return policies
+        info = await gateway_info(cfg.gateways, stop)
+        if info is None:
+            return None
+        self.region = self.region or str(info.get("region", ""))
+        if not policies[0].model_id:
+            served = sorted(info.get("models") or {})
+            if len(served) != 1:
+                raise PoolError(f"the gateway serves {len(served)} models {served}: name one with --model-id")
+            policies[0] = dataclasses.replace(policies[0], model_id=served[0])
+            log.info("pool %s: serving %s (the gateway's only model)", cfg.name, served[0])
+        return policies
+
+    def _sync_config(self, model_id: str) -> PoolSyncConfig:
+        cfg = self.config
+        return PoolSyncConfig(
+            gateways=cfg.gateways, token=cfg.token, name=cfg.registration_name(model_id),
+            dir=str(cfg.policy_dir(model_id)), trusted_keys=cfg.trusted_keys, model=model_id, gpus=cfg.gpus,
+            engine=cfg.engine, tier=cfg.tier, endpoint=cfg.advertise or self.url, connections=cfg.connections,
+            heartbeat_s=cfg.heartbeat_s, poll_wait_s=cfg.poll_wait_s, stall_timeout_s=cfg.stall_timeout_s,
+            give_up_s=cfg.give_up_s, full_every=cfg.full_every)
+

@@ -1,0 +1,153 @@
+"""What a workflow is: an episode function that turns one rollout task into trajectories with rewards.
+
+A `Task` is what a pool leased from the broker (its lease id is the group id). An episode may call
+the engines of several model_ids; it finds them through `EpisodeContext`, which maps each of the
+workflow's roles ("policy", "solver", "verifier", ...) to a model_id and each model_id to its engine.
+It returns `deltamesh.trainer.data.Trajectory` records, the broker's submission format, built with
+`trajectory_from_generation` and closed with `finalize_groups` so that each (model_id, group_id)
+group states its true size: a multi-turn workflow may emit a different number of trajectories per
+model than the task's n_samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import numpy as np
+
+from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
+from deltamesh.trainer.data import Trajectory
+
+
+class WorkflowError(ValueError):
+    """A workflow that cannot run as configured (unknown name, bad options, no engine for a role)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One leased prompt: `metadata["answer"]` holds the reference answer of verifiable tasks."""
+
+    task_id: str
+    prompt: str
+    group_id: str = ""
+    """The broker's lease id (a group's id); defaults to task_id."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    n_samples: int = 1
+    model_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.task_id:
+            raise ValueError("task_id must be set")
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if not self.group_id:
+            object.__setattr__(self, "group_id", self.task_id)
+
+    @property
+    def answer(self) -> str | None:
+        value = self.metadata.get("answer")
+        return None if value is None else str(value)
+
+
+@dataclass
+class EpisodeContext:
+    """Engines by model_id, which model_id plays each role, sampling parameters, and where we run."""
+
+    engines: Mapping[str, Engine]
+    params: SamplingParams
+    roles: Mapping[str, str] = field(default_factory=dict)
+    pool: str = ""
+    region: str = ""
+
+    def model_for(self, role: str) -> str:
+        """The model_id playing `role`: from `roles`, or the only engine when there is just one."""
+        model_id = self.roles.get(role)
+        if model_id is None:
+            if len(self.engines) != 1:
+                raise WorkflowError(f"no model_id for role {role!r}: set roles (engines: {sorted(self.engines)})")
+            model_id = next(iter(self.engines))
+        if model_id not in self.engines:
+            raise WorkflowError(f"role {role!r} is played by {model_id!r}, which has no engine here")
+        return model_id
+
+    def engine_for(self, role: str) -> tuple[str, Engine]:
+        model_id = self.model_for(role)
+        return model_id, self.engines[model_id]
+
+
+EpisodeFn = Callable[[Task, EpisodeContext, Any], Awaitable[list[Trajectory]]]
+
+
+@dataclass(frozen=True)
+class WorkflowSpec:
+    """A registered workflow: its roles, its options' dataclass and its episode function."""
+
+    name: str
+    roles: tuple[str, ...]
+    config_type: type
+    episode: EpisodeFn
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A workflow with its options bound: `await workflow.run(task, ctx)`."""
+
+    spec: WorkflowSpec
+    config: Any
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.spec.roles
+
+    async def run(self, task: Task, ctx: EpisodeContext) -> list[Trajectory]:
+        return await self.spec.episode(task, ctx, self.config)
+
+
+def render(template: str, **values: str) -> str:
+    """Fill `{name}` placeholders; other braces (LaTeX, JSON) in the template stay as they are."""
+    for name, value in values.items():
+        template = template.replace("{" + name + "}", value)
+    return template
+
+
+def trajectory_from_generation(
+    gen: Generation, *, trajectory_id: str, task: Task, model_id: str, reward: float, ctx: EpisodeContext,
+    timings: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
+) -> Trajectory:
+    """Prompt + generated tokens, behaviour logprobs, loss mask 1 on generated tokens, versions per token.
+
+    Prompt positions carry logprob 0 and version -1. `group_size` is set by `finalize_groups`.
+    """
+    n_prompt, n_gen = len(gen.prompt), len(gen.tokens)
+    return Trajectory(
+        id=trajectory_id,
+        task_id=task.task_id,
+        group_id=task.group_id,
+        group_size=1,
+        model_id=model_id,
+        tokens=np.asarray(gen.prompt + gen.tokens, dtype=np.int32),
+        logprobs=np.asarray([0.0] * n_prompt + gen.logprobs, dtype=np.float32),
+        loss_mask=np.asarray([0] * n_prompt + [1] * n_gen, dtype=np.uint8),
+        versions=np.asarray([-1] * n_prompt + gen.versions, dtype=np.int32),
+        reward=float(reward),
+        pool=ctx.pool,
+        region=ctx.region,
+        timings={"generate_s": gen.generate_s, "finished_at": time.time(), **(timings or {})},
+        metadata={"finish_reason": gen.finish_reason, **(metadata or {})},
+    )
+
+
+def finalize_groups(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """Set every trajectory's group_size to the number returned for its (model_id, group_id)."""
+    sizes = Counter((t.model_id, t.group_id) for t in trajectories)
+    for t in trajectories:
+        t.group_size = sizes[(t.model_id, t.group_id)]
+    return list(trajectories)

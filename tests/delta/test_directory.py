@@ -1,0 +1,181 @@
+"""Safetensors directories: sharded read/write, atomic apply of snapshots and delta chains, and
+crash safety (a real subprocess SIGKILLed mid-apply leaves exactly the old or the new version)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deltamesh.delta import (
+    BaseMismatchError, CodecError, CorruptError, apply_to_dir, dir_manifest, encode_delta, encode_full,
+    read_weights, save_keypair, weights_hash, write_weights,
+)
+
+WORKER = Path(__file__).with_name("apply_worker.py")
+
+
+def _model(seed: int, tensors: int = 6, numel: int = 1 << 19) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = {f"layers.{k}.weight": (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16).view(512, -1) for k in range(tensors)}
+    w["norm.weight"] = torch.ones(512, dtype=torch.float32)
+    return w
+
+
+def _next(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for name, t in weights.items():
+        t = t.clone()
+        flat = t.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+        chosen = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+        flat[chosen] += 1
+        new[name] = t
+    return new
+
+
+def test_sharded_write_and_read_like_transformers(tmp_path, same_weights):
+    w = _model(0)
+    write_weights(tmp_path, w, max_shard_bytes=2 << 20)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in w.values())
+    for file in files:  # each shard is a plain safetensors file
+        with safe_open(tmp_path / file, framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for name in f.keys():
+                assert index["weight_map"][name] == file and torch.equal(f.get_tensor(name), w[name])
+    assert same_weights(read_weights(tmp_path), w)
+    single = tmp_path / "single"
+    write_weights(single, w)
+    assert [p.name for p in single.iterdir()] == ["model.safetensors"]
+    assert same_weights(read_weights(single), w)
+
+
+def test_unreadable_directories(tmp_path):
+    with pytest.raises(CodecError, match="no safetensors"):
+        read_weights(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(CorruptError):
+        read_weights(tmp_path)
+
+
+def test_full_then_delta_chain_keeps_layout_and_cleans_up(tmp_path, key, same_weights):
+    v1 = _model(1)
+    v2, v3, v4 = _next(v1, 2), None, None
+    v3 = _next(v2, 3)
+    v4 = _next(v3, 4)
+    plain = tmp_path / "model"
+    write_weights(plain, v1, max_shard_bytes=2 << 20)  # a transformers-style directory to start from
+    layout = json.loads((plain / "model.safetensors.index.json").read_text())["weight_map"]
+    d12 = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key, piece_bytes=4096)
+    assert apply_to_dir(plain, [(d12.manifest, d12.pieces)]).version == 2  # base check by hashing
+    assert plain.is_symlink() and dir_manifest(plain).version == 2
+    assert same_weights(read_weights(plain), v2)
+    d23 = encode_delta(v2, v3, model_id="m", version=3, base_version=2, key=key)
+    d34 = encode_delta(v3, v4, model_id="m", version=4, base_version=3, key=key)
+    final = apply_to_dir(plain, [(d23.manifest, d23.pieces), (d34.manifest, d34.pieces)])
+    assert final.version == 4 and dir_manifest(plain).weights_hash == weights_hash(v4)
+    assert same_weights(read_weights(plain), v4)
+    assert json.loads((plain / "model.safetensors.index.json").read_text())["weight_map"] == layout
+    versions = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".model.v"))
+    assert len(versions) == 2  # the current one and the one before, for readers still on it
+    full = encode_full(v1, model_id="m", version=5, key=key)
+    apply_to_dir(plain, [(full.manifest, full.pieces)])
+    assert same_weights(read_weights(plain), v1) and dir_manifest(plain).version == 5
+
+
+def test_wrong_base_leaves_directory_untouched(tmp_path, key, same_weights):
+    v1, target = _model(5, tensors=2), tmp_path / "w"
+    v2 = _next(v1, 6)
+    v3 = _next(v2, 7)
+    d23 = encode_delta(v2, v3, model_id="m", version=3, base_version=2, key=key)
+    with pytest.raises(BaseMismatchError, match="holds no weights"):
+        apply_to_dir(target, [(d23.manifest, d23.pieces)])
+    full = encode_full(v1, model_id="m", version=1, key=key)
+    apply_to_dir(target, [(full.manifest, full.pieces)])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(BaseMismatchError):
+        apply_to_dir(target, [(d23.manifest, d23.pieces)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert same_weights(read_weights(target), v1) and dir_manifest(target).version == 1
+    assert apply_to_dir(target, []).version == 1
+
+
+@pytest.fixture
+def worker_setup(tmp_path, key):
+    """A 6-tensor bf16 model in 3+ shards at v1 under tmp/model, and the steps the worker loops."""
+    v1 = _model(10)
+    v2 = _next(v1, 11)
+    target, steps = tmp_path / "model", tmp_path / "steps"
+    steps.mkdir()
+    write_weights(target, v1, max_shard_bytes=2 << 20)
+    to_v1 = encode_full(v1, model_id="m", version=1, key=key, piece_bytes=1 << 20)
+    apply_to_dir(target, [(to_v1.manifest, to_v1.pieces)])
+    to_v2 = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key, piece_bytes=1 << 16)
+    for name, enc in (("to_v1", to_v1), ("to_v2", to_v2)):
+        (steps / f"{name}.manifest").write_bytes(enc.manifest_bytes)
+        for i, piece in enumerate(enc.pieces):
+            (steps / f"{name}.{i}.piece").write_bytes(piece)
+    save_keypair(key, tmp_path / "key")
+    return target, steps, tmp_path / "key.pub", {1: v1, 2: v2}
+
+
+def _start_worker(target, steps, public):
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(target), str(steps), str(public)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise AssertionError(f"worker did not start: {line!r} {proc.stderr.read()}")
+    return proc
+
+
+@pytest.mark.slow
+def test_sigkill_mid_apply_leaves_old_or_new_version(worker_setup, key, same_weights):
+    target, steps, public, versions = worker_setup
+    rng = random.Random(1234)
+    seen_versions, reads = set(), 0
+    for attempt in range(5):
+        proc = _start_worker(target, steps, public)
+        try:
+            # Read concurrently while the worker swaps versions: every read is one whole version.
+            deadline = time.monotonic() + rng.uniform(0.05, 0.8)
+            while time.monotonic() < deadline:
+                try:
+                    w = read_weights(target)
+                except CodecError:
+                    continue  # a version directory removed under a slow reader: an error, never a mix
+                assert same_weights(w, versions[1]) or same_weights(w, versions[2])
+                reads += 1
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        manifest = dir_manifest(target)
+        weights = read_weights(target)
+        assert same_weights(weights, versions[manifest.version]), f"attempt {attempt}: directory is not v{manifest.version}"
+        seen_versions.add(manifest.version)
+    assert reads > 0
+    # Whatever killed appliers left behind is cleared by the next apply, which still works.
+    full = encode_full(versions[1], model_id="m", version=1, key=key)
+    apply_to_dir(target, [(full.manifest, full.pieces)])
+    names = [p.name for p in target.parent.iterdir()]
+    assert not [n for n in names if ".partial-" in n or ".link-" in n]
+    assert len([n for n in names if n.startswith(".model.v")]) <= 2
+    assert same_weights(read_weights(target), versions[1])

@@ -1,0 +1,252 @@
+"""The in-process transformers engine: batched decoding, logprobs, and hot weight swaps in place.
+
+Tiny random-init models (character tokenizer, bf16 on the CPU) keep every test well under a second.
+A "next version" is the current bf16 weights with ~2% of words moved by one or two ulps, the way one
+RL optimizer step moves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltamesh.delta import (
+    BaseMismatchError,
+    CodecError,
+    apply_to_dir,
+    dir_manifest,
+    encode_delta,
+    encode_full,
+    generate_key,
+    read_weights,
+    write_weights,
+)
+from deltamesh.mesh.engines.base import Engine, SamplingParams
+from deltamesh.mesh.engines.hotswap import decode_delta, live_tensors, write_delta_in_place
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+
+MODEL = "tiny"
+KEY = generate_key()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(TinyModelConfig(seed=21), path=tmp_path_factory.mktemp("engine") / "v0")
+
+
+def step(weights: dict[str, torch.Tensor], seed: int, share: float = 0.02) -> dict[str, torch.Tensor]:
+    """Move `share` of each tensor's bf16 words by +-1 or 2 ulps (what one optimizer step does)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        words = w.contiguous().view(-1).view(torch.int16).clone()
+        hit = torch.rand(words.shape, generator=g) < share
+        moves = torch.randint(1, 3, words.shape, generator=g, dtype=torch.int16)
+        signs = torch.where(torch.rand(words.shape, generator=g) < 0.5, -1, 1).to(torch.int16)
+        out[name] = torch.where(hit, words + moves * signs, words).view(torch.bfloat16).view(w.shape)
+    return out
+
+
+def version_dir(base_dir: Path, target: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """A model directory like `base_dir` (config, tokenizer) holding `weights`."""
+    shutil.copytree(base_dir, target, ignore=shutil.ignore_patterns("*.safetensors*"))
+    write_weights(target, weights)
+    return target
+
+
+def engine_at(path: Path, **kw) -> TransformersEngine:
+    return TransformersEngine(TransformersEngineConfig(model_id=MODEL, model_dir=str(path), **kw))
+
+
+def snapshot(engine: TransformersEngine) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in live_tensors(engine.model).items()}
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(
+            a[name].contiguous().view(-1).view(torch.int16), b[name].contiguous().view(-1).view(torch.int16)
+        ), name
+
+
+def test_batched_greedy_matches_transformers_generate(base_dir):
+    engine = engine_at(base_dir)
+    assert isinstance(engine, Engine) and engine.supports_in_place and engine.version == 0
+    prompts = [engine.encode("1+2="), engine.encode("a much longer prompt: 3+4=")]
+    gens = asyncio.run(engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)))
+    for prompt, gen in zip(prompts, gens):
+        with torch.inference_mode():
+            ref = engine.model.generate(
+                input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None,
+            )
+        assert gen.tokens == ref[0, len(prompt):].tolist()
+        assert gen.versions == [0] * 12 and gen.finish_reason == "length" and gen.prompt == prompt
+
+
+def test_logprobs_are_the_temperature_scaled_model_logprobs(base_dir):
+    engine = engine_at(base_dir)
+    prompt = engine.encode("x=")
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, seed=1, ignore_eos=True)
+    (gen,) = asyncio.run(engine.generate([prompt], params))
+    with torch.inference_mode():
+        logits = engine.model(input_ids=torch.tensor([prompt + gen.tokens])).logits[0].float()
+    expected = torch.log_softmax(logits / 0.7, dim=-1)[len(prompt) - 1:-1].gather(-1, torch.tensor(gen.tokens)[:, None])
+    assert torch.allclose(torch.tensor(gen.logprobs), expected.squeeze(-1), atol=0.05)
+
+
+def test_seeded_sampling_repeats_and_stop_tokens_end_generation(base_dir):
+    engine = engine_at(base_dir)
+    prompts = [engine.encode("abc")] * 3
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=4)
+    a = asyncio.run(engine.generate(prompts, params))
+    b = asyncio.run(engine.generate(prompts, params))
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    first = a[0].tokens[0]
+    (stopped,) = asyncio.run(engine.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9,
+                                                                           top_k=20, seed=4, stop_token_ids=(first,))))
+    assert stopped.tokens == [first] and stopped.finish_reason == "stop"
+
+
+def test_in_place_delta_is_bit_identical_to_loading_the_new_version(base_dir, tmp_path):
+    v0 = read_weights(base_dir)
+    v1 = step(v0, seed=1)
+    engine = engine_at(base_dir)
+    enc = encode_delta(v0, v1, model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
+    assert len(enc.pieces) > 1
+    asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+    assert engine.version == 1 and engine.weights_hash == enc.manifest.weights_hash
+
+    from_disk = engine_at(version_dir(base_dir, tmp_path / "v1", v1), version=1)
+    assert_bit_identical(live_tensors(engine.model), live_tensors(from_disk.model))
+    # And they compute the same thing.
+    prompt = [engine.encode("9+9=")]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    swapped, loaded = asyncio.run(engine.generate(prompt, greedy)), asyncio.run(from_disk.generate(prompt, greedy))
+    assert swapped[0].tokens == loaded[0].tokens and swapped[0].versions == [1] * 6
+
+
+def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir):
+    v0 = read_weights(base_dir)
+    v1 = step(v0, seed=2, share=0.3)
+    enc = encode_delta(v0, v1, model_id=MODEL, version=1, base_version=0, key=KEY)
+    reference = engine_at(base_dir)
+    engine = engine_at(base_dir)
+    prompt = engine.encode("straddle: ")
+    params = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(engine.generate([prompt], params))
+        await asyncio.sleep(0)  # the generation holds the step lock now; the update queues behind it
+        await engine.apply_update(enc.manifest, enc.pieces)
+        return (await task)[0]
+
+    gen = asyncio.run(main())
+    (old_only,) = asyncio.run(reference.generate([prompt], params))
+    switch = gen.versions.index(1)
+    assert 0 < switch < 150 and gen.versions == [0] * switch + [1] * (150 - switch)
+    assert gen.tokens[:switch] == old_only.tokens[:switch]  # tokens before the swap came from v0
+    straddled = engine.metrics.registry.get_sample_value(
+        "deltamesh_engine_straddling_generations_total", {"model": MODEL, "engine": "transformers"})
+    assert straddled == 1
+
+
+def test_chain_of_deltas_then_full_snapshot(base_dir):
+    engine = engine_at(base_dir)
+    weights = read_weights(base_dir)
+    for v in (1, 2, 3):
+        new = step(weights, seed=10 + v)
+        enc = encode_delta(weights, new, model_id=MODEL, version=v, base_version=v - 1, key=KEY)
+        asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+        weights = new
+    assert engine.version == 3
+    assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in weights}, weights)
+    fresh = step(weights, seed=99, share=0.5)
+    full = encode_full(fresh, model_id=MODEL, version=10, key=KEY)
+    asyncio.run(engine.apply_update(full.manifest, full.pieces))
+    assert engine.version == 10 and engine.weights_hash == full.manifest.weights_hash
+    assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in fresh}, fresh)
+
+
+def test_corrupt_piece_changes_nothing(base_dir):
+    engine = engine_at(base_dir)
+    before = snapshot(engine)
+    v0 = read_weights(base_dir)
+    enc = encode_delta(v0, step(v0, seed=3), model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
+    pieces = list(enc.pieces)
+    pieces[-1] = pieces[-1][:-1] + bytes([pieces[-1][-1] ^ 1])
+    with pytest.raises(CodecError):
+        asyncio.run(engine.apply_update(enc.manifest, pieces))
+    with pytest.raises(CodecError):
+        asyncio.run(engine.apply_update(enc.manifest, enc.pieces[:-1]))
+    assert engine.version == 0
+    assert_bit_identical(snapshot(engine), before)
+
+
+def test_delta_for_another_base_or_model_is_refused(base_dir):
+    engine = engine_at(base_dir)
+    before = snapshot(engine)
+    v0 = read_weights(base_dir)
+    v1, v2 = step(v0, seed=4), step(step(v0, seed=4), seed=5)
+    skip = encode_delta(v1, v2, model_id=MODEL, version=2, base_version=1, key=KEY)
+    with pytest.raises(BaseMismatchError, match="from v1"):
+        asyncio.run(engine.apply_update(skip.manifest, skip.pieces))
+    other = encode_delta(v0, v1, model_id="other", version=1, base_version=0, key=KEY)
+    with pytest.raises(BaseMismatchError, match="other"):
+        asyncio.run(engine.apply_update(other.manifest, other.pieces))
+    assert engine.version == 0
+    assert_bit_identical(snapshot(engine), before)
+
+
+def test_delta_for_other_weights_of_the_same_version_is_refused(base_dir):
+    """Same version number, other weights: the base hash (computed from the live model) differs."""
+    engine = engine_at(base_dir)
+    assert engine.weights_hash is None  # its directory has no manifest
+    before = snapshot(engine)
+    stranger = step(read_weights(base_dir), seed=6)  # a different "v0"
+    enc = encode_delta(stranger, step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY)
+    with pytest.raises(BaseMismatchError, match="base v0"):
+        asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+    assert engine.version == 0
+    assert_bit_identical(snapshot(engine), before)
+    (gen,) = asyncio.run(engine.generate([engine.encode("ok")], SamplingParams(max_new_tokens=2)))
+    assert gen.versions == [0, 0]
+
+
+def test_failed_result_hash_rolls_every_written_word_back(base_dir):
+    """Below the base check: a delta written onto other weights fails its result hashes and the
+    undo record restores the live tensors bit for bit."""
+    engine = engine_at(base_dir)
+    live = live_tensors(engine.model)
+    before = snapshot(engine)
+    stranger = step(read_weights(base_dir), seed=6)
+    enc = encode_delta(stranger, step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY,
+                       piece_bytes=512)
+    with pytest.raises(CodecError, match="does not hash"):
+        write_delta_in_place(live, decode_delta(enc.manifest, enc.pieces))
+    assert_bit_identical(snapshot(engine), before)
+
+
+def test_load_version_from_a_synced_directory(base_dir, tmp_path):
+    v0 = read_weights(base_dir)
+    v5 = step(v0, seed=8)
+    synced = tmp_path / "synced"
+    full = encode_full(v5, model_id=MODEL, version=5, key=KEY)
+    apply_to_dir(synced, [(full.manifest, full.pieces)])
+    assert dir_manifest(synced).version == 5
+    engine = engine_at(base_dir)
+    asyncio.run(engine.load_version(synced, 5))
+    assert engine.version == 5 and engine.weights_hash == full.manifest.weights_hash
+    assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in v5}, v5)
+    # The directory says v5: asking for another version is refused and changes nothing.
+    with pytest.raises(BaseMismatchError):
+        asyncio.run(engine.load_version(synced, 6))
+    with pytest.raises(Exception, match="not a model directory"):
+        asyncio.run(engine.load_version(tmp_path / "absent", 7))
+    assert engine.version == 5

@@ -1,0 +1,224 @@
+"""Fixtures of the rollout pool tests: a trainer key, a tiny model, versions of its weights, gateways
+in-process, and real `deltamesh` service processes (broker, gateways, pools) on loopback ports.
+
+Every process started here is killed by the fixture's finalizer, whatever the test did. Helpers are
+handed to test modules as one `PoolKit` fixture (test modules cannot import a conftest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import pytest
+import torch
+from aiohttp import web
+
+from deltamesh.delta import generate_key, read_weights, save_keypair
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.server import create_app
+from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+
+DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
+MODEL = "tiny"
+TOKEN = "pool-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def next_version(weights: dict[str, torch.Tensor], seed: int, share: float = 0.02) -> dict[str, torch.Tensor]:
+    """The weights after one 'RL step': `share` of the bf16 words move by one or two ulps."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        words = w.contiguous().view(-1).view(torch.int16).clone()
+        hit = torch.rand(words.shape, generator=g) < share
+        moves = torch.randint(1, 3, words.shape, generator=g, dtype=torch.int16)
+        out[name] = torch.where(hit, words + moves, words).view(torch.bfloat16).view(w.shape)
+    return out
+
+
+def get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_json(url: str, body: dict, timeout: float = 10.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2,
+               procs: tuple["Service", ...] = ()) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            p.check_alive()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    tails = "\n".join(f"--- {p.name} ---\n{p.log_tail()}" for p in procs)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{tails}")
+
+
+@dataclass
+class Service:
+    """A real `deltamesh ...` process with its log file."""
+
+    name: str
+    args: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    health: str = "/healthz"
+
+    def start(self) -> "Service":
+        env = {**os.environ, "DELTAMESH_LOG": os.environ.get("DELTAMESH_LOG", "INFO")}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([DELTAMESH, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None and self.proc.returncode not in (0, -9, -15):
+            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def wait_healthy(self, timeout: float = 90.0) -> "Service":
+        def healthy() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.health, timeout=2) as r:
+                    return r.status == 200
+            except (OSError, urllib.error.URLError):
+                return False
+
+        wait_until(healthy, timeout, f"{self.name} to answer {self.health}")
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def status(self) -> dict:
+        return get_json(self.url + "/v1/status")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class PoolKit:
+    tmp: Path
+    public_key: Path
+    private_key: object
+    model_dir: Path
+    started: list[Service] = field(default_factory=list)
+    model: str = MODEL
+    token: str = TOKEN
+    next_version = staticmethod(next_version)
+    get_json = staticmethod(get_json)
+    post_json = staticmethod(post_json)
+    wait_until = staticmethod(wait_until)
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        return read_weights(self.model_dir)
+
+    def _spawn(self, name: str, args: list[str], url: str, health: str = "/healthz") -> Service:
+        service = Service(name, args, url, self.tmp / f"{name}.log", health=health)
+        self.started.append(service)
+        return service.start()
+
+    def broker(self, *, tasks: list[dict], n_samples: int = 2, lease_timeout_s: float = 30.0,
+               epochs: int = 1) -> Service:
+        dataset = self.tmp / "tasks.jsonl"
+        dataset.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        config = self.tmp / "broker.toml"
+        config.write_text(f"[broker]\ndurability = \"process\"\n[broker.tasks]\nn_samples = {n_samples}\n"
+                          f"lease_timeout_s = {lease_timeout_s}\nepochs = {epochs}\n")
+        port = free_port()
+        return self._spawn("broker", ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(self.tmp / "broker.db"),
+                                      "--config", str(config), "--model", MODEL, "--dataset", str(dataset)],
+                           f"http://127.0.0.1:{port}", health="/v1/status")
+
+    def gateway(self, region: str, *, upstream: str | None = None) -> Service:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["gateway", "--region", region, "--listen", f"127.0.0.1:{port}", "--store", str(self.tmp / f"store-{region}"),
+                "--trusted-key", str(self.public_key), "--pool-token", TOKEN, "--advertise", url,
+                "--stall-timeout", "3", "--piece-wait", "1.5", "--heartbeat-timeout", "5"]
+        if upstream:
+            args += ["--upstream", upstream]
+        return self._spawn(f"gateway-{region}", args, url)
+
+    def pool(self, name: str, gateway: str, broker: str, *extra: str, max_new_tokens: int = 4) -> Service:
+        port = free_port()
+        args = ["pool", "run", "--gateway", gateway, "--broker", broker, "--token", TOKEN, "--name", name,
+                "--model", str(self.model_dir), "--dir", str(self.tmp / "weights" / name),
+                "--trusted-key", str(self.public_key), "--listen", f"127.0.0.1:{port}", "--threads", "1",
+                "--max-new-tokens", str(max_new_tokens), "--heartbeat", "0.5", "--stall-timeout", "3", *extra]
+        return self._spawn(name, args, f"http://127.0.0.1:{port}")
+
+    def gateway_config(self, **kw) -> GatewayConfig:
+        kw.setdefault("store", str(self.tmp / "store"))
+        kw.setdefault("trusted_keys", [str(self.public_key)])
+        kw.setdefault("pool_tokens", [TOKEN])
+        kw.setdefault("piece_wait_s", 1.0)
+        kw.setdefault("probe_interval_s", 0.5)
+        return GatewayConfig(**kw)
+
+    @staticmethod
+    @contextlib.asynccontextmanager
+    async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
+        """A gateway in this process on a real loopback socket; yields its base URL."""
+        runner = web.AppRunner(create_app(config), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            await runner.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(TinyModelConfig(seed=5), path=tmp_path_factory.mktemp("pool-model") / "tiny")
+
+
+@pytest.fixture
+def kit(tmp_path: Path, tiny_dir: Path) -> PoolKit:
+    key = generate_key()
+    public = save_keypair(key, tmp_path / "trainer.key")
+    k = PoolKit(tmp_path, public, key, tiny_dir)
+    yield k
+    for service in reversed(k.started):
+        service.kill()

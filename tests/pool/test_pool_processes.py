@@ -1,0 +1,153 @@
+"""Rollout pools as real `deltamesh pool run` processes with a real broker and real gateways on loopback.
+
+The trainer is played by the test: it publishes versions of a tiny model through the gateway
+publisher library and reads what the pools produced back from the broker's batch API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
+from deltamesh.trainer.data import BatchClient
+
+pytestmark = pytest.mark.slow
+
+
+def _publish(pub: Publisher, weights, version: int | None = None) -> None:
+    asyncio.run(pub.publish(weights, version))
+
+
+def _drain(broker_url: str, model: str, group_size: int) -> list[dict]:
+    """Every sample the broker holds, one group per batch (consumes them)."""
+    async def main() -> list[dict]:
+        samples = []
+        async with BatchClient(broker_url, model) as client:
+            while (batch := await client.next_batch(group_size, timeout_s=1.0)) is not None:
+                samples += batch.samples
+        return samples
+
+    return asyncio.run(main())
+
+
+def _submitted(pool) -> int:
+    return pool.status()["worker"].get("submitted", 0)
+
+
+def _model_status(pool, model: str) -> dict:
+    return pool.status()["models"].get(model, {})
+
+
+def test_two_regions_generate_and_a_new_version_reaches_both(kit):
+    broker = kit.broker(tasks=digit_sum_tasks(400), n_samples=2)
+    east = kit.gateway("east")
+    west = kit.gateway("west", upstream=east.url)
+    for s in (broker, east, west):
+        s.wait_healthy()
+    v1 = kit.next_version(kit.base_weights(), 1)
+    pub = Publisher(east.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    _publish(pub, v1, 1)
+    pools = {"p-east": kit.pool("p-east", east.url, broker.url), "p-west": kit.pool("p-west", west.url, broker.url)}
+    procs = (broker, east, west, *pools.values())
+    for p in pools.values():
+        p.wait_healthy()
+    kit.wait_until(lambda: all(_submitted(p) >= 4 for p in pools.values()), 120, "both pools to submit", procs=procs)
+    assert all(_model_status(p, kit.model)["engine_version"] == 1 for p in pools.values())
+
+    _publish(pub, kit.next_version(v1, 2))
+    kit.wait_until(lambda: all(_model_status(p, kit.model)["engine_version"] == 2 for p in pools.values()), 60,
+                   "v2 to reach both regions", procs=procs)
+    after_swap = {name: _submitted(p) for name, p in pools.items()}
+    kit.wait_until(lambda: all(_submitted(p) >= after_swap[n] + 6 for n, p in pools.items()), 60,
+                   "trajectories generated with v2", procs=procs)
+    for p in pools.values():
+        p.kill(signal.SIGTERM)
+        assert p.proc.returncode == 0, p.log_tail()
+
+    samples = _drain(broker.url, kit.model, 2)
+    by_pool = {name: [s for s in samples if s["pool"] == name] for name in pools}
+    assert {s["pool"] for s in samples} == set(pools)
+    for name, region in (("p-east", "east"), ("p-west", "west")):
+        mine = by_pool[name]
+        assert all(s["region"] == region and s["model_id"] == kit.model for s in mine)
+        assert any(s["max_version"] == 1 for s in mine), f"{name} generated with v1"
+        assert any(s["min_version"] == 2 for s in mine), f"{name}'s later tokens carry v2"
+        assert all(1 <= s["min_version"] <= s["max_version"] <= 2 for s in mine)
+        assert all(s["timings"]["leased_at"] > 0 and s["group_size"] == 2 for s in mine)
+
+
+def test_a_killed_pool_loses_nothing_its_tasks_are_completed_by_another(kit):
+    tasks = digit_sum_tasks(8, seed=1)
+    broker = kit.broker(tasks=tasks, n_samples=2, lease_timeout_s=4.0)
+    gateway = kit.gateway("east")
+    broker.wait_healthy()
+    gateway.wait_healthy()
+    pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    _publish(pub, kit.next_version(kit.base_weights(), 1), 1)
+    # A slow pool (long generations) that leases several tasks at once.
+    slow = kit.pool("p-slow", gateway.url, broker.url, "--ignore-eos", "--lease-batch", "4", "--episodes", "4",
+                    max_new_tokens=400)
+    leases = kit.wait_until(
+        lambda: [le for le in kit.get_json(f"{broker.url}/v1/leases?pool=p-slow")["leases"] if le["state"] == "active"],
+        120, "the slow pool to lease", interval=0.05, procs=(broker, gateway, slow))
+    slow.kill(signal.SIGKILL)
+    held = {le["task_id"] for le in leases}
+
+    fast = kit.pool("p-fast", gateway.url, broker.url)
+    kit.wait_until(lambda: kit.get_json(f"{broker.url}/v1/status")["tasks"]["finished"], 120,
+                   "every task to be done", procs=(broker, gateway, fast))
+    samples = _drain(broker.url, kit.model, 2)
+    done_by = {}
+    for s in samples:
+        done_by.setdefault(s["task_id"], set()).add(s["pool"])
+    assert set(done_by) == {t["id"] for t in tasks}, "no task is lost"
+    lost_by_slow = {t for t in held if "p-slow" not in done_by[t]}
+    assert lost_by_slow, "the slow pool was killed mid-rollout"
+    assert all("p-fast" in done_by[t] for t in lost_by_slow)
+    assert sum(1 for s in samples if s["task_id"] in lost_by_slow) == 2 * len(lost_by_slow)
+
+
+def test_staleness_bound_stops_leasing_and_a_restarted_pool_syncs_before_it_generates(kit):
+    broker = kit.broker(tasks=digit_sum_tasks(20, seed=2), n_samples=2, epochs=100)
+    gateway = kit.gateway("east")
+    broker.wait_healthy()
+    gateway.wait_healthy()
+    pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    w = [kit.base_weights()]
+    for v in range(1, 5):
+        w.append(kit.next_version(w[-1], v))
+    _publish(pub, w[1], 1)
+    pool = kit.pool("p1", gateway.url, broker.url, "--max-staleness", "1")
+    procs = (broker, gateway, pool)
+    pool.wait_healthy()
+    kit.wait_until(lambda: _submitted(pool) > 0, 120, "the pool to submit", procs=procs)
+
+    # The trainer moves to v3 before anything newer than v1 is published: two versions behind.
+    kit.post_json(f"{broker.url}/v1/models/{kit.model}/version", {"version": 3})
+    kit.wait_until(lambda: not pool.status()["leasing"]["may_lease"], 30, "the pool to stop leasing", procs=procs)
+    assert "2 versions behind v3 (bound 1)" in pool.status()["leasing"]["reason"]
+    leased = pool.status()["worker"]["leased"]
+    time.sleep(1.5)
+    assert pool.status()["worker"]["leased"] == leased
+
+    _publish(pub, w[2])
+    _publish(pub, w[3])
+    kit.wait_until(lambda: pool.status()["worker"]["leased"] > leased, 60, "leasing to resume at v3", procs=procs)
+    assert _model_status(pool, kit.model)["engine_version"] == 3
+
+    pool.kill(signal.SIGKILL)
+    _publish(pub, w[4])
+    restarted_at = time.time()
+    pool.start().wait_healthy()
+    kit.wait_until(lambda: _submitted(pool) > 0, 120, "the restarted pool to submit", procs=procs)
+    status = _model_status(pool, kit.model)
+    assert status["resumed_from_dir"] == 3 and status["fetched"] == {"full": 0, "delta": 1}
+    pool.kill(signal.SIGTERM)
+
+    samples = [s for s in _drain(broker.url, kit.model, 2) if s["timings"]["finished_at"] > restarted_at]
+    assert samples and all(s["min_version"] == s["max_version"] == 4 for s in samples)

@@ -1,0 +1,36 @@
+"""Trainer test fixtures: the shared tiny-model helpers (loaded by path, as torchrun runs them too)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def _load_worker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deltamesh_trainer_test_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny() -> ModuleType:
+    """The helpers of fsdp_worker.py: tiny_model, fixed_batches, trainer_config, single_reference."""
+    return _load_worker()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run best on one thread on this shared machine (and torchrun ranks use one too)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,465 @@
+"""The trainer loop and `deltamesh train`: joining the gateway's weight stream, and real runs.
+
+The first tests drive `start_stream` against a real gateway served in this process on a loopback
+socket, one test per state a restarted trainer can find the gateway in (empty, at its checkpoint,
+ahead of it, with an upload left half done, behind it, holding other weights, holding weights that
+do not fit). Then the loop's mesh client rides out a publish that fails (gateway unreachable) and a
+broker it cannot reach, and padding a batch for ranks leaves the step unchanged. The last two run
+everything as processes: a broker, an origin gateway, a pool following it and `deltamesh train`,
+killed with SIGKILL mid-run and restarted; then two policies sharing one broker, one of them
+sharded over two torchrun ranks, the other stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import signal
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import AsyncIterator
+
+import pytest
+import torch
+from aiohttp import web
+
+from deltamesh.delta import dir_manifest, encode_delta, encode_full, generate_key, save_keypair
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.http import client_session, request_bytes, request_json
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.gateway.server import create_app
+from deltamesh.trainer.loop import pad_rows
+from deltamesh.trainer.publish import gateway_weights, start_stream
+from deltamesh.trainer.step import TrainState, build_optimizer, train_step
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"deltamesh_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+mesh = _load("loop_mesh")
+MODEL = "policy"
+
+
+# -- start_stream against an in-process gateway -------------------------------------------------------
+
+def weights_at(step: int, *, seed: int = 0, names: tuple[str, ...] = ("embed.weight", "mlp.weight")) -> dict:
+    """bf16 weights after `step` small updates: most words stay, some move by an ulp or so, like RL steps."""
+    g = torch.Generator().manual_seed(seed)
+    base = {n: torch.randn(64, 48, generator=g) for n in names}
+    for _ in range(step):
+        for t in base.values():
+            t += torch.randn(t.shape, generator=g) * 1e-3
+    return {n: t.to(torch.bfloat16) for n, t in base.items()}
+
+
+@pytest.fixture
+def key_files(tmp_path: Path):
+    key = generate_key()
+    public = save_keypair(key, tmp_path / "trainer.key")
+    return key, tmp_path / "trainer.key", public
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(store: Path, public_key: Path) -> AsyncIterator[str]:
+    app = create_app(GatewayConfig(store=str(store), trusted_keys=[str(public_key)], piece_wait_s=0.5))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def listing(url: str) -> dict[int, dict[str, dict]]:
+    async with client_session() as s:
+        answer = await request_json(s, "GET", f"{url}/v1/models/{MODEL}/versions")
+    out: dict[int, dict[str, dict]] = {}
+    for e in answer["versions"]:
+        out.setdefault(e["version"], {})[e["kind"]] = e
+    return out
+
+
+async def plan(url: str, frm: int | None, to: int) -> dict:
+    async with client_session() as s:
+        return await request_json(s, "GET", f"{url}/v1/models/{MODEL}/plan", params={"from": frm, "to": to})
+
+
+async def publish_run(url: str, key, steps: range, *, seed: int = 0, full_every: int = 0) -> None:
+    """A trainer that publishes weights_at(v) for v in `steps` and then crashes."""
+    publisher = Publisher(url, key, MODEL, full_every=full_every)
+    for v in steps:
+        await publisher.publish(weights_at(v, seed=seed), v)
+
+
+async def put_manifest_only(url: str, encoded) -> None:
+    """An upload cut off after the manifest: announced at the gateway, no pieces."""
+    m = encoded.manifest
+    async with client_session() as s:
+        await request_bytes(s, "PUT", f"{url}/v1/models/{MODEL}/versions/{m.version}/{m.kind}/manifest",
+                            data=encoded.manifest_bytes, headers={"Content-Type": "application/json"})
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)), n
+
+
+def run_with_gateway(tmp_path: Path, public: Path, scenario) -> None:
+    async def main() -> None:
+        async with running_gateway(tmp_path / "store", public) as url:
+            await scenario(url)
+
+    asyncio.run(main())
+
+
+def test_first_start_publishes_a_full_snapshot_and_a_restart_at_the_head_sends_nothing(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        first = Publisher(url, key, MODEL)
+        start = await start_stream(first, 0, weights_at(0), [key.public_key()])
+        assert (start.version, start.base_version) == (0, 0)
+        assert [m.kind for m in start.published.manifests] == ["full"]
+        await first.publish(weights_at(1), 1)
+        # A restart whose checkpoint is the gateway's head: nothing to send, the next version is a delta on it.
+        again = Publisher(url, key, MODEL)
+        start = await start_stream(again, 1, weights_at(1), [key.public_key()])
+        assert (start.version, start.base_version, start.published) == (1, 1, None)
+        published = await again.publish(weights_at(2), 2)
+        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+        assert sorted(await listing(url)) == [0, 1, 2]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_restart_behind_the_gateway_continues_after_its_head_with_a_delta(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        await publish_run(url, key, range(0, 4))  # checkpointed at v1, published up to v3, crashed
+        publisher = Publisher(url, key, MODEL)
+        start = await start_stream(publisher, 1, weights_at(1), [key.public_key()])
+        assert (start.version, start.base_version, start.published) == (3, 3, None)
+        assert_same(dict(publisher.base[1]), weights_at(3))  # rebuilt from the chain 1 -> 3
+        trained = weights_at(2, seed=7)  # what the restarted trainer makes of its checkpoint
+        published = await publisher.publish(trained, 4)
+        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 3)]
+        route = await plan(url, 3, 4)
+        assert [(s["version"], s["kind"]) for s in route["steps"]] == [(4, "delta")]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_an_upload_cut_off_by_the_crash_is_skipped_by_the_next_delta(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        await publish_run(url, key, range(0, 3))
+        lost = encode_delta(weights_at(2), weights_at(3), model_id=MODEL, version=3, base_version=2, key=key)
+        await put_manifest_only(url, lost)
+        assert not (await listing(url))[3]["delta"]["complete"]
+        publisher = Publisher(url, key, MODEL)
+        start = await start_stream(publisher, 2, weights_at(2), [key.public_key()])
+        assert (start.version, start.base_version, start.published) == (3, 2, None)
+        trained = weights_at(3, seed=5)
+        published = await publisher.publish(trained, 4)
+        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 2)]
+        # A pool at v2 goes straight to v4; one at v1 follows 2 -> 4, never waiting on the broken v3.
+        assert [s["version"] for s in (await plan(url, 2, 4))["steps"]] == [4]
+        assert [s["version"] for s in (await plan(url, 1, 4))["steps"]] == [2, 4]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_a_lost_publish_is_republished_as_a_delta(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        await publish_run(url, key, range(0, 3))  # checkpoint says v3, its publish never reached the gateway
+        publisher = Publisher(url, key, MODEL)
+        start = await start_stream(publisher, 3, weights_at(3), [key.public_key()])
+        assert (start.version, start.base_version) == (3, 3)
+        assert [(m.version, m.kind, m.base_version) for m in start.published.manifests] == [(3, "delta", 2)]
+        versions = await listing(url)
+        assert versions[3]["delta"]["complete"] and "full" not in versions[3]
+        next_one = await publisher.publish(weights_at(4), 4)
+        assert [(m.kind, m.base_version) for m in next_one.manifests] == [("delta", 3)]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_gateway_holding_other_weights_becomes_the_base_of_the_next_delta(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        await publish_run(url, key, range(0, 2), seed=9)  # another run under the same model_id
+        publisher = Publisher(url, key, MODEL)
+        ours = weights_at(1)
+        start = await start_stream(publisher, 1, ours, [key.public_key()])
+        assert (start.version, start.base_version, start.published) == (1, 1, None)
+        assert_same(dict(publisher.base[1]), weights_at(1, seed=9))  # the gateway's v1, not ours
+        published = await publisher.publish(weights_at(2), 2)
+        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+        # Pools that hold the gateway's v1 reach exactly the trainer's weights.
+        rebuilt = await gateway_weights(url, MODEL, 2, [key.public_key()], have=(1, weights_at(1, seed=9)))
+        assert_same(rebuilt, weights_at(2))
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_gateway_weights_that_do_not_fit_fall_back_to_a_full_snapshot(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        other = Publisher(url, key, MODEL)
+        await other.publish(weights_at(0, names=("other.weight",)), 0)
+        publisher = Publisher(url, key, MODEL)
+        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
+        assert (start.version, start.base_version) == (1, 1)
+        assert "do not fit" in start.reason or "differ" in start.reason
+        assert [m.kind for m in start.published.manifests] == ["full"]
+        published = await publisher.publish(weights_at(1), 2)
+        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+def test_an_interrupted_first_full_snapshot_is_finished(tmp_path, key_files):
+    key, _, public = key_files
+
+    async def scenario(url: str) -> None:
+        await put_manifest_only(url, encode_full(weights_at(0), model_id=MODEL, version=0, key=key))
+        publisher = Publisher(url, key, MODEL)
+        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
+        assert (start.version, start.base_version) == (0, 0)
+        assert (await listing(url))[0]["full"]["complete"]
+
+    run_with_gateway(tmp_path, public, scenario)
+
+
+@contextlib.contextmanager
+def gateway_in_thread(store: Path, public_key: Path):
+    """A real gateway on a loopback socket, served from a thread of its own (for blocking callers)."""
+    import threading
+
+    urls: list[str] = []
+    started, stop = threading.Event(), None
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        async with running_gateway(store, public_key) as url:
+            urls.append(url)
+            started.set()
+            await stop.wait()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
+
+
+def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp_path, key_files):
+    """An unreachable gateway for one publish and an unreachable broker throughout: the loop's client
+    logs them, tells the step log, and the next version is a delta on the last one that got through."""
+    import threading
+
+    from deltamesh.trainer.mesh_client import MeshClient
+
+    key, _, public = key_files
+    outcomes = []
+    dead = f"http://127.0.0.1:{mesh.free_port()}"
+    with gateway_in_thread(tmp_path / "store", public) as url:
+        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
+                            connections=2, on_published=outcomes.append)
+        try:
+            assert client.start(0, weights_at(0), threading.Event()).published is not None
+            client.publish(weights_at(1), 1)
+            client.wait_published()
+            client.publisher.gateway = dead  # the link to the gateway breaks for one publish
+            client.publish(weights_at(2), 2)
+            client.wait_published()
+            client.publisher.gateway = url
+            client.publish(weights_at(3), 3)
+            client.wait_published()
+        finally:
+            client.close()
+        assert [(o.version, o.ok) for o in outcomes] == [(1, True), (2, False), (3, True)]
+        assert "unreachable" in outcomes[1].error
+        versions = asyncio.run(listing(url))
+        assert sorted(versions) == [0, 1, 3]
+        assert versions[3]["delta"]["base_version"] == 1
+        rebuilt = asyncio.run(gateway_weights(url, MODEL, 3, [key.public_key()], have=(1, weights_at(1))))
+        assert_same(rebuilt, weights_at(3))
+
+
+def test_padding_rows_for_ranks_leaves_the_step_unchanged(tiny):
+    """Rows added so a batch splits evenly over ranks carry no loss and change no gradient."""
+    cfg = tiny.trainer_config()
+    results = []
+    for pad in (False, True):
+        model = tiny.tiny_model()
+        batch = tiny.fixed_batches(model, 1, rows=6)[0]
+        if pad:
+            batch = pad_rows(batch, 4)
+            assert batch.rows == 8 and not batch.loss_mask[6:].any()
+        state = TrainState(model, build_optimizer(model, cfg.optim))
+        metrics = train_step(state, batch, cfg)
+        results.append((metrics["loss"], {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for name, value in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], value, rtol=1e-5, atol=1e-7)
+
+
+# -- real processes -----------------------------------------------------------------------------------
+
+BATCH = 2 * mesh.GROUP  # two groups per step
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """The tiny model's directory and the model itself (fp32), to score made-up trajectories."""
+    from deltamesh.trainer.models import load_causal_lm, tiny_model_dir
+
+    path = tiny_model_dir()
+    return path, load_causal_lm(path, dtype=torch.float32)
+
+
+@pytest.fixture
+def real_mesh(tmp_path: Path, key_files, tiny_lm):
+    _, private, public = key_files
+    m = mesh.Mesh(tmp_path, public, private, tiny_lm[0])
+    yield m
+    m.close()
+
+
+def feed(broker: str, model, model_id: str, steps: int, *, seed: int, version: int = 0,
+         rewards: tuple[float, ...] = (0.0, 1.0)) -> None:
+    """Enough groups for `steps` batches."""
+    mesh.submit(broker, mesh.make_trajectories(model, model_id, 2 * steps, version=version, seed=seed,
+                                               rewards=rewards))
+
+
+@pytest.mark.slow
+def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_lm, tmp_path):
+    """SIGKILL mid-run, restart: versions continue after the gateway's head as deltas on the previous
+    version, and the pool that follows the gateway all along never needs a second full snapshot."""
+    model = tiny_lm[1]
+    broker = real_mesh.broker([MODEL])
+    gateway = real_mesh.gateway()
+    pool_dir = real_mesh.pool("p1", gateway, MODEL)
+    metrics_file = tmp_path / "steps.jsonl"
+    args = ["--batch-size", str(BATCH), "--max-steps", "9", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--checkpoint-every", "2", "--full-every", "4", "--lr", "1e-5", "--poll", "1",
+            "--metrics-file", str(metrics_file)]
+    # Everything boots side by side; the trainer retries the gateway and the broker until they answer.
+    first = real_mesh.trainer("trainer-1", broker=broker, gateway=gateway, model_id=MODEL, args=args)
+    real_mesh.ready()
+    feed(broker, model, MODEL, 5, seed=1)
+
+    def broker_version() -> int:
+        return mesh.get_json(f"{broker}/v1/status")["models"][MODEL]["version"]
+
+    # Five batches trained and v5 published and reported: the trainer now waits for data. Kill it.
+    mesh.wait_until(lambda: broker_version() == 5 and len(mesh.read_records(metrics_file)) == 5, 120,
+                    "v5 at the broker and in the step records", [first])
+    first.signal(signal.SIGKILL)
+    first.wait(10)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("v")) == [
+        "v0000000002", "v0000000004"]
+
+    # One batch more than the five steps left: the broker may still hand one to the killed trainer's
+    # long poll, whose connection it has not yet noticed is gone.
+    feed(broker, model, MODEL, 6, seed=2, version=5)
+    second = real_mesh.trainer("trainer-2", broker=broker, gateway=gateway, model_id=MODEL, args=args)
+    assert second.wait(120) == 0, second.tail()
+    assert "rebuilt by its delta chain from the trainer's v4" in second.tail(20000)
+
+    versions = mesh.gateway_versions(gateway, MODEL)
+    assert sorted(versions) == list(range(11))
+    for v in range(1, 11):  # steps 5..9 after the restart made versions 6..10
+        assert versions[v]["delta"]["base_version"] == v - 1, versions[v]
+        assert versions[v]["delta"]["complete"]
+    assert sorted(v for v, kinds in versions.items() if "full" in kinds) == [0, 4, 8]
+    assert broker_version() == 10
+
+    records = mesh.read_records(metrics_file)
+    assert [(r["step"], r["version"]) for r in records] == [(s, s) for s in range(1, 6)] + [
+        (s, s + 1) for s in range(5, 10)]
+    assert all(r["published"] for r in records)
+    assert all(0.0 <= r["wait_fraction"] <= 1.0 and r["train_seconds"] > 0 for r in records)
+
+    mesh.wait_until(lambda: dir_manifest(pool_dir).version == 10, 60, "the pool at v10", real_mesh.procs[:3])
+    served = mesh.get_text(f"{gateway}/metrics")
+    full_to_pools = mesh.metric(served, "deltamesh_gateway_bytes_out_total", {"kind": "full", "peer_role": "pool"})
+    fulls = {versions[v]["full"]["payload_bytes"] for v in (0, 4, 8)}
+    assert full_to_pools in fulls  # its first pull only; every later version came as deltas
+    # The pool holds exactly the trainer's last weights (apply checked every tensor against the manifest).
+    assert dir_manifest(pool_dir).weights_hash == versions[10]["delta"]["weights_hash"]
+
+
+@pytest.mark.slow
+def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_lm, tmp_path):
+    """A Solver trainer (one process, stopped with SIGTERM) and a Verifier trainer (two FSDP ranks
+    under torchrun, batches of one group of three padded to split over them) consume only their own
+    batches from one broker and publish their own delta chains through one gateway."""
+    model = tiny_lm[1]
+    broker = real_mesh.broker(["solver", "verifier"])
+    gateway = real_mesh.gateway()
+    common = ["--lr", "1e-5", "--poll", "1", "--full-every", "0"]
+    solver = real_mesh.trainer(
+        "solver", broker=broker, gateway=gateway, model_id="solver",
+        args=[*common, "--batch-size", str(BATCH), "--checkpoint-dir", str(tmp_path / "ckpt-solver"),
+              "--checkpoint-every", "100", "--metrics-file", str(tmp_path / "solver.jsonl")])
+    verifier = real_mesh.trainer(
+        "verifier", broker=broker, gateway=gateway, model_id="verifier", ranks=2,
+        args=[*common, "--batch-size", "3", "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt-verifier"),
+              "--checkpoint-every", "1", "--metrics-file", str(tmp_path / "verifier.jsonl")])
+
+    real_mesh.ready()
+    # Rewards tell the policies' data apart: solver batch means are k/8, verifier ones lie in [0.01, 0.02].
+    feed(broker, model, "solver", 3, seed=3, rewards=(0.0, 1.0))
+    mesh.submit(broker, mesh.make_trajectories(model, "verifier", 2, version=0, seed=4, rewards=(0.01, 0.02),
+                                               group_size=3))
+
+    def at_broker(model_id: str) -> int:
+        return mesh.get_json(f"{broker}/v1/status")["models"][model_id]["version"]
+
+    mesh.wait_until(lambda: at_broker("solver") == 3, 120, "solver v3 at the broker", [solver])
+    solver.signal(signal.SIGTERM)
+    assert solver.wait(30) == 0, solver.tail()
+    assert verifier.wait(180) == 0, verifier.tail()
+
+    for model_id, last in (("solver", 3), ("verifier", 2)):
+        versions = mesh.gateway_versions(gateway, model_id)
+        assert sorted(versions) == list(range(last + 1))
+        assert [versions[v]["delta"]["base_version"] for v in range(1, last + 1)] == list(range(last))
+        assert at_broker(model_id) == last
+    solver_steps = mesh.read_records(tmp_path / "solver.jsonl")
+    verifier_steps = mesh.read_records(tmp_path / "verifier.jsonl")
+    assert [r["version"] for r in solver_steps] == [1, 2, 3]
+    assert [r["version"] for r in verifier_steps] == [1, 2]
+    assert all(r["samples"] == BATCH and r["reward_mean"] * 8 == round(r["reward_mean"] * 8) for r in solver_steps)
+    assert all(r["samples"] == 3 and 0.01 <= r["reward_mean"] <= 0.02 + 1e-6 for r in verifier_steps)
+    # The clean stop wrote a final checkpoint; the sharded trainer checkpointed every version.
+    assert sorted(p.name for p in (tmp_path / "ckpt-solver").iterdir()) == ["v0000000003"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-verifier").iterdir()) == ["v0000000001", "v0000000002"]
+    status = mesh.get_json(f"{broker}/v1/status")["models"]
+    assert status["solver"]["fresh_groups"] == 0 and status["verifier"]["fresh_groups"] == 0

@@ -1,0 +1,89 @@
+"""The emulator's links measure what they were asked for: rate and RTT within 10%, and the delay
+cannot be skipped. Real namespaces, veths, tbf and NFQUEUE delayers; needs root."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from wan import Wan, WanError, verify_link
+from wan.verify import PROBE
+
+pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("netns_ok")]
+
+
+@pytest.mark.slow
+def test_link_rate_and_rtt_within_ten_percent(prefix):
+    with Wan(prefix) as wan:
+        a, b = wan.host("origin"), wan.host("regionA")
+        wan.link(a, b, mbit=100, rtt_ms=100)
+        check = verify_link(a, b, seconds=4)
+    assert check.ok, check.message
+    assert abs(check.rtt_ms - 100) <= 10, check.message
+    assert abs(check.mbit - 100) <= 10, check.message
+
+
+@pytest.mark.slow
+def test_long_fat_link_400_mbit_300_ms(prefix):
+    # The transfer benchmark's long link: 15 MB in flight through tbf and the delayers.
+    with Wan(prefix) as wan:
+        a, b = wan.host("origin"), wan.host("far")
+        wan.link(a, b, mbit=400, rtt_ms=300)
+        check = verify_link(a, b, rtt_count=3)
+    assert check.ok, check.message
+    assert abs(check.rtt_ms - 300) <= 30, check.message
+    assert abs(check.mbit - 400) <= 40, check.message
+
+
+@pytest.mark.slow
+def test_asymmetric_rate_and_addresses(prefix):
+    with Wan(prefix) as wan:
+        a, b = wan.host("a"), wan.host("b")
+        link = wan.link(a, b, mbit=20, rtt_ms=20, mbit_back=80)
+        assert a.addr_of(b) == link.addr_b and b.addr_of(a) == link.addr_a
+        forward = verify_link(a, b, seconds=3)
+        back = verify_link(b, a, seconds=3)
+        # Each host's own address (on its loopback) is routed over the link too.
+        server = a.spawn([sys.executable, str(PROBE), "serve", "--port", "5998"], stdout=subprocess.PIPE)
+        assert server.stdout.readline()
+        echo = b.run([sys.executable, str(PROBE), "rtt", "--to", f"{a.ip}:5998", "--count", "7"])
+        assert 18 <= json.loads(echo.stdout)["rtt_ms"] <= 22
+    assert forward.ok and back.ok, (forward.message, back.message)
+    assert forward.mbit < 22 and back.mbit > 70
+
+
+def test_dead_delayer_darkens_the_link(prefix):
+    # No --queue-bypass: with its delayer gone a direction drops everything instead of
+    # turning into an undelayed LAN, and the emulator reports the dead delayer.
+    with Wan(prefix) as wan:
+        a, b = wan.host("a"), wan.host("b")
+        wan.link(a, b, mbit=50, rtt_ms=10)
+        delayer = wan.delayers[0]  # the one in a: it delays what b sends to a
+        delayer.kill()
+        delayer.wait()
+        assert wan.dead_delayers()
+        check = verify_link(a, b)
+        assert not check.ok and check.rtt_ms is None and "delayer(s) exited" in check.message
+        server = b.spawn([sys.executable, str(PROBE), "serve", "--port", "5999"], stdout=subprocess.PIPE)
+        assert server.stdout.readline()
+        probe = a.run([sys.executable, str(PROBE), "rtt", "--to", f"{a.addr_of(b)}:5999",
+                       "--count", "1", "--timeout", "2"], check=False)
+        assert probe.returncode != 0
+        assert "timed out" in probe.stderr
+
+
+def test_link_arguments_are_checked(prefix):
+    with Wan(prefix) as wan:
+        a = wan.host("a")
+        with pytest.raises(WanError):
+            wan.link(a, a, mbit=10, rtt_ms=1)
+        with pytest.raises(WanError):
+            wan.host("a-name-far-too-long")
+        b = wan.host("b")
+        with pytest.raises(WanError):
+            wan.link(a, b, mbit=0, rtt_ms=1)
+        with pytest.raises(WanError):
+            a.addr_of(b)

@@ -1,0 +1,24 @@
+"""Fixtures of the workflow tests: tiny random-init models served by real in-process engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Two different tiny models (character tokenizer), one per policy."""
+    root = tmp_path_factory.mktemp("workflow-models")
+    return {name: tiny_model_dir(TinyModelConfig(seed=seed), path=root / name)
+            for name, seed in (("solver", 11), ("verifier", 12))}
+
+
+@pytest.fixture
+def engines(tiny_dirs) -> dict[str, TransformersEngine]:
+    return {name: TransformersEngine(TransformersEngineConfig(model_id=name, model_dir=str(path), seed=0))
+            for name, path in tiny_dirs.items()}

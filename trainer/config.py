@@ -1,0 +1,118 @@
+"""The trainer's typed settings: the RL loss, the optimizer, checkpointing and batch splitting.
+
+`TrainerConfig` is the `[trainer]` table of a deltamesh config file, loaded with
+`deltamesh.config.load_config(TrainerConfig, path, section="trainer", overrides=...)`. The loss and
+optimizer sections are plain dataclasses so that the loss functions and the optimizer step can be
+called and tested on their own. Every value is checked in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class LossConfig:
+    """M2PO/PPO clipped objective with GRPO advantages and an optional KL penalty.
+
+    `m2_threshold` is M2PO's bound on the mean squared log-ratio between behaviour and current policy
+    (None turns the second-moment mask off). `eps_low`/`eps_high` are PPO's clip range
+    [1 - eps_low, 1 + eps_high]. `kl_coef` weighs the k3 KL estimate against the reference policy; it
+    applies only when a batch carries reference logprobs. `temperature` is the sampling temperature
+    the behaviour logprobs were taken at (the trainer divides its logits by it).
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    m2_threshold: float | None = 0.04
+    kl_coef: float = 1e-3
+    group_std: bool = True
+    batch_normalize: bool = False
+    adv_eps: float = 1e-6
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0.0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.m2_threshold is not None and not self.m2_threshold >= 0.0:
+            raise ValueError(f"m2_threshold must be >= 0 or unset, got {self.m2_threshold}")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if not self.adv_eps > 0.0:
+            raise ValueError(f"adv_eps must be > 0, got {self.adv_eps}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW on the fp32 master weights, with optional linear warm-up and global grad-norm clipping.
+
+    Weight decay applies to matrices only (ndim >= 2), never to norms' gains or biases.
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not self.eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 or unset, got {self.max_grad_norm}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often the trainer checkpoints; `every` counts published versions."""
+
+    dir: Path | None = None
+    every: int = 10
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.dir is not None:
+            self.dir = Path(self.dir)
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every must be >= 1, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class TrainerConfig:
+    """Everything the trainer's compute core needs.
+
+    `micro_batch_size` is the number of sequences per forward/backward pass on each rank (None: the
+    rank's whole share of the batch at once); it changes memory use, not the result's meaning, since
+    the loss is normalised over the whole batch.
+    """
+
+    model_id: str = "default"
+    seed: int = 0
+    micro_batch_size: int | None = None
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or unset, got {self.micro_batch_size}")

@@ -1,0 +1,207 @@
+"""The trainer loop: long-poll a batch, take one optimizer step, publish the new version, repeat.
+
+`run_training` is what `deltamesh train` runs, single-process or under `torchrun` (then the model is
+sharded with FSDP and every rank runs this same loop in step). Per step: rank 0 long-polls the
+broker for a batch and hands it to the other ranks; the frozen reference model scores it for the
+KL penalty; `train_step` updates the fp32 master weights; the bf16 weights are gathered to rank 0,
+which publishes them as the next version in the background (at most one publish in flight) and
+reports the version to the broker once it is at the gateway. The trainer therefore waits only on
+batches, never on pools or links. Every `checkpoint.every` versions (and on a clean stop) it
+checkpoints, after that version's publish has ended, so a checkpoint never gets ahead of the
+gateway in a normal run. A restarted trainer resumes the newest checkpoint and joins the gateway's
+stream as `deltamesh.trainer.publish.start_stream` describes: versions continue after the gateway's
+head and the next one is a delta, so the pools keep following the chain.
+
+SIGTERM or SIGINT stops the loop cleanly once the current poll or step ends: the last publish is
+finished and a final checkpoint written.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from deltamesh.delta import load_private_key
+from deltamesh.trainer.checkpoint import CheckpointError, resume_latest, save_checkpoint
+from deltamesh.trainer.config import TrainerConfig
+from deltamesh.trainer.distributed import DistContext, broadcast_tensors, init_distributed, shard_model, shutdown
+from deltamesh.trainer.loop_config import TrainLoopConfig
+from deltamesh.trainer.loss_inputs import LossInputs, broadcast_inputs, inputs_from_batch
+from deltamesh.trainer.mesh_client import MeshClient
+from deltamesh.trainer.models import load_causal_lm
+from deltamesh.trainer.step import TrainState, batch_logprobs, build_optimizer, published_weights, seed_everything, train_step
+from deltamesh.trainer.step_log import StepLog, step_record
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: TrainerConfig, loop_cfg: TrainLoopConfig) -> int:
+    """Run the trainer until `max_steps` or a stop signal; returns the process exit code."""
+    ctx = init_distributed()
+    stop = threading.Event()
+    restore = _stop_on_signals(stop)
+    try:
+        _train(cfg, loop_cfg, ctx, stop)
+    finally:
+        restore()
+        shutdown(ctx)
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> Callable[[], None]:
+    def request_stop(signum: int, frame: object) -> None:
+        log.info("signal %d: stopping after the current step", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def resolve_device(name: str, ctx: DistContext) -> torch.device:
+    """"auto" picks the rank's GPU when CUDA is present (init_distributed has set it), else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def _share_int(value: int | None, ctx: DistContext) -> int:
+    """Rank 0's integer on every rank."""
+    sent = broadcast_tensors(
+        {"v": torch.tensor([value if value is not None else 0], dtype=torch.int64)} if ctx.is_main else None,
+        {"v": torch.int64}, ctx)["v"]
+    assert sent is not None
+    return int(sent[0])
+
+
+def pad_rows(inputs: LossInputs, multiple: int) -> LossInputs:
+    """Pad a batch with inert rows up to a multiple of `multiple` rows, so it splits evenly over ranks.
+
+    A padding row holds one attended token and no loss token, in a group of its own (advantage 0),
+    so it changes neither the loss nor the gradient (with `batch_normalize` on, the batch-wide
+    advantage statistics do see its zero).
+    """
+    extra = -inputs.rows % multiple
+    if extra == 0:
+        return inputs
+    width = inputs.input_ids.shape[1]
+
+    def grow(t: torch.Tensor | None, fill: float | int | bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)])
+
+    attention = inputs.attention_mask
+    if attention is None:
+        attention = torch.ones(inputs.input_ids.shape, dtype=torch.int64)
+    pad_attention = torch.zeros(extra, width, dtype=torch.int64)
+    pad_attention[:, 0] = 1
+    first_group = int(inputs.group_ids.max()) + 1 if inputs.rows else 0
+    return LossInputs(
+        input_ids=grow(inputs.input_ids, 0),
+        loss_mask=grow(inputs.loss_mask, False),
+        behaviour_logprobs=grow(inputs.behaviour_logprobs, 0.0),
+        rewards=grow(inputs.rewards, 0.0),
+        group_ids=torch.cat([inputs.group_ids, first_group + torch.arange(extra)]),
+        attention_mask=torch.cat([attention, pad_attention]),
+        ref_logprobs=grow(inputs.ref_logprobs, 0.0),
+    )
+
+
+def _build_models(cfg: TrainerConfig, loop_cfg: TrainLoopConfig,
+                  ctx: DistContext) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The fp32 model to train and, for the KL penalty, a frozen copy of the initial weights."""
+    device = resolve_device(loop_cfg.device, ctx)
+    model = load_causal_lm(loop_cfg.model, dtype=torch.float32, device=str(device))
+    reference = None
+    if loop_cfg.reference and cfg.loss.kl_coef > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        reference = shard_model(reference, ctx)
+    return shard_model(model, ctx), reference
+
+
+def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> None:
+    seed_everything(cfg.seed)
+    model, reference = _build_models(cfg, loop_cfg, ctx)
+    state = TrainState(model, build_optimizer(model, cfg.optim))
+    ckpt = cfg.checkpoint
+    if ckpt.dir is None:
+        log.warning("no checkpoint directory: a restarted trainer starts again from %s", loop_cfg.model)
+    else:
+        meta = resume_latest(ckpt.dir, state, ctx)
+        if meta is None:
+            log.info("no checkpoint under %s: starting from %s", ckpt.dir, loop_cfg.model)
+        elif meta["extra"].get("model_id", cfg.model_id) != cfg.model_id:
+            raise CheckpointError(f"{ckpt.dir} holds checkpoints of {meta['extra']['model_id']!r}, "
+                                  f"not of {cfg.model_id!r}")
+    checkpointed = state.version
+    weights = published_weights(model, ctx)
+
+    client = records = None
+    if ctx.is_main:
+        records = StepLog(loop_cfg.metrics_file)
+        client = MeshClient(broker=loop_cfg.broker, gateway=loop_cfg.gateway, model_id=cfg.model_id,
+                            key=load_private_key(loop_cfg.key), full_every=loop_cfg.full_every,
+                            piece_bytes=loop_cfg.piece_bytes, connections=loop_cfg.upload_connections,
+                            on_published=records.published)
+    try:
+        started = client.start(state.version, weights, stop) if client is not None else None
+        counter = _share_int(-1 if started is None else started.version, ctx)
+        if counter < 0:
+            return
+        state.version = counter
+        steps = 0
+        while loop_cfg.max_steps is None or state.step < loop_cfg.max_steps:
+            poll_start = time.monotonic()
+            batch = None
+            if client is not None and not stop.is_set():
+                batch = client.next_batch(loop_cfg.batch_size, loop_cfg.poll_s, stop)
+            if not _share_int(int(batch is not None), ctx):
+                break
+            wait_s = time.monotonic() - poll_start
+            trained_on = state.version
+            inputs = broadcast_inputs(None if batch is None else pad_rows(inputs_from_batch(batch), ctx.world_size),
+                                      ctx)
+            if reference is not None:
+                inputs = dataclasses.replace(inputs, ref_logprobs=batch_logprobs(reference, inputs, cfg, ctx))
+            metrics = train_step(state, inputs, cfg, ctx)
+            new_weights = published_weights(model, ctx)
+            train_s = time.monotonic() - poll_start - wait_s
+            steps += 1
+            stall_s = 0.0
+            if client is not None:
+                assert new_weights is not None
+                stall_s = client.publish(new_weights, state.version)
+            if ckpt.dir is not None and state.version % ckpt.every == 0:
+                if client is not None:
+                    client.wait_published()  # a checkpoint must not get ahead of the gateway
+                save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
+                checkpointed = state.version
+            if client is not None and records is not None and batch is not None:
+                step_s = time.monotonic() - poll_start
+                client.report_step(wait_s, step_s)
+                records.add(step_record(step=state.step, version=state.version, batch=batch, metrics=metrics,
+                                        trained_on=trained_on, wait_s=wait_s, train_s=train_s, stall_s=stall_s,
+                                        step_s=step_s))
+        if client is not None:
+            client.wait_published()
+        if ckpt.dir is not None and steps and checkpointed != state.version:
+            save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
+        log.info("%s: stopped at step %d, version %d (%d steps this run)", cfg.model_id, state.step, state.version,
+                 steps)
+    finally:
+        if client is not None:
+            client.close()

@@ -1,0 +1,199 @@
+"""Rank 0's dealings with the mesh, off the training thread: batches in, versions out, timings reported.
+
+The training loop is synchronous (every rank runs the same collectives in step), but the broker and
+the gateway speak asyncio HTTP. `MeshClient` runs one event loop in a background thread and offers
+the loop blocking calls for what it must wait for (the next batch, the start of the weight stream)
+and fire-and-forget calls for what it must not: a version's publish (encode, sign, upload, then
+report the version to the broker) runs in the background while the next batch is polled and
+trained, with at most one publish in flight, so versions reach the gateway in order and a slow
+upload delays training by at most the part of it that outlasts a whole step. Step timings go to the
+broker the same way. Only rank 0 creates one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Mapping, TypeVar
+
+import torch
+
+from deltamesh.delta import CodecError
+from deltamesh.delta.keys import Ed25519PrivateKey
+from deltamesh.gateway.http import HttpError
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.data import Batch, BatchClient, DataFormatError
+from deltamesh.trainer.publish import StreamStart, start_stream
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_S = 1.0
+
+
+@dataclass
+class PublishOutcome:
+    """How one version's publish went: `ok`, seconds from its start to its end, bytes and kinds sent."""
+
+    version: int
+    ok: bool
+    seconds: float
+    bytes_sent: int = 0
+    kinds: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread, fed coroutines from other threads."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+class MeshClient:
+    """The broker's batch API and the origin gateway, for one model_id, as seen from the training loop."""
+
+    def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
+                 piece_bytes: int, connections: int,
+                 on_published: Callable[[PublishOutcome], None] | None = None):
+        self.model_id = model_id
+        self.on_published = on_published
+        """Called (on the client's thread) as each publish ends, successful or not."""
+        self.trusted_keys = [key.public_key()]
+        self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
+                                   connections=connections)
+        self._thread = _LoopThread(f"mesh-{model_id}")
+        self._batches: BatchClient = self._thread.call(self._open(broker))
+        self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
+        self._reports: list[concurrent.futures.Future[None]] = []
+
+    async def _open(self, broker: str) -> BatchClient:
+        return BatchClient(broker, self.model_id)  # its HTTP session belongs to this thread's loop
+
+    def close(self) -> None:
+        """Finish the publish in flight and the pending reports, then stop the thread."""
+        try:
+            if self._publishing is not None:
+                try:
+                    self._publishing.result()
+                except Exception:  # noqa: BLE001 - closing after a failure; say what else went wrong
+                    log.exception("%s: the last publish failed", self.model_id)
+                self._publishing = None
+            concurrent.futures.wait(self._reports)
+        finally:
+            self._thread.call(self._batches.close())
+            self._thread.close()
+
+    # -- the weight stream -------------------------------------------------------------------------
+    def start(self, version: int, weights: Mapping[str, torch.Tensor], stop: threading.Event) -> StreamStart | None:
+        """Join the gateway's stream with the trainer's `version` (see `start_stream`); tell the broker.
+
+        An unreachable gateway is retried every second until `stop` is set (then None).
+        """
+        while True:
+            try:
+                start = self._thread.call(start_stream(self.publisher, version, weights, self.trusted_keys))
+                break
+            except HttpError as e:
+                if e.status not in (0, 502, 503, 504):
+                    raise
+                log.warning("%s: gateway not available yet: %s", self.model_id, e)
+                if stop.wait(RETRY_S):
+                    return None
+        log.info("%s: weight stream at v%d, next delta on v%d: %s", self.model_id, start.version,
+                 start.base_version, start.reason)
+        self._thread.call(self._report_version(start.version))
+        return start
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Start publishing `weights` as `version` in the background, once the previous publish has ended.
+
+        Returns how many seconds this call waited for the previous publish (0 when it had ended).
+        """
+        stalled = self.wait_published()
+        self._publishing = self._thread.submit(self._publish(weights, version))
+        return stalled
+
+    def wait_published(self) -> float:
+        """Wait for the publish in flight, if any; returns the seconds waited."""
+        if self._publishing is None:
+            return 0.0
+        start = time.monotonic()
+        self._publishing.result()
+        self._publishing = None
+        return time.monotonic() - start
+
+    async def _publish(self, weights: Mapping[str, torch.Tensor], version: int) -> PublishOutcome:
+        start = time.monotonic()
+        try:
+            published = await self.publisher.publish(weights, version)
+        except (HttpError, CodecError, OSError, ValueError) as e:
+            base = self.publisher.base[0] if self.publisher.base is not None else None
+            log.error("%s: publishing v%d failed (%s); the next version is encoded against v%s",
+                      self.model_id, version, e, base)
+            outcome = PublishOutcome(version, False, time.monotonic() - start, error=str(e))
+        else:
+            outcome = PublishOutcome(version, True, time.monotonic() - start, published.bytes_sent,
+                                     [m.kind for m in published.manifests])
+        if self.on_published is not None:
+            self.on_published(outcome)
+        if outcome.ok:
+            await self._report_version(version)
+        return outcome
+
+    async def _report_version(self, version: int) -> None:
+        try:
+            await self._batches.report_version(version)
+        except HttpError as e:
+            # The broker keeps its staleness bound on the version it knew; the next report fixes it.
+            log.warning("%s: could not report v%d to the broker: %s", self.model_id, version, e)
+
+    # -- batches and timings -------------------------------------------------------------------------
+    def next_batch(self, size: int, poll_s: float, stop: threading.Event) -> Batch | None:
+        """Long-poll the broker until a batch comes (None once `stop` is set and a poll came back empty).
+
+        An unreachable or failing broker is retried every second: the trainer waits on batches, and
+        that is what it is waiting for.
+        """
+        while True:
+            try:
+                batch = self._thread.call(self._batches.next_batch(size, timeout_s=poll_s))
+            except (HttpError, DataFormatError) as e:
+                log.warning("%s: batch poll failed: %s", self.model_id, e)
+                batch = None
+                if not stop.is_set():
+                    time.sleep(RETRY_S)
+            if batch is not None:
+                if batch.model_id != self.model_id:
+                    raise DataFormatError(f"the broker sent a batch of {batch.model_id!r} to {self.model_id!r}")
+                return batch
+            if stop.is_set():
+                return None
+
+    def report_step(self, wait_s: float, step_s: float) -> None:
+        """Send one step's timings to the broker's balance report, without waiting for the answer."""
+        self._reports = [f for f in self._reports if not f.done()]
+        self._reports.append(self._thread.submit(self._report_step(wait_s, step_s)))
+
+    async def _report_step(self, wait_s: float, step_s: float) -> None:
+        try:
+            await self._batches.report_step(wait_s, step_s)
+        except HttpError as e:
+            log.warning("%s: could not report step timings: %s", self.model_id, e)
