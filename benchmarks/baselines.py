@@ -44,6 +44,8 @@ class Codec:
     summary: str
     encode: Callable[[Weights, Weights], list[bytes]]
     apply: Callable[[Weights, Blobs], dict[str, torch.Tensor]]
+    prepare: Callable[[Weights], None] | None = None
+    """Untimed set-up on the old weights before a measurement (what a sender already knows)."""
 
 
 def words(t: torch.Tensor) -> torch.Tensor:

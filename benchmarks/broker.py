@@ -2,14 +2,19 @@
 
 Each configuration runs a real `deltamesh broker` process on loopback with a fresh SQLite file.
 Eight pool clients (one process, asyncio) submit trajectories of 2,048 tokens in groups of 8, each
-submission acknowledged only once committed, while a trainer consumes batches of 256. Then, with the
+submission acknowledged only once committed, while a trainer consumes batches of 256; the median of
+three such rounds is reported. Then, with the
 buffer filled, the trainer asks for ready batches of 256 one after another and each request is timed
-until the batch is decoded. Configurations, side by side in one run:
+until the batch is decoded. The broker process's CPU time per trajectory during the ingest rounds
+(taking it in and serving it to the trainer; Linux /proc) is printed too: wall-clock rates on a
+shared machine depend on what else runs, CPU time per trajectory much less.
+Configurations, side by side in one run:
   - deltamesh: binary submissions, group commit, fsync durability (the default)
   - deltamesh, process durability: acks survive a killed broker but not power loss
   - deltamesh, JSON submissions: the same broker fed token lists as JSON
   - baseline, commit per submission: group commit switched off (max_commit_trajectories = one submission)
-`--json` prints the default configuration's figures as one JSON object.
+`--json` prints the default configuration's figures as one JSON object:
+{"ingest_traj_per_s": x, "batch_latency_ms_p50": x, "batch_latency_ms_p99": x}.
 """
 
 from __future__ import annotations
@@ -122,25 +127,39 @@ async def trainer(url: str, stop: asyncio.Event, latencies: list[float] | None, 
     return served
 
 
-async def run_config(url: str, groups_per_pool: int, per_submission: int, use_json: bool,
-                     latency_batches: int) -> dict[str, float]:
-    stop = asyncio.Event()
-    consumer = asyncio.create_task(trainer(url, stop, None, None))
-    start = time.perf_counter()
-    await asyncio.gather(*(pool_client(url, p, groups_per_pool, per_submission, use_json) for p in range(POOLS)))
-    elapsed = time.perf_counter() - start
-    stop.set()
-    await consumer
-    ingest = POOLS * groups_per_pool * GROUP / elapsed
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_config(url: str, pid: int, groups_per_pool: int, per_submission: int, use_json: bool,
+                     latency_batches: int, rounds: int) -> dict[str, float]:
+    """Ingest in `rounds` equal rounds (median rate reported), then time ready batches."""
+    rates, cpu_per_traj = [], []
+    per_round = max(1, groups_per_pool // rounds)
+    for r in range(rounds):
+        stop = asyncio.Event()
+        consumer = asyncio.create_task(trainer(url, stop, None, None))
+        start, cpu = time.perf_counter(), cpu_seconds(pid)
+        await asyncio.gather(*(pool_client(url, 10 * r + p, per_round, per_submission, use_json)
+                               for p in range(POOLS)))
+        elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+        stop.set()
+        await consumer
+        trajectories = POOLS * per_round * GROUP
+        rates.append(trajectories / elapsed)
+        cpu_per_traj.append(cpu / trajectories)
     # Ready batches: fill the buffer first (not timed), then time each request.
-    await asyncio.gather(*(pool_client(url, 100 + p, latency_batches * BATCH // GROUP // POOLS, per_submission, False)
+    await asyncio.gather(*(pool_client(url, 1000 + p, latency_batches * BATCH // GROUP // POOLS, per_submission, False)
                            for p in range(POOLS)))
     latencies: list[float] = []
     await trainer(url, asyncio.Event(), latencies, latency_batches)
     latencies.sort()
-    return {"ingest_traj_per_s": round(ingest, 1),
+    return {"ingest_traj_per_s": round(statistics.median(rates), 1),
             "batch_latency_ms_p50": round(statistics.median(latencies), 2),
-            "batch_latency_ms_p99": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2)}
+            "batch_latency_ms_p99": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
+            "broker_cpu_us_per_traj": round(statistics.median(cpu_per_traj) * 1e6, 1)}
 
 
 CONFIGS = [
@@ -157,32 +176,36 @@ def main() -> int:
     parser.add_argument("--groups-per-pool", type=int, default=400, help="groups each of the 8 pools submits")
     parser.add_argument("--per-submission", type=int, default=4, help="groups per submission")
     parser.add_argument("--latency-batches", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3, help="ingest rounds per configuration (median reported)")
     parser.add_argument("--only-default", action="store_true", help="skip the comparison configurations")
     args = parser.parse_args()
     results = []
+    load_before = os.getloadavg()[0]
     for name, config, use_json in CONFIGS[:1] if args.only_default else CONFIGS:
         with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
             proc, url = start_broker(Path(tmp), config)
             try:
                 groups = args.groups_per_pool // (4 if use_json else 1)  # JSON is slow; keep the run short
-                figures = asyncio.run(run_config(url, groups, args.per_submission, use_json, args.latency_batches))
+                figures = asyncio.run(run_config(url, proc.pid, groups, args.per_submission, use_json,
+                                                 args.latency_batches, args.rounds))
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
         results.append((name, figures))
     if args.json:
-        print(json.dumps(results[0][1]))
+        keys = ("ingest_traj_per_s", "batch_latency_ms_p50", "batch_latency_ms_p99")
+        print(json.dumps({k: results[0][1][k] for k in keys}))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"broker: {POOLS} pools, {TOKENS}-token trajectories, groups of {GROUP}, batches of {BATCH} "
-                        f"({os.cpu_count()} cores)")
-    for col in ("configuration", "ingest traj/s", "ready batch p50 ms", "p99 ms"):
+    table = Table(title=f"broker: {POOLS} pools, {TOKENS}-token trajectories, groups of {GROUP}, batches of {BATCH}; "
+                        f"{os.cpu_count()} cores, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    for col in ("configuration", "ingest traj/s", "broker CPU us/traj in+out", "ready batch p50 ms", "p99 ms"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for name, f in results:
-        table.add_row(name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['batch_latency_ms_p50']:.1f}",
-                      f"{f['batch_latency_ms_p99']:.1f}")
+        table.add_row(name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['broker_cpu_us_per_traj']:.0f}",
+                      f"{f['batch_latency_ms_p50']:.1f}", f"{f['batch_latency_ms_p99']:.1f}")
     Console().print(table)
     return 0
 

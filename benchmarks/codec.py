@@ -5,7 +5,8 @@ each result is checked bit for bit against the new weights. Inputs: real one-ste
 SmolLM2-135M at three learning rates and a synthetic model with Qwen3-0.6B's shapes (1.19 GB). Sizes
 count every byte a method sends (for deltamesh: the signed manifest and all pieces); speeds are GB/s
 of model bytes (bf16 size of the weights), medians of `--repeats` runs. deltamesh's apply includes
-all of its checks: the manifest signature, every piece hash and every result tensor hash. Also
+all of its checks: the manifest signature, every piece hash and every result tensor hash; its
+encoder is given the base's weights hash, as a trainer knows it from the previous version. Also
 measured: deltamesh's full snapshot against raw bf16 on SmolLM2, and the XOR of two large arrays
 (GB/s of one array) as the memory-bandwidth reference. Prints a table, or with --json one object.
 
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from baselines import BASELINES, Codec, encoded_size
-from inputs import Case, qwen3_shapes, real_cases, synthetic_case
+from inputs import Case, qwen3_shapes, real_cases, adam_run_case, synthetic_case
 
 log = logging.getLogger("benchmarks.codec")
 
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one repeat, a 4-layer synthetic model, 256 MiB XOR")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 3, quick 1)")
     p.add_argument("--lrs", type=float, nargs="*", default=list(LRS), help="learning rates of the real deltas")
+    p.add_argument("--run-steps", type=int, default=4,
+                   help="also the delta of this step of one Adam run at lr 5e-6 (0: skip)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     args = p.parse_args(argv)
@@ -65,15 +68,24 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(times), result
 
 
-def deltamesh_codecs() -> tuple[Codec, Callable[[dict], tuple[int, Codec]]]:
-    """deltamesh as a `Codec` (blobs = signed manifest + pieces) and a factory for its full snapshots."""
-    from deltamesh.delta import apply, encode_delta, encode_full, generate_key, load_manifest
+def deltamesh_codecs() -> tuple[Codec, Codec]:
+    """deltamesh as a `Codec` (blobs = signed manifest + pieces), for deltas and for full snapshots.
+
+    The delta encoder is given the base's `weights_hash`, as a trainer has it from the previous
+    version's manifest; `prepare` computes it before the timed runs.
+    """
+    from deltamesh.delta import apply, encode_delta, encode_full, generate_key, load_manifest, weights_hash
 
     key = generate_key()
     trusted = [key.public_key()]
+    known = {"base": None, "hash": None}
+
+    def prepare(old):
+        known.update(base=old, hash=weights_hash(old))
 
     def encode(old, new):
-        enc = encode_delta(old, new, model_id="bench", version=1, base_version=0, key=key)
+        base_hash = known["hash"] if known["base"] is old else None
+        enc = encode_delta(old, new, model_id="bench", version=1, base_version=0, key=key, base_hash=base_hash)
         return [enc.manifest_bytes, *enc.pieces]
 
     def apply_delta(old, blobs):
@@ -87,7 +99,7 @@ def deltamesh_codecs() -> tuple[Codec, Callable[[dict], tuple[int, Codec]]]:
     def apply_snapshot(old, blobs):
         return apply(None, load_manifest(blobs[0], trusted), blobs[1:])
 
-    delta = Codec("deltamesh", "signed manifest + bit-diff pieces", encode, apply_delta)
+    delta = Codec("deltamesh", "signed manifest + bit-diff pieces", encode, apply_delta, prepare)
     full = Codec("deltamesh-full", "signed full snapshot", encode_snapshot, apply_snapshot)
     return delta, full
 
@@ -101,6 +113,8 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 
 
 def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: int | None) -> dict[str, Any]:
+    if codec.prepare is not None:
+        codec.prepare(case.old)
     encode_s, blobs = median_time(lambda: codec.encode(case.old, case.new), repeats)
     size = encoded_size(blobs)
     apply_s, result = median_time(lambda: codec.apply(case.old, blobs), repeats)
@@ -119,7 +133,7 @@ def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: in
     }
 
 
-def run_case(case: Case, codecs: dict[str, Codec], repeats: int) -> dict[str, Any]:
+def measure_case(case: Case, codecs: dict[str, Codec], repeats: int) -> dict[str, Any]:
     changed = case.changed_words()
     log.info("%s: %.3f GB, %.4f%% of words changed", case.name, case.model_bytes / GB, 100 * changed / case.numel)
     results: dict[str, Any] = {}
@@ -237,7 +251,7 @@ def print_report(report: dict[str, Any]) -> None:
     rel = report.get("deltamesh_vs_xor")
     if rel:
         console.print(f"deltamesh on the synthetic model, as a fraction of that XOR speed: encode {rel['encode']:.2f}, "
-                      f"apply {rel['apply']:.2f} (steadier than GB/s on a busy machine)")
+                      f"apply {rel['apply']:.2f}; measured minutes apart, so only indicative")
     table = Table(title="targets (deltamesh)")
     for col in ("target", "measured", "needed", "result"):
         table.add_column(col, justify="left" if col == "target" else "right")
@@ -259,14 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"repeats": args.repeats, "quick": args.quick, "cases": []}
     cases = real_cases(args.lrs)
     for case in cases:
-        report["cases"].append(run_case(case, codecs, args.repeats))
+        report["cases"].append(measure_case(case, codecs, args.repeats))
     if snapshot_codec is not None and cases:
         report["full_snapshot"] = full_snapshot(cases[0], snapshot_codec, args.repeats)
     del cases
+    if args.run_steps > 0:
+        report["cases"].append(measure_case(adam_run_case(5e-6, args.run_steps), codecs, args.repeats))
     gc.collect()
     if not args.no_synthetic:
         case = synthetic_case(qwen3_shapes(layers=4 if args.quick else 28))
-        report["cases"].append(run_case(case, codecs, args.repeats))
+        report["cases"].append(measure_case(case, codecs, args.repeats))
         del case
         gc.collect()
     report["xor_bytes"] = (256 * 2**20) if args.quick else GIB

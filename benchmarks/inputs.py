@@ -1,8 +1,9 @@
 """Benchmark inputs: pairs of bf16 weight versions (old, new) that a codec must carry.
 
-Two kinds. Real deltas: SmolLM2-135M-Instruct's pretrained weights as fp32 master weights, one Adam
-step on next-token loss over real English text, both sides cast to bf16 (built and cached by
-`deltamesh.trainer.models`). Synthetic: a model with Qwen3-0.6B's tensor names and shapes (hidden
+Real deltas (built and cached by `deltamesh.trainer.models`): SmolLM2-135M-Instruct's pretrained
+weights as fp32 master weights, one Adam step on next-token loss over real English text, both sides
+cast to bf16; and the delta of a later step of one Adam run, whose updates are no longer all exactly
++-lr as a first step's are. Synthetic: a model with Qwen3-0.6B's tensor names and shapes (hidden
 1024, 28 layers, intermediate 3072, 16 query / 8 key-value heads of dim 128, vocab 151936, tied
 embeddings: 1.19 GB in bf16) holding seeded random weights, of which a given fraction of words move
 by one or two bf16 ulps, as they do in a real step; it exists to measure speed at a realistic size.
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamesh.trainer.models import smollm2_adam_versions, smollm2_state_dict, to_bf16
+from deltamesh.trainer.models import smollm2_adam_run, smollm2_adam_versions, smollm2_state_dict, to_bf16
 
 Weights = dict[str, torch.Tensor]
 
@@ -47,6 +48,12 @@ def real_cases(lrs: list[float]) -> list[Case]:
         Case(f"smollm2-135m adam lr={lr:g}", old, versions[lr], note="real pretrained weights, one Adam step")
         for lr in lrs
     ]
+
+
+def adam_run_case(lr: float, steps: int = 4) -> Case:
+    """SmolLM2-135M: the delta made by step `steps` of one Adam run (updates of varied size)."""
+    old, new = smollm2_adam_run(lr, steps)
+    return Case(f"smollm2-135m adam step {steps} lr={lr:g}", old, new, note="real weights, mid-run Adam step")
 
 
 def qwen3_shapes(layers: int = 28, hidden: int = 1024, intermediate: int = 3072, q_heads: int = 16,
@@ -85,8 +92,9 @@ def synthetic_case(shapes: dict[str, tuple[int, ...]], *, changed: float = 0.01,
         o = values.to(torch.bfloat16)
         n = o.clone()
         w_old, w_new = o.view(torch.int16).reshape(-1), n.view(torch.int16).reshape(-1)
-        count = round(o.numel() * changed)
-        pos = torch.randint(o.numel(), (count,), generator=gen)
+        # Unique positions: a repeated index in one scatter makes the winning write nondeterministic.
+        pos = torch.unique(torch.randint(o.numel(), (round(o.numel() * changed),), generator=gen))
+        count = pos.numel()
         step = torch.randint(1, 3, (count,), generator=gen, dtype=torch.int16)
         step = torch.where(torch.rand(count, generator=gen) < 0.5, step, -step)
         # A word whose magnitude bits are tiny only grows, so no step crosses zero into another sign.

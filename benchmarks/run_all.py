@@ -15,7 +15,11 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: tuple[str, ...] = (
     "codec",
     "gateway",
+    "transfer",
+    "simulate",
     "broker",
+    "swap",
+    "e2e",
 )
 
 

@@ -3,12 +3,15 @@
 A real gateway (in this process, on a loopback socket) holds the versions; a pool's weight stream
 (`deltamesh.mesh.pool.weights.PolicyWeights`, the code `deltamesh pool run` uses) brings each new
 version into a live transformers engine that keeps generating meanwhile, one token per call. The
-clock starts when the publisher has uploaded the whole version and stops when the engine returns the
-first token generated with it. Two ways side by side, in one run, on the same versions:
+clock starts when the publisher has uploaded the whole version and stops when the engine serves it:
+the swap is done and every later decode step, starting with the next, uses the new weights. The time
+until the engine has actually returned its first token from the new version is reported too
+(`*_first_token_seconds`): it adds the decode step that was running and any slowdown of generation
+while the synced directory is being written. Two ways side by side, in one run, on the same versions:
 
 - in place: the plan's verified pieces are decoded and written into the live model (a delta changes
   only its changed words; a full snapshot is decoded off to the side and copied in); the synced
-  directory is written afterwards, off the clock.
+  directory is written afterwards.
 - reload: the version is applied to the synced directory first (atomic, fsynced), then the engine
   reloads the whole model from it (`load_version`: read, hash-check, copy in), which is what an
   engine without hot swap does.
@@ -156,7 +159,7 @@ class Generating:
         params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
         while True:
             (gen,) = await self.engine.generate([self.prompt], params)
-            self.first_served.setdefault(gen.versions[0], time.perf_counter())
+            self.first_served.setdefault(gen.versions[0], time.time())
             self._seen.set()
             self._seen.clear()
 
@@ -167,7 +170,8 @@ class Generating:
 
 
 class Trainer:
-    """Publishes alternate versions (old, new, old, ...) as a delta, or as a full snapshot only."""
+    """Publishes versions of the model: every measured version goes from the old weights to the new ones
+    (a delta is not equally large both ways), as a delta or as a full snapshot only."""
 
     def __init__(self, url: str, key, model: ModelInput):
         self.url, self.key, self.model = url, key, model
@@ -177,9 +181,17 @@ class Trainer:
     async def start(self) -> None:
         await self.publisher.publish(self.model.old, 0)
 
-    async def publish(self, kind: str) -> tuple[int, int]:
-        """Publish the next version as `kind`; returns (version, payload bytes) once all of it is uploaded."""
-        target = self.model.new if self.current is self.model.old else self.model.old
+    async def back_to_old(self) -> bool:
+        """Publish the old weights again (a delta) unless they are the head; True if it published."""
+        if self.current is self.model.old:
+            return False
+        await self.publisher.publish(self.model.old)
+        self.current = self.model.old
+        return True
+
+    async def publish_new(self, kind: str) -> tuple[int, int]:
+        """Publish the new weights as `kind`; returns (version, payload bytes) once all of it is uploaded."""
+        target = self.model.new
         if kind == "delta":
             published = await self.publisher.publish(target)
         else:
@@ -195,43 +207,54 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
     public = save_keypair(key, workdir / "trainer.key")
     config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], pool_tokens=[TOKEN],
                            keep_fulls=1, keep_deltas=4)
-    times: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
+    serving: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
+    first_token: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
     payload: dict[str, list[int]] = {k: [] for k in KINDS}
-    async with running_gateway(config) as url:
+    async with running_gateway(config) as url, contextlib.AsyncExitStack() as stack:
         trainer = Trainer(url, key, model)
         await trainer.start()
+        pools = {}
         for mode, hot_swap in MODES.items():
             engine = await asyncio.to_thread(
                 TransformersEngine, TransformersEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
+            stack.push_async_callback(engine.close)
             sync = PoolSyncConfig(gateways=[url], token=TOKEN, name=f"bench-{mode}", dir=str(workdir / mode),
                                   trusted_keys=[str(public)], model=model.name, connections=4, give_up_s=600)
-            async with PolicyWeights(engine, sync, hot_swap=hot_swap) as weights:
-                await weights.sync_round()  # to the head, off the clock
-                async with Generating(engine) as generating:
-                    for rep in range(repeats):
-                        for kind in KINDS:
-                            version, nbytes = await trainer.publish(kind)
-                            available = time.perf_counter()
-                            round_ = asyncio.create_task(weights.sync_round())
-                            served = await generating.first_token_of(version)
-                            await round_  # the directory write finishes before the next version
-                            times[(kind, mode)].append(served - available)
-                            payload[kind].append(nbytes)
-                            log.info("%s %s %s: v%d serving after %.3f s (%d payload bytes)", model.name, kind, mode,
-                                     version, served - available, nbytes)
-                            if weights.status.last_error:
-                                raise RuntimeError(f"{model.name} {kind} {mode}: {weights.status.last_error}")
-            await engine.close()
-            del engine, weights
-            gc.collect()
+            pools[mode] = await stack.enter_async_context(PolicyWeights(engine, sync, hot_swap=hot_swap))
+        # The ways take turns version by version, so that both see the same background load over time;
+        # before each measured version both catch up, off the clock, with the old weights republished.
+        for rep in range(repeats):
+            for kind in KINDS:
+                for mode, weights in pools.items():
+                    await trainer.back_to_old()
+                    for each in pools.values():
+                        await each.sync_round()
+                    engine = weights.engine
+                    async with Generating(engine) as generating:
+                        version, nbytes = await trainer.publish_new(kind)
+                        available = time.time()
+                        await weights.sync_round()  # returns once the directory is written too
+                        if engine.version != version or weights.status.last_error:
+                            raise RuntimeError(f"{model.name} {kind} {mode}: engine at v{engine.version}, "
+                                               f"wanted v{version}; {weights.status.last_error}")
+                        served = weights.status.last_swap_at - available
+                        first = await generating.first_token_of(version) - available
+                    serving[(kind, mode)].append(served)
+                    first_token[(kind, mode)].append(first)
+                    payload[kind].append(nbytes)
+                    log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s (%d payload bytes)",
+                             model.name, kind, mode, version, served, first, nbytes)
+    gc.collect()
     cases = []
     for kind in KINDS:
-        in_place, reload = times[(kind, "in_place")], times[(kind, "reload")]
+        in_place, reload = serving[(kind, "in_place")], serving[(kind, "reload")]
         cases.append({
             "model": model.name, "kind": kind, "in_place_seconds": statistics.median(in_place),
-            "reload_seconds": statistics.median(reload), "model_bytes": model.model_bytes,
-            "payload_bytes": int(statistics.median(payload[kind])), "runs": len(in_place),
-            "in_place_runs": in_place, "reload_runs": reload, "note": model.note,
+            "reload_seconds": statistics.median(reload),
+            "in_place_first_token_seconds": statistics.median(first_token[(kind, "in_place")]),
+            "reload_first_token_seconds": statistics.median(first_token[(kind, "reload")]),
+            "model_bytes": model.model_bytes, "payload_bytes": int(statistics.median(payload[kind])),
+            "runs": len(in_place), "in_place_runs": in_place, "reload_runs": reload, "note": model.note,
         })
     return cases
 
@@ -242,14 +265,16 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="version available at the gateway -> engine generating with it (median s)")
-    for col in ("model", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place"):
+    table = Table(title="version available at the gateway -> engine serving it (median s)")
+    for col in ("model", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
+                "first token: in place s", "reload s"):
         table.add_column(col, justify="left" if col in ("model", "kind") else "right")
     for c in result["cases"]:
         table.add_row(c["model"], f"{c['model_bytes'] / 1e6:.0f}", c["kind"], f"{c['payload_bytes'] / 1e6:.1f}",
                       f"{c['in_place_seconds']:.3f}", f"{c['reload_seconds']:.3f}",
-                      f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x")
-    console = Console()
+                      f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x",
+                      f"{c['in_place_first_token_seconds']:.3f}", f"{c['reload_first_token_seconds']:.3f}")
+    console = Console(width=160)
     console.print(table)
     console.print(f"{result['repeats']} runs per cell; {result['threads']} torch threads; "
                   "the engine generates one token per call throughout.")

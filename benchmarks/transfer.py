@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
                     help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
     ap.add_argument("--steps", type=int, help="training versions after the first (default 10; 4 with --quick)")
-    ap.add_argument("--step-seconds", type=float, default=6.0, help="seconds between two published training versions")
+    ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
+    ap.add_argument("--save", type=Path, help="results file to merge into (default .cache/transfer/results.json, "
+                                              "results-quick.json with --quick)")
     ap.add_argument("--no-verify", action="store_true", help="skip measuring the links before the runs")
     ap.add_argument("--log-level", default=os.environ.get("DELTAMESH_LOG", "WARNING"))
     return ap.parse_args(argv)
@@ -61,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the transfer benchmark needs root (network namespaces); see benchmarks/wan/README.md", file=sys.stderr)
         return 2
-    from transfer_payload import prepare_payload
+    from transfer_payload import payload_manifest, prepare_payload
     from transfer_scenarios import SCENARIOS, Settings
 
     names = [n for n in ORDER if n in (args.scenario or ORDER)]
     payload_mb = args.payload_mb or (16.0 if args.quick else 200.0)
     payload = prepare_payload(payload_mb)
-    settings = Settings(payload=payload, payload_bytes=(payload / "version.bin").stat().st_size,
+    pieces = len(payload_manifest(payload).pieces)
+    payload_bytes = (payload / "version.bin").stat().st_size
+    settings = Settings(payload=payload, payload_bytes=payload_bytes, piece_bytes=payload_bytes / pieces,
                         repeats=args.repeats or (1 if args.quick else 3), rtt_scale=0.2 if args.quick else 1.0,
                         connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify)
     started = time.time()
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         scenarios.append(result)
     report = {"scenarios": scenarios, "quick": args.quick, "started": started,
               "payload_mb": payload_mb, "command": " ".join(["benchmarks/transfer.py", *(argv or sys.argv[1:])])}
-    save(report, RESULTS / ("results-quick.json" if args.quick else "results.json"))
+    save(report, args.save or RESULTS / ("results-quick.json" if args.quick else "results.json"))
     if args.json:
         print(json.dumps(report))
     else:

@@ -132,8 +132,6 @@ def pull(args: argparse.Namespace) -> int:
 
     async def main() -> dict:
         async with client_session(connections=max(8, 2 * args.connections), timeout_s=None) as session:
-            if args.warm_version is not None:
-                await _fetch_all(session, base, model, args.warm_version, args.kind, keys, args)
             t_go = ready_then_wait(args)
             while True:  # long-poll until the version is announced
                 answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
@@ -149,30 +147,45 @@ def pull(args: argparse.Namespace) -> int:
             manifest = await fetcher.manifest_bytes(model, args.version, args.kind,
                                                     _accept(load_manifest, keys))
             progress = Progress(manifest.payload_bytes)
+            fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
+            verified = 0
 
             async def keep(index: int, data: bytearray) -> None:
-                progress.add(len(data))  # verified by the fetcher against the signed manifest
+                nonlocal verified
+                verified += len(data)  # checked by the fetcher against the signed manifest
 
             await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
             return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, "t_done": time.time(),
-                    "bytes": progress.done, "pieces": len(manifest.pieces), "progress": progress.marks}
+                    "bytes": verified, "pieces": len(manifest.pieces), "progress": progress.marks}
 
     write_json(args.out, asyncio.run(main()))
     return 0
 
 
-async def _fetch_all(session, base: str, model: str, version: int, kind: str, keys, args) -> None:
-    """Fetch a version that is already there, to bring this session's connections up to speed."""
-    from deltamesh.delta import load_manifest
-    from deltamesh.gateway.fetch import Fetcher, Source
+def publish_steps(args: argparse.Namespace) -> int:
+    """Publish cached training versions with the trainer's publisher, one every `--step-seconds`."""
+    from safetensors.torch import load_file
 
-    fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
-    manifest = await fetcher.manifest_bytes(model, version, kind, _accept(load_manifest, keys))
+    from deltamesh.delta import load_private_key
+    from deltamesh.gateway.publisher import Publisher
 
-    async def drop(index: int, data: bytearray) -> None:
-        return None
+    folder = Path(args.steps_dir)
+    publisher = Publisher(args.gateway, load_private_key(args.key), args.model, full_every=args.full_every)
+    weights = [load_file(str(folder / f"v{i:02d}.safetensors")) for i in range(args.count)]
 
-    await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, drop)
+    async def main(t_go: float) -> list[dict]:
+        out = []
+        for version, w in enumerate(weights):
+            # A trainer's cadence: the next version is due one step after the last was due, ready or not.
+            await asyncio.sleep(max(0.0, t_go + version * args.step_seconds - time.time()))
+            t_start = time.time()
+            result = await publisher.publish(w, version)
+            out.append({"version": version, "t_start": t_start, "t_done": time.time(),
+                        "manifests": [{"kind": m.kind, "payload_bytes": m.payload_bytes} for m in result.manifests]})
+        return out
+
+    write_json(args.out, {"versions": asyncio.run(main(ready_then_wait(args)))})
+    return 0
 
 
 def _accept(load_manifest, keys):
@@ -282,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     add_sync_args(p)
     p.set_defaults(run=publish)
 
+    p = sub.add_parser("publish-steps", help="publish cached training versions on a cadence")
+    p.add_argument("--gateway", required=True)
+    p.add_argument("--steps-dir", required=True, help="folder of v00.safetensors, v01.safetensors, ...")
+    p.add_argument("--count", type=int, required=True, help="how many versions, from v00")
+    p.add_argument("--model", required=True)
+    p.add_argument("--key", required=True)
+    p.add_argument("--full-every", type=int, default=10)
+    p.add_argument("--step-seconds", type=float, required=True)
+    add_sync_args(p)
+    p.set_defaults(run=publish_steps)
+
     p = sub.add_parser("pull", help="fetch a version's pieces from a gateway")
     p.add_argument("--gateway", required=True)
     p.add_argument("--model", required=True)
@@ -291,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--name", default="bench")
     p.add_argument("--after-complete", action="store_true", help="start only once the gateway holds all of it")
-    p.add_argument("--warm-version", type=int, help="fetch this (present) version first, to warm the connections")
     add_sync_args(p)
     p.set_defaults(run=pull)
 

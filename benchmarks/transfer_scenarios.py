@@ -24,8 +24,10 @@ include publishing, while the baselines' file is already in place.
 from __future__ import annotations
 
 import logging
+import shutil
 import statistics
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,8 @@ DIRECT_PORT = 8601
 class Settings:
     payload: Path
     payload_bytes: int
+    piece_bytes: float
+    """Mean piece size of the version (what one fetch request carries)."""
     repeats: int = 3
     rtt_scale: float = 1.0
     """Multiplies every link's RTT (the --quick runs use shorter links)."""
@@ -107,14 +111,28 @@ def steady_mbit(result: dict) -> float | None:
     return (marks[-1][1] - marks[0][1]) * 8 / (marks[-1][0] - marks[0][0]) / 1e6
 
 
+@contextmanager
+def work_dir(settings: Settings):
+    """A scenario's scratch folder: removed afterwards; on failure only its logs are kept, and named."""
+    root = settings.work_root or Path(tempfile.gettempdir())
+    path = Path(tempfile.mkdtemp(prefix="transfer-", dir=root))
+    try:
+        yield path
+    except BaseException:
+        for bulky in (*path.glob("store-*"), path / "pools"):
+            shutil.rmtree(bulky, ignore_errors=True)
+        log.error("scenario failed; its logs are in %s", path)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class Scenario:
     """Shared plumbing of one scenario: the WAN, the mesh, version numbering, timed batches."""
 
-    def __init__(self, wan: Wan, settings: Settings):
+    def __init__(self, wan: Wan, settings: Settings, work: Path):
         self.wan = wan
         self.settings = settings
-        root = settings.work_root or Path(tempfile.gettempdir())
-        self.mesh = Mesh(wan, Path(tempfile.mkdtemp(prefix="transfer-", dir=root)))
+        self.mesh = Mesh(wan, work)
         self.version = 0
 
     def host(self, name: str) -> Host:
@@ -149,9 +167,9 @@ class Scenario:
 
 
 def long_link(settings: Settings) -> dict:
-    with Wan("txl") as wan:
+    with work_dir(settings) as work, Wan("txl") as wan:
         build_topology(wan, "long_link", settings.rtt_scale)
-        run = Scenario(wan, settings)
+        run = Scenario(wan, settings, work)
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
         set_tcp_buffers(wan, settings.tcp_buffers)
@@ -175,9 +193,9 @@ def long_link(settings: Settings) -> dict:
 
 
 def relay_chain(settings: Settings) -> dict:
-    with Wan("txc") as wan:
+    with work_dir(settings) as work, Wan("txc") as wan:
         build_topology(wan, "relay_chain", settings.rtt_scale)
-        run = Scenario(wan, settings)
+        run = Scenario(wan, settings, work)
         origin, a, b = run.host("origin"), run.host("regionA"), run.host("regionB")
         hops = [origin.link_to(a), a.link_to(b)]
         # The direct path: as fast as the chain's slowest hop, as long as both hops together.
@@ -215,9 +233,9 @@ def relay_chain(settings: Settings) -> dict:
 
 
 def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
-    with Wan("txf") as wan:
+    with work_dir(settings) as work, Wan("txf") as wan:
         build_topology(wan, "fanout", settings.rtt_scale)
-        run = Scenario(wan, settings)
+        run = Scenario(wan, settings, work)
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
         link = check_link(wan, origin, run.host("regionA"), settings)
@@ -242,7 +260,9 @@ def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
         for repeat in range(settings.repeats):
             seconds, results, egress, wire = deltamesh_run(pools)
             first = min(r["t_done"] for n, r in results.items() if n != "publish") - results["publish"]["t_start"]
-            samples["deltamesh"].append(Sample(seconds, egress, wire, {"first_pool_seconds": first}))
+            samples["deltamesh"].append(Sample(seconds, egress, wire, {
+                "first_pool_seconds": first,
+                "publish_seconds": results["publish"]["t_done"] - results["publish"]["t_start"]}))
             one_pool.append(deltamesh_run(pools[:1])[0])
             log.info("fan_out deltamesh: all %.2fs, one pool alone %.2fs", seconds, one_pool[-1])
             if repeat == 0:  # 12 serialized whole-version sends: its 12 transfers are samples already
@@ -270,6 +290,7 @@ def scenario_json(name: str, link: dict, samples: dict[str, list[Sample]], setti
         "link": link,
         "tcp_buffers": settings.tcp_buffers,
         "connections": settings.connections,
+        "piece_bytes": round(settings.piece_bytes),
         "methods": {m: summarize(s, settings.payload_bytes, link["mbit"]) for m, s in samples.items() if s},
     }
 

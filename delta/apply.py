@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .bitdiff import apply_moves
+from .bitdiff import apply_changes
 from .decode import TensorUpdate, decode_checked
 from .dtypes import dtype_name, is_float, np_words, torch_dtype
 from .errors import BaseMismatchError, CodecError, CorruptError
@@ -124,6 +124,12 @@ class Applier:
         self._check_open()
         try:
             result = self._finish()
+        except CodecError as e:
+            self.abort()
+            if self._check_base_last and not isinstance(e, BaseMismatchError):
+                # A wrong base can make decoding fail before its hash is known: name the real cause.
+                self._check_base_hash(self._hash_base())
+            raise
         except BaseException:
             self.abort()
             raise
@@ -175,9 +181,7 @@ class Applier:
         entries = self.manifest.tensors
         done = thread_map(self._result_of, range(len(entries)))
         if self._check_base_last:
-            thread_map(self._base_digest, list(self._base))
-            table = [tensor_entry(name, t, self._base_digest(name)) for name, t in self._base.items()]
-            self._check_base_hash(table_hash(table))
+            self._check_base_hash(self._hash_base())
         wrong = [e.name for e, (_, digest) in zip(entries, done) if digest != e.hash]
         if wrong:
             raise CorruptError(f"result does not match the manifest's hash for tensor(s) {wrong[:4]}")
@@ -192,6 +196,11 @@ class Applier:
             return self._full[i], tensor_digest(self._full[i])
         t = self._untouched(entry)
         return t, (self._base_digest(entry.name) if entry.name in self._base else tensor_digest(t))
+
+    def _hash_base(self) -> str:
+        """`weights_hash` of the base, reusing the digests taken during the apply pass."""
+        thread_map(self._base_digest, list(self._base))
+        return table_hash([tensor_entry(name, t, self._base_digest(name)) for name, t in self._base.items()])
 
     def _base_digest(self, name: str) -> str:
         if name not in self._base_digests:
@@ -212,10 +221,19 @@ class Applier:
         for a, b in zip(updates, updates[1:]):
             if b.start < a.start + a.count:
                 raise CorruptError(f"tensor {entry.name}: overlapping segments")
-        positions = np.concatenate([u.positions for u in updates])
-        deltas = np.concatenate([u.values for u in updates])
         base = self._base[entry.name]
         src = np_words(base)
+        positions = np.concatenate([u.locate(src) for u in updates])  # before anything is written
+        values = np.concatenate([u.values for u in updates])
+        literal = None
+        if any(u.literal is not None for u in updates):
+            literal = np.concatenate([np.zeros(u.values.size, bool) if u.literal is None else u.literal for u in updates])
+        if positions.size > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            order = np.argsort(positions, kind="stable")
+            positions, values = positions[order], values[order]
+            literal = None if literal is None else literal[order]
+            if not bool((positions[1:] > positions[:-1]).all()):
+                raise CorruptError(f"tensor {entry.name}: a word changed twice")
         if self.in_place:
             target, dst = base, src
             self._undo.append((dst, positions, dst[positions]))
@@ -237,7 +255,7 @@ class Applier:
             lo, hi = bounds[c], bounds[c + 1]
             if hi > lo:
                 p = positions[lo:hi]
-                dst[p] = apply_moves(dst[p], deltas[lo:hi], floating)
+                dst[p] = apply_changes(dst[p], values[lo:hi], None if literal is None else literal[lo:hi], floating)
             hash_out.update(dst[s:e])
         if hash_base is not None:
             self._base_digests[entry.name] = hash_base.hexdigest()

@@ -5,8 +5,8 @@ bits of negative words are flipped, so that consecutive representable values hav
 -0.0 and +0.0 are neighbours, and the map is a bijection on the word (NaN payloads survive). Integer
 dtypes are their own key. The change of a word is the key difference modulo 2**bits, zigzagged so
 that +-1 ulp becomes 2 or 1; since a changed word never has difference 0, the stored value is
-zigzag - 1 (so +-1 ulp is 1 or 0). Everything works on unsigned numpy words, whose arithmetic wraps
-by definition.
+zigzag - 1 (so +-1 ulp is 1 or 0); pieces code values below 15 and store any other change as its
+new word (a literal). Everything works on unsigned numpy words, whose arithmetic wraps by definition.
 """
 
 from __future__ import annotations
@@ -88,24 +88,15 @@ def encode_moves(old: np.ndarray, new: np.ndarray, is_float: bool) -> np.ndarray
     return zig - dtype(1)
 
 
-def key_deltas(moves: np.ndarray, width: int) -> np.ndarray:
-    """Unzigzag stored move values (uint64) into key differences as unsigned words of `width` bytes.
-
-    Raises nothing: a move that does not fit the width is rejected by the caller (`fits_width`).
-    """
+def key_deltas(codes: np.ndarray, width: int) -> np.ndarray:
+    """Key differences (unsigned words of `width` bytes) of stored move values (< 2**bits - 1)."""
     dtype = NP_UWORDS[width]
-    zig = (moves + np.uint64(1)).astype(dtype)
+    zig = codes.astype(dtype) + dtype(1)
     ones = dtype(np.iinfo(dtype).max)
     return (zig >> dtype(1)) ^ ((zig & dtype(1)) * ones)
 
 
-def fits_width(moves: np.ndarray, width: int) -> bool:
-    """Whether every stored move is a valid value for words of `width` bytes (< 2**bits - 1)."""
-    if width == 8 or moves.size == 0:
-        return True
-    return bool(moves.max() < np.uint64((1 << (width * 8)) - 1))
-
-
-def apply_moves(old: np.ndarray, deltas: np.ndarray, is_float: bool) -> np.ndarray:
-    """New words from old words (unsigned) and key differences (same dtype)."""
-    return to_key(to_key(old, is_float) + deltas, is_float)
+def apply_changes(old: np.ndarray, values: np.ndarray, literal: np.ndarray | None, is_float: bool) -> np.ndarray:
+    """New words from old words: key difference added, or (where `literal`) the value itself."""
+    moved = to_key(to_key(old, is_float) + values, is_float)
+    return moved if literal is None else np.where(literal, values, moved)

@@ -1,11 +1,13 @@
 """Decoding a piece into tensor updates, and writing an update into live words (CPU or GPU).
 
 `decode_piece` verifies the piece against the manifest, then turns each of its segments into a
-`TensorUpdate`: for a delta segment, the flat positions of the changed words and their key
-differences; for a full segment, the new words of an element range. An update writes only those
-words, in place, into a 1-D word view of a tensor, which is how engines hot-swap weights without a
-second copy of the model. Every count and range is validated before use (see piece.py), so corrupt
-input raises `CorruptError` and never writes out of bounds.
+`TensorUpdate`: for a delta segment, where the changed words are (flat positions, and ranks among
+the base's small words that are resolved against the base when applied) and what they become (key
+differences, or literal new words); for a full segment, the new words of an element range. An
+update writes only those words, in place, into a 1-D word view of a tensor holding the base, which
+is how engines hot-swap weights without a second copy of the model. Every count and range is
+validated before use (see piece.py), so corrupt input raises `CorruptError` and never writes out of
+bounds.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import streams
-from .bitdiff import apply_moves, fits_width, key_deltas
+from . import smallwords, streams
+from .bitdiff import apply_changes, key_deltas
 from .dtypes import NP_SWORDS, NP_UWORDS, WORD_DTYPES, is_float
 from .errors import CodecError, CorruptError
 from .manifest import DTYPE_SIZES, Manifest
-from .piece import CODEC, KIND_DELTA, ParsedPiece, parse_piece
+from .piece import CODEC, KIND_DELTA, MAX_WIDTH, ParsedPiece, parse_piece
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,27 +38,43 @@ class TensorUpdate:
     start: int
     count: int
     positions: np.ndarray | None
-    """Ascending flat indices (int64) of the changed words; None when the whole range is written."""
+    """Flat indices (int64, ascending) of the changes located by position; None for a full range."""
     values: np.ndarray
-    """Delta: key differences (unsigned words) at `positions`; full: the new words of the range."""
+    """Per change (those at `positions`, then those at `small_ranks`): the key difference, or the new
+    word where `literal`. For a full range: its new words."""
+    literal: np.ndarray | None = None
+    """Which changes carry their new word (bool), None if none do."""
+    small_ranks: np.ndarray | None = None
+    """Ranks of the other changes among the words of [start, start + count) whose base magnitude is
+    at most `small_max` (see smallwords.py): found from the base itself when applied."""
+    small_max: int = 0
 
     @property
     def is_full(self) -> bool:
         return self.positions is None
 
-    def write_words(self, words: np.ndarray) -> np.ndarray | None:
-        """Write into a CPU tensor's unsigned words (`dtypes.np_words`); returns the words replaced
-        at `positions` (delta updates), so the caller can undo the write."""
+    def locate(self, words: np.ndarray) -> np.ndarray:
+        """Flat indices of every change, in `values` order, given the tensor's base words (numpy)."""
+        if self.small_ranks is None:
+            return self.positions
+        small = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
+        return np.concatenate([self.positions, small])
+
+    def write_words(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Write into a CPU tensor's unsigned words (`dtypes.np_words`) holding the base. Returns the
+        positions written and the words they held (delta updates), so the caller can undo it."""
         if self.positions is None:
             words[self.start : self.start + self.count] = self.values
             return None
-        old = words[self.positions]
-        words[self.positions] = apply_moves(old, self.values, is_float(self.dtype))
-        return old
+        positions = self.locate(words)
+        old = words[positions]
+        words[positions] = apply_changes(old, self.values, self.literal, is_float(self.dtype))
+        return positions, old
 
     def apply_to(self, flat_words: torch.Tensor) -> None:
         """Write the changed words in place into `flat_words`: the 1-D, contiguous view of a live
-        tensor of this update's element width (see `dtypes.word_view`), on any device."""
+        tensor holding the base (see `dtypes.word_view`), of this update's element width, on any
+        device. Only the changed words are written."""
         width = DTYPE_SIZES[self.dtype]
         if flat_words.dim() != 1 or not flat_words.is_contiguous():
             raise CodecError("apply_to needs a 1-D contiguous view of the tensor's words")
@@ -68,17 +86,27 @@ class TensorUpdate:
         flat = flat_words.detach().view(WORD_DTYPES[width])
         if flat.device.type == "cpu":
             self.write_words(flat.numpy().view(NP_UWORDS[width]))
-            return
+        else:
+            self.apply_torch(flat)
+
+    def apply_torch(self, flat: torch.Tensor) -> None:
+        """The device path of `apply_to`, in torch ops on `flat`'s own device (any device, CPU
+        included); `flat` is the signed word view. Torch integer addition wraps like the numpy path."""
+        width = DTYPE_SIZES[self.dtype]
         values = torch.from_numpy(self.values.view(NP_SWORDS[width])).to(flat.device)
         if self.positions is None:
             flat[self.start : self.start + self.count].copy_(values)
             return
         positions = torch.from_numpy(self.positions).to(flat.device)
+        if self.small_ranks is not None:
+            ranks = torch.from_numpy(self.small_ranks).to(flat.device)
+            small = smallwords.small_positions_torch(flat, self.start, self.count, ranks, self.small_max)
+            positions = torch.cat([positions, small])
         old = flat[positions]
-        if is_float(self.dtype):
-            flat[positions] = _torch_key(_torch_key(old, width) + values, width)
-        else:
-            flat[positions] = old + values
+        new = _torch_key(_torch_key(old, width) + values, width) if is_float(self.dtype) else old + values
+        if self.literal is not None:
+            new = torch.where(torch.from_numpy(self.literal).to(flat.device), values, new)
+        flat[positions] = new
 
 
 def _torch_key(words: torch.Tensor, width: int) -> torch.Tensor:
@@ -112,37 +140,50 @@ def _stream(parsed: ParsedPiece, k: int, view: memoryview, limit: int, index: in
 
 def _decode_delta(manifest: Manifest, index: int, parsed: ParsedPiece, view: memoryview) -> list[TensorUpdate]:
     segments = parsed.segments
-    changed = np.array([s.changed for s in segments], dtype=np.int64)
-    total = int(changed.sum())
+    total = sum(s.changed for s in segments)
     gap_limit = sum(s.changed + s.count // 255 for s in segments)
     gaps = streams.bytes_to_gaps(_stream(parsed, 0, view, gap_limit, index), total)
     codes = streams.unpack_nibbles(_stream(parsed, 1, view, (total + 1) // 2, index), total)
-    escaped = codes == streams.NIBBLE_ESCAPE
-    n_escapes = int(escaped.sum())
-    escapes = streams.bytes_to_varints(_stream(parsed, 2, view, n_escapes * streams.MAX_VARINT_BYTES, index), n_escapes)
-    if n_escapes and escapes.max() > np.uint64(np.iinfo(np.uint64).max - streams.NIBBLE_ESCAPE):
-        raise CorruptError(f"piece {index}: escaped move overflows 64 bits")
-    moves = codes.astype(np.uint64)
-    moves[escaped] = escapes + np.uint64(streams.NIBBLE_ESCAPE)
+    literal = codes == streams.LITERAL
+    steps = np.cumsum(gaps + 1)  # location of change j + 1, counted from where its run began
 
-    # Positions restart at every segment: cumulative sum of (gap + 1), minus where the segment began.
-    ends = np.cumsum(changed)
-    steps = np.cumsum(gaps + 1)
-    before = np.concatenate([[0], steps[ends[:-1] - 1]]) if total else np.zeros(0, dtype=np.int64)
+    # Runs of changes: per segment, those located by position, then those located by small-word rank.
+    widths = [DTYPE_SIZES[manifest.tensors[s.tensor].dtype] for s in segments]
+    bounds = np.cumsum([0] + [n for s in segments for n in (s.changed - s.small, s.small)])
+    literals_per_segment = np.add.reduceat(literal, bounds[:-1:2], dtype=np.int64) if total else np.zeros(0, dtype=np.int64)
+    planes = []
+    for k in range(MAX_WIDTH):
+        expected = int(sum(n for n, w in zip(literals_per_segment, widths) if w > k))
+        plane = _stream(parsed, 2 + k, view, expected, index)
+        if plane.size != expected:
+            raise CorruptError(f"piece {index}: literal plane {k} has {plane.size} bytes, codes need {expected}")
+        planes.append(plane)
+    taken = [0] * MAX_WIDTH
+
     updates = []
-    for k, s in enumerate(segments):
-        lo, hi = int(ends[k] - s.changed), int(ends[k])
-        rel = steps[lo:hi] - before[k] - 1
-        if rel[-1] >= s.count:
-            raise CorruptError(f"piece {index}: change at offset {int(rel[-1])} past its segment of {s.count}")
+    for n, s in enumerate(segments):
         entry = manifest.tensors[s.tensor]
-        width = DTYPE_SIZES[entry.dtype]
-        seg_moves = moves[lo:hi]
-        if not fits_width(seg_moves, width):
-            raise CorruptError(f"piece {index}: move too large for {entry.dtype} in {entry.name}")
+        width = widths[n]
+        runs = []
+        for lo, hi in ((bounds[2 * n], bounds[2 * n + 1]), (bounds[2 * n + 1], bounds[2 * n + 2])):
+            rel = steps[lo:hi] - (steps[lo - 1] if lo else 0) - 1
+            if rel.size and rel[-1] >= s.count:
+                raise CorruptError(f"piece {index}: change at offset {int(rel[-1])} past its segment of {s.count}")
+            runs.append(rel)
+        lo, hi = int(bounds[2 * n]), int(bounds[2 * n + 2])
+        values = key_deltas(codes[lo:hi], width)
+        seg_literal = literal[lo:hi]
+        n_literal = int(literals_per_segment[n])
+        if n_literal:
+            words = np.empty((n_literal, width), dtype=np.uint8)
+            for k in range(width):
+                words[:, k] = planes[k][taken[k] : taken[k] + n_literal]
+                taken[k] += n_literal
+            values[seg_literal] = words.reshape(-1).view(NP_UWORDS[width])
         updates.append(TensorUpdate(
             entry.name, s.tensor, entry.dtype, entry.numel, s.start, s.count,
-            rel + s.start, key_deltas(seg_moves, width),
+            runs[0] + s.start, values, seg_literal if n_literal else None,
+            runs[1] if s.small else None, s.small_max,
         ))
     return updates
 

@@ -57,6 +57,7 @@ def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[byte
     parent, name = path.parent, path.name
     parent.mkdir(parents=True, exist_ok=True)
     with _locked(parent / f".{name}.lock"):
+        _recover_original(path)
         _remove_leftovers(parent, name, keep=_current_target(path))
         current = path.resolve() if path.exists() else None
         weights, base_hash, layout = None, None, None
@@ -100,6 +101,17 @@ def _point(path: Path, target: Path, token: str) -> Path | None:
     os.replace(link, path)
     fsync_dir(path.parent)
     return previous
+
+
+def _recover_original(path: Path) -> None:
+    """Undo a migration of a plain directory that was killed between its two renames."""
+    if path.exists() or path.is_symlink():
+        return
+    originals = sorted(p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.v-original-"))
+    if originals:
+        os.rename(originals[-1], path)
+        fsync_dir(path.parent)
+        log.warning("%s restored from %s after an interrupted apply", path, originals[-1].name)
 
 
 def _current_target(path: Path) -> Path | None:

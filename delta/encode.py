@@ -1,14 +1,16 @@
 """Encoding a version: a bit-diff delta against the previous version, or a full snapshot.
 
 Both produce an `Encoded`: the signed manifest and its pieces. A delta carries, for every tensor
-whose dtype and shape are unchanged, where its words changed and how (see bitdiff.py and
-streams.py); tensors that are new or changed dtype/shape travel as full segments. Pieces hold whole
+whose dtype and shape are unchanged, where its words changed (by position, or by rank among the
+base's small words: smallwords.py) and how (bitdiff.py, streams.py); tensors that are new or changed
+dtype/shape travel as full segments. Tensors are scanned in parallel, one per core. Pieces hold whole
 segments and are cut near `piece_bytes` of payload so they can be relayed, verified and applied one
 by one. Output is a pure function of the inputs (plus the manifest's creation time).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .bitdiff import encode_moves, scan_changes
+from .bitdiff import scan_changes
 from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
 from .hashing import digest
@@ -24,10 +26,11 @@ from .keys import Ed25519PrivateKey
 from .manifest import Manifest, PieceEntry, TensorEntry, table_hash
 from .parallel import thread_map
 from .piece import CODEC
-from .piece_writer import BuiltPiece, TensorChanges, delta_pieces, full_pieces
+from .piece_writer import BuiltPiece, DeltaPieceCutter, TensorChanges, full_pieces
 from .tensors import cpu_tensor, tensor_entry
 
 PIECE_BYTES = 4 << 20
+SCAN_WINDOW = 4  # tensors scanned per core before their changes are cut into pieces
 
 
 @dataclass(frozen=True)
@@ -64,19 +67,31 @@ def encode_delta(
     """
     _check_piece_bytes(piece_bytes)
     names = sorted(new)
-    scans = thread_map(
-        lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None), range(len(names))
-    )
-    entries = [s.entry for s in scans]
-    words = [s.words for s in scans]
-    full = [i for i, s in enumerate(scans) if s.full]
-    changes = [s.changes for s in scans if s.changes is not None]
+    entries: list[TensorEntry] = []
+    words: list[np.ndarray] = []
+    full: list[int] = []
+    base_entries: dict[str, TensorEntry] = {}
+    cutter = DeltaPieceCutter(piece_bytes)
+    # Tensors are scanned a window at a time, and their changes cut into pieces before the next
+    # window, so the change lists of only a few tensors are held at once.
+    window = SCAN_WINDOW * (os.cpu_count() or 1)
+    for first in range(0, len(names), window):
+        batch = range(first, min(first + window, len(names)))
+        scans = thread_map(lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None), batch)
+        for i, scan in zip(batch, scans):
+            entries.append(scan.entry)
+            words.append(scan.words)
+            if scan.full:
+                full.append(i)
+            if scan.base_entry is not None:
+                base_entries[scan.entry.name] = scan.base_entry
+            if scan.changes is not None:
+                cutter.add(scan.changes)
     if base_hash is None:
-        base_entries = {s.entry.name: s.base_entry for s in scans if s.base_entry is not None}
         rest = [name for name in old if name not in base_entries]
         base_entries.update(zip(rest, thread_map(lambda name: tensor_entry(name, cpu_tensor(old[name])), rest)))
         base_hash = table_hash(base_entries.values())
-    pieces = delta_pieces(changes, piece_bytes) + full_pieces(words, full, piece_bytes)
+    pieces = cutter.finish() + full_pieces(words, full, piece_bytes)
     manifest = _manifest(model_id, version, base_version, "delta", entries, pieces, base_hash)
     return Encoded(manifest, manifest.signed(key), [p.data for p in pieces])
 
@@ -102,7 +117,7 @@ def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_ba
     positions, old_words, new_words = scan_changes(np_words(base), w, hash_old, hash_new)
     changes = None
     if positions.size:
-        changes = TensorChanges.of(i, positions, encode_moves(old_words, new_words, is_float(dtype_name(t))))
+        changes = TensorChanges.of(i, np_words(base), positions, old_words, new_words, is_float(dtype_name(t)))
     base_entry = tensor_entry(name, base, hash_old.hexdigest()) if hash_old is not None else None
     return _Scan(tensor_entry(name, t, hash_new.hexdigest()), w, False, changes, base_entry)
 

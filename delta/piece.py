@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from .errors import CorruptError
+from .dtypes import FLOAT_DTYPES
 from .manifest import DTYPE_SIZES, Manifest
 
 MAGIC = b"DMPC"
@@ -21,19 +22,28 @@ CODEC = "deltamesh-bitdiff-1"
 """`Manifest.codec` of everything this codec writes."""
 
 HEADER = struct.Struct("<4sHBBII")  # magic, format, kind, reserved, n_segments, n_streams
-SEGMENT = struct.Struct("<IIQQQ")  # tensor, reserved, start, count, changed
+SEGMENT = struct.Struct("<IBBHQQQQQ")  # tensor, mode, 2 reserved, start, count, changed, small, small_max
 STREAM = struct.Struct("<B7sQQ")  # codec, reserved, raw_len, stored_len
-DELTA_STREAMS = 3  # gaps, codes, escapes
+MAX_WIDTH = 8
+DELTA_STREAMS = 2 + MAX_WIDTH  # gaps, codes, then byte planes 0..7 of literal words
+MODE_PLAIN, MODE_SMALL = 0, 1
 
 
 @dataclass(frozen=True)
 class Segment:
-    """A (tensor, element range) a piece writes; `changed` counts changed words (delta pieces)."""
+    """A (tensor, element range) a piece writes. Delta pieces: `changed` words changed, of which the
+    last `small` are located among words of base magnitude <= `small_max` (mode MODE_SMALL)."""
 
     tensor: int
     start: int
     count: int
     changed: int = 0
+    small: int = 0
+    small_max: int = 0
+
+    @property
+    def mode(self) -> int:
+        return MODE_SMALL if self.small else MODE_PLAIN
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class ParsedPiece:
 def pack_piece(kind: int, segments: list[Segment], streams: list[tuple[int, int, bytes]]) -> bytes:
     """Assemble a piece from its segments and (codec, raw_len, stored bytes) streams."""
     parts = [HEADER.pack(MAGIC, PIECE_FORMAT, kind, 0, len(segments), len(streams))]
-    parts += [SEGMENT.pack(s.tensor, 0, s.start, s.count, s.changed) for s in segments]
+    parts += [SEGMENT.pack(s.tensor, s.mode, 0, 0, s.start, s.count, s.changed, s.small, s.small_max) for s in segments]
     parts += [STREAM.pack(codec, bytes(7), raw_len, len(data)) for codec, raw_len, data in streams]
     parts += [data for _, _, data in streams]
     return b"".join(parts)
@@ -81,9 +91,9 @@ def parse_piece(manifest: Manifest, index: int, data: bytes | memoryview) -> Par
     segments = []
     pos = HEADER.size
     for _ in range(n_segments):
-        tensor, reserved, start, count, changed = SEGMENT.unpack_from(view, pos)
+        fields = SEGMENT.unpack_from(view, pos)
         pos += SEGMENT.size
-        segments.append(_check_segment(manifest, index, declared, kind, tensor, reserved, start, count, changed))
+        segments.append(_check_segment(manifest, index, declared, kind, *fields))
     expected_streams = DELTA_STREAMS if kind == KIND_DELTA else sum(
         DTYPE_SIZES[manifest.tensors[s.tensor].dtype] for s in segments
     )
@@ -104,17 +114,25 @@ def parse_piece(manifest: Manifest, index: int, data: bytes | memoryview) -> Par
 
 
 def _check_segment(
-    manifest: Manifest, index: int, declared: set[int], kind: int,
-    tensor: int, reserved: int, start: int, count: int, changed: int,
+    manifest: Manifest, index: int, declared: set[int], kind: int, tensor: int, mode: int, reserved1: int,
+    reserved2: int, start: int, count: int, changed: int, small: int, small_max: int,
 ) -> Segment:
     where = f"piece {index}, tensor {tensor}"
     if tensor >= len(manifest.tensors) or tensor not in declared:
         raise CorruptError(f"{where}: tensor not declared for this piece in the manifest")
-    numel = manifest.tensors[tensor].numel
-    if reserved or count == 0 or start + count > numel:
-        raise CorruptError(f"{where}: range [{start}, {start + count}) outside its {numel} elements")
-    if kind == KIND_FULL and changed:
-        raise CorruptError(f"{where}: full segment with a change count")
+    entry = manifest.tensors[tensor]
+    if reserved1 or reserved2 or count == 0 or start + count > entry.numel:
+        raise CorruptError(f"{where}: range [{start}, {start + count}) outside its {entry.numel} elements")
+    if kind == KIND_FULL and (mode or changed or small or small_max):
+        raise CorruptError(f"{where}: full segment with change fields")
     if kind == KIND_DELTA and not 0 < changed <= count:
         raise CorruptError(f"{where}: {changed} changes in {count} elements")
-    return Segment(tensor, start, count, changed)
+    if mode == MODE_PLAIN and (small or small_max):
+        raise CorruptError(f"{where}: plain segment with small-word fields")
+    if mode == MODE_SMALL:
+        limit = (1 << (DTYPE_SIZES[entry.dtype] * 8 - 1)) - 1
+        if entry.dtype not in FLOAT_DTYPES or not 0 < small <= changed or small_max > limit:
+            raise CorruptError(f"{where}: bad small-word fields ({small} of {changed}, bound {small_max})")
+    elif mode != MODE_PLAIN:
+        raise CorruptError(f"{where}: unknown segment mode {mode}")
+    return Segment(tensor, start, count, changed, small, small_max)

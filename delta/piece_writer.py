@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import streams
+from . import smallwords, streams
+from .bitdiff import encode_moves
 from .parallel import thread_map
-from .piece import KIND_DELTA, KIND_FULL, Segment, pack_piece
+from .piece import DELTA_STREAMS, HEADER, KIND_DELTA, KIND_FULL, MAX_WIDTH, STREAM, Segment, pack_piece
 
-FIRST_BYTES_PER_CHANGE = 1.25  # starting guess for cutting delta pieces; refined as pieces are made
-ESCAPE = streams.NIBBLE_ESCAPE
+FIRST_BYTES_PER_CHANGE = 1.0  # starting guess for cutting delta pieces; refined as pieces are made
+LITERAL = streams.LITERAL
+DELTA_OVERHEAD = HEADER.size + DELTA_STREAMS * STREAM.size  # bytes of a delta piece before its segments
 
 
 @dataclass(frozen=True)
@@ -38,84 +40,146 @@ def build_piece(kind: int, segments: list[Segment], raws: list[np.ndarray]) -> B
 
 
 @dataclass(frozen=True)
-class TensorChanges:
-    """The changed words of one tensor, ready to be cut into segments."""
+class Group:
+    """Changes of one tensor located the same way: by position, or by rank among small words."""
 
-    tensor: int
-    positions: np.ndarray
-    """Ascending flat indices (int64)."""
+    locations: np.ndarray
+    """Ascending positions or ranks (int64), counted from the tensor's start."""
     codes: np.ndarray
-    """The 4-bit code of each change (uint8)."""
-    escapes: np.ndarray
-    """move - 15 of each change whose code is the escape, in order (uint64)."""
+    """The 4-bit code of each change (uint8): move value, or LITERAL."""
+    literals: np.ndarray
+    """New words of the LITERAL changes, in order."""
+    literals_before: np.ndarray
+    """Number of literals among the first k changes, for k = 0 .. len (int64)."""
     gap_bytes: np.ndarray
-    """The gap stream of all changes, the first gap counted from -1."""
+    """The gap stream of all `locations`, the first gap counted from -1."""
     gap_ends: np.ndarray
     """Index in `gap_bytes` of the last byte of each change's gap."""
 
     @classmethod
-    def of(cls, tensor: int, positions: np.ndarray, moves: np.ndarray) -> "TensorChanges":
-        codes = np.minimum(moves, ESCAPE).astype(np.uint8)
-        escapes = moves[codes == ESCAPE].astype(np.uint64) - np.uint64(ESCAPE)
-        gap_bytes, gap_ends = streams.gaps_to_bytes(np.diff(positions, prepend=-1) - 1)
-        return cls(tensor, positions, codes, escapes, gap_bytes, gap_ends)
+    def of(cls, locations: np.ndarray, moves: np.ndarray, new_words: np.ndarray) -> "Group":
+        codes = np.minimum(moves, LITERAL).astype(np.uint8)
+        literal = codes == LITERAL
+        literals_before = np.concatenate([[0], np.cumsum(literal, dtype=np.int64)])
+        gap_bytes, gap_ends = streams.gaps_to_bytes(_gaps(locations))
+        return cls(locations, codes, new_words[literal], literals_before, gap_bytes, gap_ends)
+
+    def gaps(self, lo: int, hi: int, origin: int) -> list[np.ndarray]:
+        """Gap bytes of changes lo..hi-1 counted from `origin` - 1 (only the first gap changes)."""
+        first, _ = streams.gaps_to_bytes(self.locations[lo : lo + 1] - origin)
+        return [first, self.gap_bytes[self.gap_ends[lo] + 1 : self.gap_ends[hi - 1] + 1]]
+
+
+def _gaps(locations: np.ndarray) -> np.ndarray:
+    """Unchanged words before each of the ascending `locations`, the first counted from -1."""
+    gaps = np.empty_like(locations)
+    if locations.size:
+        gaps[0] = locations[0]
+        np.subtract(locations[1:], locations[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    return gaps
+
+
+@dataclass(frozen=True)
+class TensorChanges:
+    """The changed words of one tensor, ready to be cut into segments of consecutive changes."""
+
+    tensor: int
+    positions: np.ndarray
+    """Ascending flat indices of all changes (int64)."""
+    small_before: np.ndarray | None
+    """For each change k = 0 .. len: how many of the first k changes are small (None: no small group)."""
+    small_words_before: np.ndarray | None
+    """For each change, how many small words of the base precede its position."""
+    small_max: int
+    plain: Group
+    small: Group | None
+
+    @classmethod
+    def of(cls, tensor: int, base: np.ndarray, positions: np.ndarray, old: np.ndarray, new: np.ndarray,
+           floating: bool) -> "TensorChanges":
+        moves = encode_moves(old, new, floating)
+        small_max = smallwords.choose_small_max(base, old) if floating else None
+        if small_max is None:
+            return cls(tensor, positions, None, None, 0, Group.of(positions, moves, new), None)
+        is_small = smallwords.is_small(old, small_max)
+        words_before = smallwords.small_words_before(base, positions, small_max)
+        small_before = np.concatenate([[0], np.cumsum(is_small, dtype=np.int64)])
+        plain, small = ~is_small, is_small
+        return cls(
+            tensor, positions, small_before, words_before, small_max,
+            Group.of(positions[plain], moves[plain], new[plain]),
+            Group.of(words_before[small], moves[small], new[small]),
+        )
 
     @property
     def count(self) -> int:
         return self.positions.size
 
+    def segment(self, lo: int, hi: int) -> tuple[Segment, list[tuple[Group, int, int, int]]]:
+        """Segment of changes lo..hi-1 and, per group, (group, first, end, origin) to take from it."""
+        start = int(self.positions[lo])
+        count = int(self.positions[hi - 1]) - start + 1
+        if self.small is None:
+            return Segment(self.tensor, start, count, hi - lo), [(self.plain, lo, hi, start)]
+        s_lo, s_hi = int(self.small_before[lo]), int(self.small_before[hi])
+        p_lo, p_hi = lo - s_lo, hi - s_hi
+        segment = Segment(self.tensor, start, count, hi - lo, s_hi - s_lo, self.small_max if s_hi > s_lo else 0)
+        # Ranks of small words count from the segment's start.
+        return segment, [(self.plain, p_lo, p_hi, start), (self.small, s_lo, s_hi, int(self.small_words_before[lo]))]
 
-@dataclass(frozen=True)
-class _Cut:
-    changes: TensorChanges
-    lo: int
-    hi: int
-    escapes_before: int
 
+class DeltaPieceCutter:
+    """Cuts the changes of the tensors it is given, in order, into delta pieces as it goes (so a
+    tensor's change lists can be dropped once its pieces are built)."""
 
-def delta_pieces(all_changes: list[TensorChanges], piece_bytes: int) -> list[BuiltPiece]:
-    pieces: list[BuiltPiece] = []
-    made_bytes, made_changes = 0, 0
-    pending: list[_Cut] = []
-    room = int(piece_bytes / FIRST_BYTES_PER_CHANGE)
-    for changes in all_changes:
-        at, escapes_before = 0, 0
+    def __init__(self, piece_bytes: int) -> None:
+        self.pieces: list[BuiltPiece] = []
+        self._payload = max(1, piece_bytes - DELTA_OVERHEAD)  # what the changes themselves may take
+        self._room = max(1, int(self._payload / FIRST_BYTES_PER_CHANGE))
+        self._pending: list[tuple[TensorChanges, int, int]] = []
+        self._made_bytes, self._made_changes = 0, 0
+
+    def add(self, changes: TensorChanges) -> None:
+        at = 0
         while at < changes.count:
-            take = min(room, changes.count - at)
-            pending.append(_Cut(changes, at, at + take, escapes_before))
-            escapes_before += int(np.count_nonzero(changes.codes[at : at + take] == ESCAPE))
+            take = min(self._room, changes.count - at)
+            self._pending.append((changes, at, at + take))
             at += take
-            room -= take
-            if room == 0:
-                piece = _delta_piece(pending)
-                pieces.append(piece)
-                made_bytes += len(piece.data)
-                made_changes += sum(c.hi - c.lo for c in pending)
-                pending = []
-                room = max(1, int(piece_bytes * made_changes / made_bytes))
-    if pending:
-        pieces.append(_delta_piece(pending))
-    return pieces
+            self._room -= take
+            if self._room == 0:
+                self._flush()
+
+    def finish(self) -> list[BuiltPiece]:
+        if self._pending:
+            self._flush()
+        return self.pieces
+
+    def _flush(self) -> None:
+        piece = _delta_piece(self._pending)
+        self.pieces.append(piece)
+        self._made_bytes += max(1, len(piece.data) - DELTA_OVERHEAD)
+        self._made_changes += sum(hi - lo for _, lo, hi in self._pending)
+        self._pending = []
+        self._room = max(1, int(self._payload * self._made_changes / self._made_bytes))
 
 
-def _delta_piece(cuts: list[_Cut]) -> BuiltPiece:
-    segments, gaps, codes, escapes = [], [], [], []
-    zero = np.zeros(1, dtype=np.uint8)
-    for cut in cuts:
-        c = cut.changes
-        start = int(c.positions[cut.lo])
-        segments.append(Segment(c.tensor, start, int(c.positions[cut.hi - 1]) - start + 1, cut.hi - cut.lo))
-        # The segment starts at its first change, whose gap is therefore 0; the rest are unchanged.
-        gaps += [zero, c.gap_bytes[c.gap_ends[cut.lo] + 1 : c.gap_ends[cut.hi - 1] + 1]]
-        part = c.codes[cut.lo : cut.hi]
-        codes.append(part)
-        n_escapes = int(np.count_nonzero(part == ESCAPE))
-        escapes.append(c.escapes[cut.escapes_before : cut.escapes_before + n_escapes])
-    raws = [
-        np.concatenate(gaps),
-        streams.pack_nibbles(np.concatenate(codes)),
-        streams.varints_to_bytes(np.concatenate(escapes)),
-    ]
+def _delta_piece(cuts: list[tuple[TensorChanges, int, int]]) -> BuiltPiece:
+    segments, gaps, codes = [], [], []
+    literals: list[list[np.ndarray]] = [[] for _ in range(MAX_WIDTH)]
+    for changes, lo, hi in cuts:
+        segment, parts = changes.segment(lo, hi)
+        segments.append(segment)
+        for group, first, end, origin in parts:
+            if end == first:
+                continue
+            gaps += group.gaps(first, end, origin)
+            codes.append(group.codes[first:end])
+            words = group.literals[group.literals_before[first] : group.literals_before[end]]
+            for k, plane in enumerate(byte_planes(words)):
+                literals[k].append(plane)
+    raws = [np.concatenate(gaps), streams.pack_nibbles(np.concatenate(codes))]
+    raws += [np.concatenate(planes) if planes else np.empty(0, dtype=np.uint8) for planes in literals]
     return build_piece(KIND_DELTA, segments, raws)
 
 
@@ -149,7 +213,7 @@ def _full_piece(segments: list[Segment], words: list[np.ndarray]) -> BuiltPiece:
 def byte_planes(words: np.ndarray) -> list[np.ndarray]:
     """Byte k of every word, for k = 0 (least significant) .. width - 1, each contiguous."""
     width = words.itemsize
-    if width == 1:
-        return [words.view(np.uint8)]
+    if width == 1 or words.size == 0:
+        return [words.view(np.uint8)] if width == 1 else [np.empty(0, dtype=np.uint8)] * width
     planes = words.view(np.uint8).reshape(-1, width)
     return [np.ascontiguousarray(planes[:, k]) for k in range(width)]

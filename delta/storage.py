@@ -26,6 +26,7 @@ from .tensors import cpu_tensor
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 << 30
+READ_ATTEMPTS = 3
 
 
 def shard_layout(directory: str | Path) -> dict[str, str] | None:
@@ -46,8 +47,23 @@ def shard_layout(directory: str | Path) -> dict[str, str] | None:
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors directory (a symlink to one is resolved once, up front)."""
-    root = Path(directory).resolve()
+    """All tensors of a safetensors directory.
+
+    A symlink to one (as `apply_to_dir` keeps) is resolved once, so the read is of one version even
+    if the link moves meanwhile; if that version's directory is removed before the read is done
+    (a reader slower than two applies), the read starts over on the current version.
+    """
+    for _ in range(READ_ATTEMPTS - 1):
+        root = Path(directory).resolve()
+        try:
+            return _read_root(root)
+        except CodecError:
+            if root.exists():
+                raise
+    return _read_root(Path(directory).resolve())
+
+
+def _read_root(root: Path) -> dict[str, torch.Tensor]:
     layout = shard_layout(root)
     if layout is not None:
         files = sorted(set(layout.values()))
@@ -56,12 +72,12 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     else:
         files = sorted(p.name for p in root.glob("*.safetensors")) if root.is_dir() else []
     if not files:
-        raise CodecError(f"{directory}: no safetensors weights found")
+        raise CodecError(f"{root}: no safetensors weights found")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             part = load_file(root / file)
-        except (OSError, SafetensorError) as e:
+        except (OSError, SafetensorError, RuntimeError) as e:  # safetensors reports open errors as RuntimeError
             raise CorruptError(f"{root / file}: {e}") from e
         repeated = weights.keys() & part.keys()
         if repeated:

@@ -7,8 +7,8 @@ bounds. The layouts are documented in docs/FORMAT.md:
 * gaps: each gap g (unchanged words before the next change) is g // 255 bytes 0xFF then g % 255.
   The low byte of a geometric gap carries almost all of its entropy and 0xFF runs over long unchanged
   stretches cost zstd almost nothing, so zstd's Huffman stage gets within ~1% of the entropy bound.
-* codes: one 4-bit code per change, two per byte (first in the low nibble); code 15 is an escape.
-* escapes: unsigned LEB128 varints, one per escape code.
+* codes: one 4-bit code per change, two per byte (first in the low nibble): a move value 0..14, or
+  15 for a literal (the new word is stored as is, in byte-plane streams).
 * stored streams are zstd frames (codec 1) or raw bytes (codec 0), whichever is smaller.
 """
 
@@ -20,8 +20,7 @@ import zstandard
 from .errors import CorruptError
 
 STORED, ZSTD = 0, 1
-NIBBLE_ESCAPE = 15
-MAX_VARINT_BYTES = 10  # a uint64 in LEB128
+LITERAL = 15  # the code of a change stored as its new word
 
 
 # -- gaps ----------------------------------------------------------------------------------------
@@ -73,46 +72,6 @@ def unpack_nibbles(data: np.ndarray, count: int) -> np.ndarray:
     if count % 2 and out[-1]:
         raise CorruptError("code stream padding is not zero")
     return out[:count]
-
-
-# -- escapes -----------------------------------------------------------------------------------
-def varints_to_bytes(values: np.ndarray) -> np.ndarray:
-    """Unsigned LEB128 of each uint64 value, concatenated."""
-    values = values.astype(np.uint64, copy=False)
-    if values.size == 0:
-        return np.empty(0, dtype=np.uint8)
-    shifts = np.arange(MAX_VARINT_BYTES, dtype=np.uint64) * np.uint64(7)
-    groups = (values[:, None] >> shifts[None, :]) & np.uint64(0x7F)
-    # A value needs as many bytes as its highest non-zero 7-bit group (at least one).
-    nonzero = groups != 0
-    nbytes = np.where(nonzero.any(axis=1), MAX_VARINT_BYTES - np.argmax(nonzero[:, ::-1], axis=1), 1)
-    keep = np.arange(MAX_VARINT_BYTES)[None, :] < nbytes[:, None]
-    more = np.arange(MAX_VARINT_BYTES)[None, :] < (nbytes[:, None] - 1)
-    out = groups.astype(np.uint8) | (more.astype(np.uint8) << 7)
-    return out[keep]
-
-
-def bytes_to_varints(data: np.ndarray, count: int) -> np.ndarray:
-    """Decode exactly `count` LEB128 uint64 values from the whole of `data` (uint8)."""
-    ends = np.flatnonzero(data < 128)
-    if ends.size != count:
-        raise CorruptError(f"escape stream holds {ends.size} values, codes need {count}")
-    if count == 0:
-        if data.size:
-            raise CorruptError("escape stream has trailing bytes")
-        return np.empty(0, dtype=np.uint64)
-    if ends[-1] != data.size - 1:
-        raise CorruptError("escape stream has trailing bytes")
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    lengths = ends - starts + 1
-    if lengths.max() > MAX_VARINT_BYTES:
-        raise CorruptError("escape varint longer than 10 bytes")
-    within = np.arange(data.size) - np.repeat(starts, lengths)
-    last_of_ten = data[ends[lengths == MAX_VARINT_BYTES]]
-    if last_of_ten.size and last_of_ten.max() > 1:
-        raise CorruptError("escape varint overflows 64 bits")
-    parts = (data & 0x7F).astype(np.uint64) << (within.astype(np.uint64) * np.uint64(7))
-    return np.bitwise_or.reduceat(parts, starts)
 
 
 # -- stored streams ----------------------------------------------------------------------------

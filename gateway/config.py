@@ -41,6 +41,9 @@ class GatewayConfig:
     """An upstream that sends no byte for this long is treated as stalled and another is tried."""
     bandwidth_cap_mbps: float = 0.0
     """Per upstream link cap on relayed bytes in megabits per second; 0 for none."""
+    link_delay_ms: float = 0.0
+    """Latency added to every request to an upstream (and to its RTT probe), in milliseconds: a distant
+    region emulated in the application, for demos on one machine; 0 for none."""
     heartbeat_timeout_s: float = 30.0
     """A pool that has not heartbeaten for this long is marked down."""
     probe_interval_s: float = 5.0
@@ -71,6 +74,8 @@ class GatewayConfig:
             raise ValueError("relay_connections must be >= 1")
         if self.bandwidth_cap_mbps < 0:
             raise ValueError("bandwidth_cap_mbps must be >= 0 (0 for no cap)")
+        if not 0 <= self.link_delay_ms <= 60_000:
+            raise ValueError("link_delay_ms must be in [0, 60000] (0 for none)")
         if self.max_piece_bytes < 1:
             raise ValueError("max_piece_bytes must be >= 1")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]

@@ -59,12 +59,14 @@ class _Partial:
 
 @dataclass(eq=False)
 class Source:
-    """A gateway to fetch from, with its health and optional bandwidth cap."""
+    """A gateway to fetch from, with its health, optional bandwidth cap and optional added latency."""
 
     url: str
     link: Link | None = None
     limiter: RateLimiter | None = None
     bad_until: float = 0.0
+    delay_s: float = 0.0
+    """Emulated latency: every request to this source waits this long before it is sent."""
 
     def healthy(self, now: float) -> bool:
         return self.bad_until <= now
@@ -110,6 +112,8 @@ class Fetcher:
         while True:
             for source in order_sources(self.sources):
                 url = f"{source.url}/v1/models/{model}/versions/{version}/{kind}/manifest"
+                if source.delay_s:
+                    await asyncio.sleep(source.delay_s)
                 try:
                     raw = await request_bytes(self.session, "GET", url, headers={PEER_HEADER: self.peer},
                                               timeout_s=self.stall_timeout_s)
@@ -169,6 +173,8 @@ class Fetcher:
             headers["Range"] = f"bytes={part.filled}-"
         url = f"{pieces_url(source.url, manifest)}/pieces/{index}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
+        if source.delay_s:
+            await asyncio.sleep(source.delay_s)
         t0 = time.perf_counter()
         start = part.filled
         view = memoryview(part.data)

@@ -43,7 +43,8 @@ class Relay:
         self.metrics = metrics
         limiter_rate = config.bandwidth_cap_mbps * 1e6 / 8
         self.sources = [
-            Source(url, monitor.link(url, "upstream", url), RateLimiter(limiter_rate) if limiter_rate else None)
+            Source(url, monitor.link(url, "upstream", url), RateLimiter(limiter_rate) if limiter_rate else None,
+                   delay_s=config.link_delay_ms / 1000)
             for url in config.upstreams
         ]
         self.peer = f"gateway/{config.region}"
@@ -88,6 +89,8 @@ class Relay:
         backoff = 0.2
         while True:
             params = {"since": since, "instance": instance, "wait": FOLLOW_WAIT_S}
+            if source.delay_s:
+                await asyncio.sleep(source.delay_s)
             try:
                 answer = await request_json(self._session, "GET", f"{source.url}/v1/heads", params=params,
                                             headers={PEER_HEADER: self.peer},
@@ -153,6 +156,8 @@ class Relay:
         for source in self.sources:
             if not source.healthy(time.monotonic()):
                 continue
+            if source.delay_s:
+                await asyncio.sleep(source.delay_s)
             try:
                 answer = await request_json(self._session, "GET", f"{source.url}/v1/models/{model}/versions",
                                             headers={PEER_HEADER: self.peer}, timeout_s=self.config.stall_timeout_s)

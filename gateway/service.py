@@ -92,16 +92,18 @@ class Gateway:
     def _probe_targets(self) -> Iterable[tuple[Link, Callable[[], Awaitable[float]]]]:
         timeout = max(2.0, self.config.probe_interval_s)
         for url in self.config.upstreams:
-            yield self.links.link(url, "upstream", url), self._http_probe(url)
+            yield self.links.link(url, "upstream", url), self._http_probe(url, self.config.link_delay_ms / 1000)
         for region, url in self.downstreams.items():
             yield self.links.link(region, "downstream", url), self._http_probe(url)
         for pool in self.pools.pools():
             if pool.endpoint and self.pools.is_up(pool):
                 yield self.links.link(pool.name, "pool", pool.endpoint), lambda e=pool.endpoint: tcp_rtt(e, timeout)
 
-    def _http_probe(self, url: str) -> Callable[[], Awaitable[float]]:
+    def _http_probe(self, url: str, delay_s: float = 0.0) -> Callable[[], Awaitable[float]]:
         async def probe() -> float:
             t0 = time.perf_counter()
+            if delay_s:  # an emulated distant upstream: its probes see the added latency too
+                await asyncio.sleep(delay_s)
             async with self._probe_session.get(f"{url}/healthz") as resp:
                 await resp.read()
                 resp.raise_for_status()

@@ -104,6 +104,22 @@ def test_adam_step_moves_every_weight_by_about_lr(private_cache):
     assert models.to_bf16(new)["model.norm.weight"].dtype == torch.bfloat16
 
 
+def test_adam_run_returns_the_last_steps_delta(private_cache):
+    path = models.tiny_model_dir(models.TinyModelConfig(num_hidden_layers=1))
+    hf_config = json.loads((path / "config.json").read_text())
+    master = {k: v.float() for k, v in models.untied_state_dict(models.load_causal_lm(path)).items()}
+    tok = models.load_tokenizer(path)
+    batches = [models.token_batch(tok, models.english_text(), batch=2, seq_len=32, offset=2 * i) for i in range(3)]
+    before, after = models.adam_run(hf_config, master, batches, lr=1e-3)
+    _, after_two = models.adam_run(hf_config, master, batches[:2], lr=1e-3)
+    assert before.keys() == after.keys() == master.keys()
+    assert all(before[k].dtype == torch.bfloat16 for k in before)
+    assert all(torch.equal(before[k], after_two[k]) for k in before)  # the same run, one step shorter
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError):
+        models.adam_run(hf_config, master, [], lr=1e-3)
+
+
 def test_english_text_is_real_prose():
     text = models.english_text()
     assert len(text) > 300_000

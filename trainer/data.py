@@ -3,8 +3,8 @@
 The trajectory record (`Trajectory`; `build_trajectories` is the one validation every entry point
 shares), the two binary layouts (a submission of trajectories and a training batch: safetensors
 bytes with per-sample metadata as JSON in `__metadata__`, see docs/api/broker.md), and `BatchClient`,
-the trainer's client of the broker (report versions and step timings, long-poll batches). Nothing
-is pickled; arrays travel as little-endian raw tensors.
+the trainer's client of the broker (report versions and step timings, long-poll and acknowledge
+batches). Nothing is pickled; arrays travel as little-endian raw tensors.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
 
-from deltamesh.gateway.http import client_session, request_bytes, request_json
+from deltamesh.gateway.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.trainer.safetensors_bytes import DataFormatError, load_tensors, safetensors_buffer
 
 TRAJECTORIES_FORMAT = "deltamesh.trajectories/1"
 BATCH_FORMAT = "deltamesh.batch/1"
@@ -28,10 +27,6 @@ BATCH_CONTENT_TYPE = "application/vnd.deltamesh.batch+safetensors"
 
 MAX_ID_CHARS = 256
 MAX_GROUP_SIZE = 4096
-
-
-class DataFormatError(ValueError):
-    """A trajectory submission or batch that does not follow the documented layout; says why."""
 
 
 @dataclass
@@ -167,69 +162,6 @@ def build_trajectories(headers: list[Any], tokens: np.ndarray, logprobs: np.ndar
     return out
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` table of safetensors bytes (the library reads tensors, not metadata, from bytes)."""
-    if len(data) < 8:
-        raise DataFormatError("body is too short for safetensors")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise DataFormatError("safetensors header is longer than the body")
-    try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as e:
-        raise DataFormatError(f"safetensors header is not JSON: {e}") from e
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        raise DataFormatError("safetensors header must be a JSON object with a __metadata__ table")
-    return meta
-
-
-def _load_tensors(data: bytes, dtypes: dict[str, str], fmt: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    meta = _safetensors_metadata(data)
-    if meta.get("format") != fmt:
-        raise DataFormatError(f"__metadata__.format must be {fmt!r}, got {meta.get('format')!r:.80}")
-    try:
-        arrays = st_load(data)
-    except (SafetensorError, ValueError) as e:
-        raise DataFormatError(f"not valid safetensors: {e}") from e
-    for name, dtype in dtypes.items():
-        if name not in arrays:
-            raise DataFormatError(f"tensor {name!r} is missing")
-        if arrays[name].dtype != np.dtype(dtype):
-            raise DataFormatError(f"tensor {name!r} must be {dtype}, got {arrays[name].dtype}")
-    return arrays, meta
-
-
-_SAFETENSORS_DTYPES = {"int32": "I32", "float32": "F32", "uint8": "U8", "int64": "I64"}
-
-
-def safetensors_buffer(specs: Sequence[tuple[str, str, tuple[int, ...]]],
-                       metadata: dict[str, str]) -> tuple[bytearray, dict[str, np.ndarray]]:
-    """Safetensors bytes for tensors of the given (name, dtype, shape), all zero, with a writable numpy
-    view of each tensor inside them to fill in place.
-
-    The layout is safetensors' own (8-byte little-endian header length, JSON header padded with
-    spaces to 8 bytes, tensors back to back in header order), so any safetensors reader loads it.
-    Filling in place saves building each array and then copying it through a serializer, which for
-    a batch of 256 x 2,048 tokens is most of the time spent building it.
-    """
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape in specs:
-        end = offset + np.dtype(dtype).itemsize * math.prod(shape)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-        offset = end
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    buf = bytearray(8 + len(raw) + offset)
-    buf[:8] = len(raw).to_bytes(8, "little")
-    buf[8:8 + len(raw)] = raw
-    views = {name: np.frombuffer(buf, np.dtype(dtype).newbyteorder("<"), math.prod(shape),
-                                 8 + len(raw) + header[name]["data_offsets"][0]).reshape(shape)
-             for name, dtype, shape in specs}
-    return buf, views
-
-
 _TRAJECTORY_DTYPES = {"tokens": "int32", "logprobs": "float32", "loss_mask": "uint8", "versions": "int32",
                       "offsets": "int64"}
 
@@ -252,7 +184,7 @@ def encode_trajectories(trajectories: Sequence[Trajectory]) -> bytes:
 
 def decode_trajectories(data: bytes, *, max_trajectories: int, max_tokens: int) -> list[Trajectory]:
     """Parse and check a binary submission; raise DataFormatError with the reason if anything is off."""
-    arrays, meta = _load_tensors(data, _TRAJECTORY_DTYPES, TRAJECTORIES_FORMAT)
+    arrays, meta = load_tensors(data, _TRAJECTORY_DTYPES, TRAJECTORIES_FORMAT)
     try:
         headers = json.loads(meta.get("trajectories", ""))
     except ValueError as e:
@@ -338,7 +270,7 @@ def encode_batch(trajectories: Sequence[Trajectory], replay: Sequence[bool], *, 
 
 def decode_batch(data: bytes) -> Batch:
     """Parse batch bytes from the broker; DataFormatError if they do not follow the layout."""
-    arrays, meta = _load_tensors(data, _BATCH_DTYPES, BATCH_FORMAT)
+    arrays, meta = load_tensors(data, _BATCH_DTYPES, BATCH_FORMAT)
     try:
         groups, samples, version = json.loads(meta["groups"]), json.loads(meta["samples"]), int(meta["version"])
         model_id, batch_id = meta["model_id"], meta["batch_id"]
@@ -351,20 +283,32 @@ def decode_batch(data: bytes) -> Batch:
 
 
 class BatchClient:
-    """The trainer's side of the broker: report versions and step timings, long-poll batches.
+    """The trainer's side of the broker: report versions and step timings, long-poll and acknowledge batches.
+
+    Delivery is at least once. The broker keeps every batch it serves until the batch is acknowledged;
+    one not acknowledged goes back to its buffer when its ack deadline passes or when a poll does not
+    list it as held, so a trainer that dies before acknowledging gets the same samples again after a
+    restart. The client keeps that bookkeeping: every poll carries the acknowledgements not yet
+    confirmed (`ack`) and the batches received and not yet acknowledged (`held`). With `auto_ack`
+    (the default) a batch counts as trained once the next one is asked for; a trainer that must
+    acknowledge later (after a checkpoint) passes `auto_ack=False` and calls `ack`.
 
     `next_batch` remembers how long it waited and when it was last called, so a trainer that calls it
-    once per step can report `step_timings()` without measuring anything itself.
+    once per step can report `step_timings()` without measuring anything itself. Use one client per
+    model_id, polling one batch at a time.
     """
 
-    def __init__(self, broker_url: str, model_id: str):
+    def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True):
         self.base = broker_url.rstrip("/")
         self.model_id = model_id
+        self.auto_ack = auto_ack
         self._model_url = f"{self.base}/v1/models/{model_id}"
         self._session = client_session(timeout_s=None, connections=4)
         self._last_call: float | None = None
         self._wait_s = 0.0
         self._last_step: tuple[float, float] = (0.0, 0.0)
+        self._held: list[str] = []  # received, not yet acknowledged: the broker keeps them for us
+        self._acks: list[str] = []  # acknowledged here, not yet confirmed by the broker
 
     async def __aenter__(self) -> BatchClient:
         return self
@@ -374,6 +318,16 @@ class BatchClient:
 
     async def close(self) -> None:
         await self._session.close()
+
+    @property
+    def held(self) -> list[str]:
+        """Batches received and not yet acknowledged, oldest first."""
+        return list(self._held)
+
+    @property
+    def unconfirmed_acks(self) -> list[str]:
+        """Batches acknowledged here whose acknowledgement the broker has not confirmed yet."""
+        return list(self._acks)
 
     async def report_version(self, version: int) -> dict[str, Any]:
         """Tell the broker this trainer now holds `version` (registers the model_id if the broker allows)."""
@@ -386,17 +340,61 @@ class BatchClient:
                                   body={"wait_s": wait_s, "step_s": step_s}, timeout_s=30)
 
     async def next_batch(self, size: int, *, version: int | None = None, timeout_s: float = 30.0) -> Batch | None:
-        """Wait up to `timeout_s` for a batch of (at most, whole groups) `size` samples; None on timeout."""
+        """Wait up to `timeout_s` for a batch of (at most, whole groups) `size` samples; None on timeout.
+
+        The request also carries the pending acknowledgements and the batches held; a failed poll
+        loses neither (they go with the next one)."""
         start = time.monotonic()
         if self._last_call is not None:
             self._last_step = (self._wait_s, start - self._last_call)
         self._last_call = start
-        body = {"size": size, "version": version, "timeout_s": timeout_s}
+        if self.auto_ack:
+            self._mark_acked(self._held)
+        sent = list(self._acks)
+        body = {"size": size, "version": version, "timeout_s": timeout_s, "ack": sent, "held": list(self._held)}
         data = await request_bytes(self._session, "POST", f"{self._model_url}/batch",
                                    data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
                                    timeout_s=timeout_s + 30)
+        self._confirmed(sent)
         self._wait_s = time.monotonic() - start
-        return decode_batch(data) if data else None
+        if not data:
+            return None
+        batch = decode_batch(data)
+        self._held.append(batch.batch_id)
+        return batch
+
+    async def ack(self, batch_ids: Sequence[str] | None = None) -> dict[str, list[str]]:
+        """Acknowledge `batch_ids` (default: every batch held) now, with every acknowledgement still
+        unconfirmed. Answers {"acked", "already_acked", "requeued"}: a requeued batch was acknowledged
+        too late (after its deadline) and its samples are served again.
+
+        Raises HttpError. After a 4xx (an id the broker never served, an unknown model) the ids sent
+        are dropped, as the broker will never take them; after any other failure they stay pending
+        and go with the next poll or ack."""
+        self._mark_acked(self._held if batch_ids is None else batch_ids)
+        sent = list(self._acks)
+        if not sent:
+            return {"acked": [], "already_acked": [], "requeued": []}
+        try:
+            answer = await request_json(self._session, "POST", f"{self._model_url}/acks", body={"batch_ids": sent},
+                                        timeout_s=30)
+        except HttpError as e:
+            if 400 <= e.status < 500:
+                self._confirmed(sent)
+            raise
+        self._confirmed(sent)
+        return answer
+
+    def _mark_acked(self, batch_ids: Sequence[str]) -> None:
+        for batch_id in list(batch_ids):
+            if batch_id in self._held:
+                self._held.remove(batch_id)
+            if batch_id not in self._acks:
+                self._acks.append(batch_id)
+
+    def _confirmed(self, batch_ids: Sequence[str]) -> None:
+        done = set(batch_ids)
+        self._acks = [b for b in self._acks if b not in done]
 
     def step_timings(self) -> tuple[float, float]:
         """(wait_s, step_s) of the last complete step: from one `next_batch` call to the next."""

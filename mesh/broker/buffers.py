@@ -1,17 +1,28 @@
 """One model's buffers in the broker's memory: fresh groups waiting to be trained on, replay groups, the
-trainer's version, its balance window, and the signal that wakes long-polling trainers.
+batches delivered and awaiting their ack, the trainer's version, its balance window, and the signal
+that wakes long-polling trainers.
 
 Only group summaries live here; token arrays stay in the store until a batch is served. Groups are
-kept in arrival order (dicts preserve insertion order), which is the order the planner takes them in.
+kept in completion order (dicts preserve insertion order), which is the order the planner takes them
+in; a requeued batch's groups go back to where they were in that order.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Iterable
 
 from deltamesh.mesh.broker.balance import BalanceWindow
-from deltamesh.mesh.broker.store import GroupSummary
+from deltamesh.mesh.broker.store import Delivery, GroupSummary
+
+
+@dataclass
+class Unacked:
+    """A delivered batch and when (time.monotonic) its groups go back to the buffer unless acknowledged."""
+
+    delivery: Delivery
+    deadline: float
 
 
 class ModelBuffer:
@@ -22,6 +33,8 @@ class ModelBuffer:
         self.replay: dict[str, GroupSummary] = {}
         self.fresh_samples = 0  # kept in step with the dicts: summing them per request would cost O(groups)
         self.replay_samples = 0
+        self.unacked: dict[str, Unacked] = {}  # batch_id -> delivery, oldest first
+        self.unacked_samples = 0
         self.balance = BalanceWindow(window_steps)
         self._changed = asyncio.Event()
         self.taking = asyncio.Lock()  # one batch is planned and taken at a time per model
@@ -37,6 +50,28 @@ class ModelBuffer:
         for g in groups:
             if self.fresh.pop(g.group_id, None) is not None:
                 self.fresh_samples -= g.size
+
+    def requeue(self, groups: Iterable[GroupSummary]) -> None:
+        """Put groups of an unacknowledged batch back among the fresh ones, in completion order."""
+        back = {g.group_id: g for g in groups if g.group_id not in self.fresh}
+        if not back:
+            return
+        self.fresh_samples += sum(g.size for g in back.values())
+        self.fresh = dict(sorted({**self.fresh, **back}.items(), key=lambda item: item[1].seq))
+        self._notify()
+
+    def deliver(self, delivery: Delivery, deadline: float) -> None:
+        self.unacked[delivery.batch_id] = Unacked(delivery, deadline)
+        self.unacked_samples += delivery.samples
+
+    def settle(self, batch_id: str) -> Delivery:
+        """Forget an unacknowledged batch (acknowledged or requeued now); returns its delivery."""
+        delivery = self.unacked.pop(batch_id).delivery
+        self.unacked_samples -= delivery.samples
+        return delivery
+
+    def overdue(self, now: float) -> list[str]:
+        return [batch_id for batch_id, u in self.unacked.items() if u.deadline <= now]
 
     def replay_overflow(self, adding: list[GroupSummary], removing: list[GroupSummary],
                         capacity: int) -> list[GroupSummary]:
@@ -81,4 +116,5 @@ class ModelBuffer:
 
     def status(self) -> dict[str, int]:
         return {"version": self.version, "fresh_groups": len(self.fresh), "fresh_samples": self.fresh_samples,
-                "replay_groups": len(self.replay), "replay_samples": self.replay_samples}
+                "replay_groups": len(self.replay), "replay_samples": self.replay_samples,
+                "unacked_batches": len(self.unacked), "unacked_samples": self.unacked_samples}

@@ -48,6 +48,9 @@ class TasksConfig:
     lease_timeout_s: float = 600.0
     max_lease_batch: int = 64  # most tasks one lease request gets
     max_inflight_per_pool: int = 256  # leases a pool may hold before it returns results
+    # Backpressure: no new leases while, for every model, fresh groups waiting plus active leases reach
+    # this many; pools then idle rather than make data that goes stale before a trainer takes it.
+    max_buffered_groups: int | None = None
     curator: CuratorConfig = field(default_factory=CuratorConfig)
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ class TasksConfig:
             raise ValueError("tasks.epochs and tasks.n_samples must be >= 1")
         if self.lease_timeout_s <= 0 or self.max_lease_batch < 1 or self.max_inflight_per_pool < 1:
             raise ValueError("tasks.lease_timeout_s, max_lease_batch and max_inflight_per_pool must be positive")
+        if self.max_buffered_groups is not None and self.max_buffered_groups < 1:
+            raise ValueError("tasks.max_buffered_groups must be >= 1 or unset")
 
 
 @dataclass
@@ -119,6 +124,9 @@ class BrokerConfig:
     max_trajectories_per_submission: int = 4096
     max_tokens: int = 262144  # per trajectory
     max_poll_s: float = 300.0  # longest a batch long-poll may wait
+    # A delivered batch not acknowledged this long after its delivery (or after the trainer's last poll
+    # that said it still holds it) goes back to the buffer. It must exceed the trainer's longest step.
+    ack_timeout_s: float = 1800.0
     max_commit_trajectories: int = 8192  # most trajectories one group commit writes
     tasks: TasksConfig = field(default_factory=TasksConfig)
     policies: PoliciesConfig = field(default_factory=PoliciesConfig)
@@ -130,5 +138,5 @@ class BrokerConfig:
             raise ValueError(f"models {bad} do not match {MODEL_ID.pattern}")
         if self.max_body_bytes < 1024 or self.max_trajectories_per_submission < 1 or self.max_tokens < 1:
             raise ValueError("max_body_bytes, max_trajectories_per_submission and max_tokens must be positive")
-        if self.max_poll_s <= 0 or self.max_commit_trajectories < 1:
-            raise ValueError("max_poll_s and max_commit_trajectories must be positive")
+        if self.max_poll_s <= 0 or self.max_commit_trajectories < 1 or self.ack_timeout_s <= 0:
+            raise ValueError("max_poll_s, max_commit_trajectories and ack_timeout_s must be positive")

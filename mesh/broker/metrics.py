@@ -18,7 +18,17 @@ class BrokerMetrics:
         self.commits = Counter("deltamesh_broker_commits_total", "Group commits of submissions", registry=r)
         self.groups = Counter("deltamesh_broker_groups_total", "Completed groups by outcome",
                               ["model_id", "outcome"], registry=r)
-        self.batches = Counter("deltamesh_broker_batches_served_total", "Batches served", ["model_id"], registry=r)
+        self.batches = Counter("deltamesh_broker_batches_served_total", "Batches delivered to trainers",
+                               ["model_id"], registry=r)
+        self.acks = Counter("deltamesh_broker_batch_acks_total",
+                            "Batch acknowledgements by outcome: acked, duplicate (already acked), late (the batch "
+                            "was requeued first), unknown", ["model_id", "outcome"], registry=r)
+        self.requeued = Counter("deltamesh_broker_batches_requeued_total",
+                                "Unacknowledged batches whose groups went back to the buffer: deadline (ack "
+                                "deadline passed) or not_held (the trainer polled without holding it)",
+                                ["model_id", "reason"], registry=r)
+        self.unacked = Gauge("deltamesh_broker_batches_unacked", "Batches delivered and awaiting their ack",
+                             ["model_id"], registry=r)
         self.batch_samples = Counter("deltamesh_broker_batch_samples_total", "Samples served, fresh or replay",
                                      ["model_id", "source"], registry=r)
         self.batch_seconds = Histogram("deltamesh_broker_batch_build_seconds",

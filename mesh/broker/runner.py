@@ -58,7 +58,7 @@ class StoreRunner:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def call(self, fn: Callable[..., R], *args: Any) -> R:
-        """Run `fn` (a method of `self.store`) on the worker thread."""
+        """Run `fn` (a method of `self.store`, or a function that calls them) on the worker thread."""
         return await self._run(fn, *args)
 
     async def ingest(self, trajectories: Sequence[Trajectory]) -> IngestResult:
@@ -101,7 +101,10 @@ class StoreRunner:
         self._on_commit()
         for (_, fut), result in zip(batch, results):
             if not isinstance(result, StoreConflict):
-                self._on_ingested(result)
+                try:
+                    self._on_ingested(result)
+                except Exception:  # a bug there must not leave the other submitters waiting forever
+                    log.exception("updating the broker's memory after a commit failed")
             if fut.done():  # the submitter went away; what was committed stays committed
                 continue
             if isinstance(result, StoreConflict):

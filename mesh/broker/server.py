@@ -2,8 +2,8 @@
 and step timings and long-poll batches, operators read status, the balance report and /metrics.
 
 Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
-conflicting data, 404 unknown model, 409 version going backwards, 413 body too large, 503 store
-unavailable), always as `{"error": reason}`. Endpoints are documented in docs/api/broker.md.
+conflicting data, 404 unknown model or batch id, 409 version going backwards, 413 body too large, 503
+store unavailable), always as `{"error": reason}`. Endpoints are documented in docs/api/broker.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from deltamesh.gateway.http import error_response, json_errors, read_body, read_json
 from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
 from deltamesh.mesh.broker.sqlite_store import SqliteStore
 from deltamesh.mesh.broker.store import BrokerStore, StoreConflict, StoreUnavailable
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 BROKER_KEY = web.AppKey("broker", Broker)
 RETRY_AFTER_S = "1"
+MAX_BATCH_IDS = 10_000  # in one ack or held list: far more than a trainer holds between checkpoints
 
 
 _REQUIRED = object()
@@ -52,6 +54,14 @@ def _field(body: Any, key: str, kind: type, default: Any = _REQUIRED, *, minimum
     return value
 
 
+def _batch_ids(body: Any, key: str, default: Any = _REQUIRED) -> list[str]:
+    """A list of batch ids, or HTTP 400 naming the field."""
+    value = _field(body, key, list, default)
+    if len(value) > MAX_BATCH_IDS or not all(isinstance(v, str) and 0 < len(v) <= 128 for v in value):
+        raise web.HTTPBadRequest(reason=f"{key} must list at most {MAX_BATCH_IDS} batch ids (strings of 1..128 chars)")
+    return value
+
+
 def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """Map the broker's exceptions to HTTP answers, counting each refusal by status."""
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -59,7 +69,7 @@ def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Calla
             return await fn(request)
         except (DataFormatError, StoreConflict) as e:
             resp = error_response(400, str(e))
-        except UnknownModel as e:
+        except (UnknownModel, UnknownBatch) as e:
             resp = error_response(404, str(e))
         except VersionConflict as e:
             resp = error_response(409, str(e))
@@ -80,7 +90,11 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
     if open_store is None:
         if db is None:
             raise ValueError("build_app needs db or open_store")
-        open_store = lambda: SqliteStore(db, durability=config.durability)  # noqa: E731
+        path = db
+
+        def open_store() -> BrokerStore:
+            return SqliteStore(path, durability=config.durability)
+
     broker = Broker(config, open_store)
     app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[BROKER_KEY] = broker
@@ -117,6 +131,8 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         body = await read_json(request)
         pool = _field(body, "pool", str)
         region = _field(body, "region", str, "")
+        if not 0 < len(pool) <= 256 or len(region) > 256:
+            raise web.HTTPBadRequest(reason="pool must be 1..256 characters, region at most 256")
         gpus = _field(body, "gpus", int, 1, minimum=0)
         max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
         leases = await broker.lease(pool, region, gpus, max_tasks)
@@ -146,11 +162,20 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         size = _field(body, "size", int, minimum=1)
         v = _field(body, "version", int, None, minimum=0)
         timeout_s = min(_field(body, "timeout_s", float, 30.0, minimum=0), config.max_poll_s)
-        served = await broker.next_batch(request.match_info["model_id"], size, v, timeout_s)
+        ack, held = _batch_ids(body, "ack", []), _batch_ids(body, "held", [])
+        # A poller that has gone away (its connection closed) takes no batch it could never receive.
+        served = await broker.next_batch(request.match_info["model_id"], size, v, timeout_s, ack=ack, held=held,
+                                         alive=lambda: request.transport is not None)
         if served is None:
             return web.Response(status=204)
         batch_id, data = served
         return web.Response(body=data, content_type=BATCH_CONTENT_TYPE, headers={"X-Batch-Id": batch_id})
+
+    @_errors
+    async def acks(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        result = await broker.ack(request.match_info["model_id"], _batch_ids(body, "batch_ids"))
+        return web.json_response(result.as_json())
 
     async def status(request: web.Request) -> web.Response:
         return web.json_response(broker.status())
@@ -168,6 +193,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
     app.router.add_post("/v1/models/{model_id}/version", version)
     app.router.add_post("/v1/models/{model_id}/steps", steps)
     app.router.add_post("/v1/models/{model_id}/batch", batch)
+    app.router.add_post("/v1/models/{model_id}/acks", acks)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/balance", balance)
     app.router.add_get("/metrics", metrics)

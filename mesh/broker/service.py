@@ -4,28 +4,28 @@
 curator, the pools seen, the balance windows) and changes it only after the store has committed the
 matching change, so a restart (`start` loads the store) finds exactly what was acknowledged. Store
 work runs on the `StoreRunner`'s thread; this class runs on the event loop and needs no locks beyond
-one for lease issuing and one per model for taking batches.
+one for lease issuing and one per model for taking batches. Batches go out through `BatchDelivery`
+(delivery.py): at least once, each held for the trainer's acknowledgement.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-import uuid
 from typing import Any, Callable, Sequence
 
 from deltamesh.mesh.broker.balance import PoolRegistry, balance_report
 from deltamesh.mesh.broker.buffers import ModelBuffer
 from deltamesh.mesh.broker.config import MODEL_ID, BrokerConfig
 from deltamesh.mesh.broker.curators import make_curator
+from deltamesh.mesh.broker.delivery import AckResult, BatchDelivery
 from deltamesh.mesh.broker.metrics import BrokerMetrics
-from deltamesh.mesh.broker.policies import REPLAY_SELECTORS, BatchPlan, BatchPolicy, filter_chain, resolve
+from deltamesh.mesh.broker.policies import filter_chain
 from deltamesh.mesh.broker.runner import StoreRunner
-from deltamesh.mesh.broker.store import BrokerStore, GroupKey, GroupSummary, IngestResult, StoreUnavailable
+from deltamesh.mesh.broker.store import BrokerStore, IngestResult, StoreUnavailable
 from deltamesh.mesh.broker.tasks import TaskScheduler, read_dataset
-from deltamesh.trainer.data import DataFormatError, Trajectory, encode_batch
+from deltamesh.trainer.data import DataFormatError, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +43,14 @@ class Broker:
                  metrics: BrokerMetrics | None = None):
         self.config = config
         self.metrics = metrics or BrokerMetrics()
-        replay = config.policies.replay
-        self.policy = BatchPolicy(config.policies.max_staleness, replay.fraction, replay.max_staleness,
-                                  resolve(REPLAY_SELECTORS, replay.selector, "replay selector"))
-        self.replay_capacity = replay.capacity if replay.fraction > 0 else 0
         self.curator = make_curator(config.tasks.curator)
         self.runner = StoreRunner(open_store, filter_chain(config.policies.filters),
                                   max_commit=config.max_commit_trajectories, on_ingested=self._ingested,
                                   on_commit=self.metrics.commits.inc)
+        self.delivery = BatchDelivery(config, self.runner, self.metrics, self._refresh_gauges)
         self.models: dict[str, ModelBuffer] = {}
         self.pools = PoolRegistry(config.balance.pool_ttl_s)
         self.scheduler: TaskScheduler | None = None
-        self._rng = random.Random(replay.seed)
         self._lease_lock = asyncio.Lock()
         self._expiry: asyncio.Task[None] | None = None
 
@@ -86,17 +82,20 @@ class Broker:
         replay = [g for g in snapshot.replay if g.model_id in self.models]
         for buf in self.models.values():
             buf.add_replay(g for g in replay if g.model_id == buf.model_id)
-            evicted = buf.replay_overflow([], [], self.replay_capacity)
+            evicted = buf.replay_overflow([], [], self.delivery.replay_capacity)
             if evicted:  # capacity shrank, or replay was switched off, since the last run
                 await self.runner.call(self.store.drop_groups, [(g.key, "retired") for g in evicted])
                 buf.remove_replay(evicted)
+        for delivery in snapshot.deliveries:
+            if delivery.model_id in self.models:
+                self.delivery.restore(self.models[delivery.model_id], delivery)
         for g in snapshot.history:
             self.curator.observe(g)
         self.scheduler = TaskScheduler(self.config.tasks, self.curator, snapshot)
         self._expiry = asyncio.create_task(self._expire_forever(), name="broker-lease-expiry")
         self._refresh_gauges()
-        log.info("broker ready: models %s, %d fresh groups, %d leases restored", sorted(self.models),
-                 len(snapshot.fresh), len(snapshot.leases))
+        log.info("broker ready: models %s, %d fresh groups, %d leases, %d unacknowledged batches restored",
+                 sorted(self.models), len(snapshot.fresh), len(snapshot.leases), len(snapshot.deliveries))
 
     async def close(self) -> None:
         if self._expiry is not None:
@@ -148,6 +147,9 @@ class Broker:
         self.pools.seen(pool, region, gpus, now)
         async with self._lease_lock:
             model_ids = self.config.tasks.model_ids or sorted(self.models)
+            max_tasks = min(max_tasks, self._lease_room(model_ids))
+            if max_tasks < 1:
+                return []
             plan = self.scheduler.plan(pool, region, max_tasks, now, model_ids)
             if not plan.new and plan.cursor == self.scheduler.cursor:
                 return []
@@ -161,6 +163,15 @@ class Broker:
             "prompt": tasks[le.task_id].prompt, "metadata": tasks[le.task_id].metadata, "n_samples": le.n_samples,
             "model_ids": le.model_ids, "deadline": le.deadline,
         } for le in plan.new]
+
+    def _lease_room(self, model_ids: Sequence[str]) -> int:
+        """Backpressure (`tasks.max_buffered_groups`): leases that may go out before the fresh groups
+        waiting plus the active leases reach the bound for every model (unbounded: a large number)."""
+        cap = self.config.tasks.max_buffered_groups
+        if cap is None or self.scheduler is None:
+            return 1 << 30
+        out = int(self.scheduler.progress()["leases_active"])
+        return max((cap - len(self.models[m].fresh) - out for m in model_ids if m in self.models), default=cap - out)
 
     async def expire_due(self) -> list[str]:
         """Expire active leases past their deadline, so that their tasks are issued again."""
@@ -176,13 +187,15 @@ class Broker:
         return expired
 
     async def _expire_forever(self) -> None:
-        interval = min(1.0, self.config.tasks.lease_timeout_s / 4)
+        """Expire leases and requeue batches whose ack deadline has passed."""
+        interval = min(1.0, self.config.tasks.lease_timeout_s / 4, self.config.ack_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.expire_due()
+                await self.delivery.requeue_overdue(list(self.models.values()))
             except StoreUnavailable as e:
-                log.warning("cannot expire leases now: %s", e)
+                log.warning("cannot expire leases or requeue batches now: %s", e)
 
     # ---- trainers -------------------------------------------------------------------------------------
 
@@ -207,73 +220,21 @@ class Broker:
         report = self.balance()
         return report["models"][model_id]
 
-    async def next_batch(self, model_id: str, size: int, version: int | None, timeout_s: float) -> tuple[str, bytes] | None:
-        """Long-poll: a batch of at most `size` samples (whole groups) as bytes, or None after `timeout_s`."""
+    async def next_batch(self, model_id: str, size: int, version: int | None, timeout_s: float, *,
+                         ack: Sequence[str] = (), held: Sequence[str] = (),
+                         alive: Callable[[], bool] = lambda: True) -> tuple[str, bytes] | None:
+        """Long-poll: a batch of at most `size` samples (whole groups) as bytes, or None after `timeout_s`.
+
+        `ack` acknowledges batches first; unacknowledged batches not in `held` go back to the buffer
+        (see `BatchDelivery.poll`)."""
         buf = self.model(model_id)
         if version is not None and version > buf.version:
             await self.report_version(model_id, version)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            async with buf.taking:
-                plan = self.policy.plan(list(buf.fresh.values()), list(buf.replay.values()), size=size,
-                                        version=buf.version, rng=self._rng)
-                if plan.ready:
-                    return await self._serve(buf, plan)
-                if plan.stale or plan.retired:
-                    await self._drop(buf, plan)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            await buf.wait_changed(remaining)
+        return await self.delivery.poll(buf, size, timeout_s, ack=ack, held=held, alive=alive)
 
-    def _drops(self, plan: BatchPlan, evicted: list[GroupSummary]) -> list[tuple[GroupKey, str]]:
-        return ([(g.key, "stale") for g in plan.stale] + [(g.key, "retired") for g in plan.retired]
-                + [(g.key, "retired") for g in evicted])
-
-    async def _drop(self, buf: ModelBuffer, plan: BatchPlan) -> None:
-        async def drop() -> None:
-            await self.runner.call(self.store.drop_groups, self._drops(plan, []))
-            self._forget(buf, plan, [])
-
-        await asyncio.shield(drop())
-
-    def _forget(self, buf: ModelBuffer, plan: BatchPlan, evicted: list[GroupSummary]) -> None:
-        buf.remove_fresh(plan.stale)
-        buf.remove_replay(plan.retired + evicted)
-        for g in plan.stale:
-            self.metrics.groups.labels(g.model_id, "stale").inc()
-
-    async def _serve(self, buf: ModelBuffer, plan: BatchPlan) -> tuple[str, bytes]:
-        start = time.perf_counter()
-        batch_id = uuid.uuid4().hex
-
-        async def take() -> list[Trajectory]:
-            """The store's commit and the buffers' matching change, finished together even if the
-            request is cancelled meanwhile (the batch then counts as served, as documented)."""
-            evicted = buf.replay_overflow(plan.fresh, plan.retired, self.replay_capacity)
-            trajectories = await self.runner.call(
-                self.store.take_batch, batch_id, buf.model_id, buf.version, [g.key for g in plan.fresh],
-                [g.key for g in plan.replay], self._drops(plan, evicted))
-            buf.remove_fresh(plan.fresh)
-            self._forget(buf, plan, evicted)
-            gone = {g.group_id for g in evicted}
-            buf.add_replay(g for g in plan.fresh if g.group_id not in gone)
-            return trajectories
-
-        trajectories = await asyncio.shield(take())
-        replayed = {g.group_id for g in plan.replay}
-        flags = [t.group_id in replayed for t in trajectories]
-        data = await asyncio.to_thread(encode_batch, trajectories, flags, model_id=buf.model_id, batch_id=batch_id,
-                                       version=buf.version)
-        n_replay = sum(flags)
-        buf.balance.consumed += len(trajectories) - n_replay
-        m = self.metrics
-        m.batches.labels(buf.model_id).inc()
-        m.batch_samples.labels(buf.model_id, "fresh").inc(len(trajectories) - n_replay)
-        m.batch_samples.labels(buf.model_id, "replay").inc(n_replay)
-        m.batch_seconds.labels(buf.model_id).observe(time.perf_counter() - start)
-        self._refresh_gauges()
-        return batch_id, data
+    async def ack(self, model_id: str, batch_ids: Sequence[str]) -> AckResult:
+        """Acknowledge batches of `model_id`; UnknownBatch (nothing changed) if one was never served to it."""
+        return await self.delivery.ack(self.model(model_id), batch_ids)
 
     # ---- reports --------------------------------------------------------------------------------------
 
@@ -301,3 +262,4 @@ class Broker:
         for model_id, buf in self.models.items():
             self.metrics.buffer_samples.labels(model_id, "fresh").set(buf.fresh_samples)
             self.metrics.buffer_samples.labels(model_id, "replay").set(buf.replay_samples)
+            self.metrics.unacked.labels(model_id).set(len(buf.unacked))

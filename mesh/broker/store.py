@@ -41,7 +41,7 @@ class GroupSummary:
     reward_max: float
     reward_mean: float
     seq: int = 0  # completion order, across all models
-    state: str = "fresh"  # fresh | filtered | consumed | stale | retired
+    state: str = "fresh"  # fresh | filtered | delivered (in a batch awaiting its ack) | consumed | stale | retired
     reason: str = ""  # which filter dropped it, when state is filtered
 
     @property
@@ -92,6 +92,23 @@ class IngestResult:
 
 
 @dataclass
+class Delivery:
+    """A batch served to a trainer and not yet acknowledged: the fresh groups it took, oldest first.
+
+    Until its ack those groups are neither fresh nor consumed; a requeue puts them back in the fresh
+    buffer. The replay groups a batch also carried are not listed: they stay in replay whatever happens.
+    """
+
+    batch_id: str
+    model_id: str
+    groups: list[GroupSummary]
+
+    @property
+    def samples(self) -> int:
+        return sum(g.size for g in self.groups)
+
+
+@dataclass
 class StoreSnapshot:
     """Everything the broker rebuilds its memory from after a restart."""
 
@@ -101,7 +118,8 @@ class StoreSnapshot:
     next_lease_no: int
     leases: list[Lease]  # active and expired ones
     fresh: list[GroupSummary]  # complete, not yet served, in completion order
-    replay: list[GroupSummary]  # served and kept for replay, oldest first
+    replay: list[GroupSummary]  # served, acknowledged and kept for replay, oldest first
+    deliveries: list[Delivery]  # batches served and not yet acknowledged, oldest first
     history: list[GroupSummary]  # recent complete groups (any state), oldest first, for curators
 
 
@@ -134,8 +152,23 @@ class BrokerStore(Protocol):
 
     def take_batch(self, batch_id: str, model_id: str, version: int, fresh: Sequence[GroupKey],
                    replay: Sequence[GroupKey], drop: Sequence[tuple[GroupKey, str]]) -> list[Trajectory]:
-        """Mark `fresh` groups consumed by this batch, move `drop` groups to their state (see
-        drop_groups), and return the trajectories of `replay` then `fresh` groups, in order."""
+        """Record the batch as delivered (awaiting its ack) with `fresh` groups delivered in it, move
+        `drop` groups to their state (see drop_groups), and return the trajectories of `replay` then
+        `fresh` groups, in order."""
+        ...
+
+    def batch_states(self, model_id: str, batch_ids: Sequence[str]) -> dict[str, str]:
+        """The state (delivered | acked | requeued) of each of `batch_ids` served for `model_id`;
+        ids never served for it are absent."""
+        ...
+
+    def ack_batches(self, batch_ids: Sequence[str], drop: Sequence[tuple[GroupKey, str]]) -> None:
+        """Mark delivered batches acknowledged: their groups become consumed (replay candidates), and
+        `drop` groups (replay overflow) move to their state. Batches not delivered are left alone."""
+        ...
+
+    def requeue_batches(self, batch_ids: Sequence[str]) -> None:
+        """Mark delivered batches requeued: their groups are fresh again, to be served in another batch."""
         ...
 
     def drop_groups(self, drop: Sequence[tuple[GroupKey, str]]) -> None:

@@ -1,118 +1,79 @@
-"""`deltamesh demo`: a tour of the bf16 delta codec on real pretrained weights (`--codec-tour`).
+"""`deltamesh demo`: the whole mesh on this machine, learning a task by RL while you watch.
 
-The tour takes SmolLM2-135M-Instruct's weights as a trainer's fp32 master weights, makes one real
-Adam step on next-token loss over English text, publishes the step as a signed delta, and shows what
-it costs against a full snapshot and raw bf16; then it verifies and applies the delta, checks the
-result bit for bit, and shows that a tampered piece is refused without touching the weights. The
-first run fills the model cache (~30 s); later runs take well under a minute on two cores.
+With no flags: an origin gateway and two remote regions (one relaying through the other, over links
+with a bandwidth cap and added latency), three rollout pools across the regions, the dataflow broker
+and a trainer, each a real process; the tiny model learns the digit-sum task in about a minute on
+two cores. A live view shows the trainer, the pools and the links; at the end every pool is checked to
+hold the trainer's final weights bit for bit, and a report (JSON and a chart) is written. Settings
+may come from the `[demo]` table of `--config` (see mesh/demo/config.py); flags override it.
+`--codec-tour` instead runs the codec tour on real SmolLM2 weights (mesh/demo/codec_tour.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("demo", help="show deltamesh at work (for now: the codec tour on real weights)")
-    p.add_argument("--codec-tour", action="store_true", help="run the codec tour (the default for now)")
-    p.add_argument("--lr", type=float, default=5e-6, help="Adam learning rate of the real step (default 5e-6)")
-    p.add_argument("--batch", type=int, default=2, help="sequences in the training batch (default 2)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p = commands.add_parser(
+        "demo", help="run the whole mesh on this machine: gateways, pools, broker and trainer",
+        description="Run a three-region mesh (origin gateway, a relay, a relay of the relay), rollout pools, "
+                    "the broker and a trainer as processes on this machine, show them at work, check every "
+                    "pool ends bit-exact on the trainer's final version, and write a report. Ctrl-C stops "
+                    "everything cleanly.")
+    p.add_argument("--steps", type=int, help="trainer steps (default 60)")
+    p.add_argument("--model", choices=("tiny", "smollm2"),
+                   help="tiny random-init model (default) or the real pretrained SmolLM2-135M-Instruct")
+    p.add_argument("--workflow", choices=("math", "solver-verifier", "solver_verifier"),
+                   help="math: one policy (default); solver-verifier: two policies, two trainers")
+    p.add_argument("--seed", type=int, help="seed of the trainer, the pools' sampling and the task set")
+    p.add_argument("--lr", type=float, help="learning rate (default: the model's recipe; codec tour: 5e-6)")
+    p.add_argument("--pools", type=int, help="run only the topology's first N pools")
+    p.add_argument("--full-every", type=int, help="also publish a full snapshot every N versions (default 10)")
+    p.add_argument("--topology", metavar="FILE", help="TOML file with a [topology] table (see mesh/topology.py)")
+    p.add_argument("--config", metavar="FILE", help="TOML file with a [demo] table")
+    p.add_argument("--run-dir", help="where logs, stores and the report go (default runs/demo-<timestamp>)")
+    p.add_argument("--plain", action="store_true", help="log progress lines instead of the live view")
+    p.add_argument("--codec-tour", action="store_true", help="run the codec tour on real SmolLM2 weights instead")
+    p.add_argument("--batch", type=int, default=2, help="codec tour: sequences in the training batch (default 2)")
+    p.add_argument("--seq-len", type=int, default=128, help="codec tour: tokens per sequence (default 128)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import sys
+
     from rich.console import Console
 
-    facts = codec_tour(Console(), lr=args.lr, batch=args.batch, seq_len=args.seq_len)
-    return 0 if facts["exact"] and facts["tamper_refused"] else 1
+    from deltamesh.config import ConfigError, load_config, to_dict
+    from deltamesh.mesh.demo.config import DemoConfig
+    from deltamesh.mesh.topology import load_topology
 
+    console = Console()
+    if args.codec_tour:
+        from deltamesh.mesh.demo.codec_tour import codec_tour
 
-def codec_tour(console, *, lr: float = 5e-6, batch: int = 2, seq_len: int = 128) -> dict[str, Any]:
-    """Run the tour, printing as it goes; returns the measured facts (sizes in bytes, times in s)."""
-    import torch
-    from rich.table import Table
+        facts = codec_tour(console, lr=args.lr if args.lr is not None else 5e-6, batch=args.batch,
+                           seq_len=args.seq_len)
+        return 0 if facts["exact"] and facts["tamper_refused"] else 1
 
-    from deltamesh.delta import CodecError, apply, encode_delta, encode_full, generate_key, load_manifest
-    from deltamesh.trainer import models
+    from deltamesh.mesh.demo.run import run_demo
+    from deltamesh.mesh.demo.summary import print_summary
 
-    facts: dict[str, Any] = {"lr": lr}
-    with console.status("loading SmolLM2-135M-Instruct (fills the cache on the first run)"):
-        with timed(facts, "load_s"):
-            master = models.smollm2_state_dict()
-            config = models.smollm2_config()
-            tokenizer = models.load_tokenizer(models.smollm2_tokenizer_dir())
-    old = models.to_bf16(master)
-    raw = sum(t.numel() * t.element_size() for t in old.values())
-    console.print(f"[bold]SmolLM2-135M-Instruct[/]: {len(old)} tensors, {raw / 1e6:.1f} MB in bf16 (real pretrained weights)")
-
-    with console.status(f"one Adam step, lr {lr:g}, on {batch}x{seq_len} tokens of English text"):
-        with timed(facts, "train_step_s"):
-            # Offset 8 windows: a different slice of text from the one the codec benchmark uses.
-            tokens = models.token_batch(tokenizer, models.english_text(), batch=batch, seq_len=seq_len, offset=8)
-            grads = models.lm_gradients(config, master, tokens)
-            new = models.to_bf16(models.adam_step(master, grads, lr))
-    del grads, master
-    changed = sum(int((old[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in old)
-    total = sum(t.numel() for t in old.values())
-    facts.update(raw_bytes=raw, changed_words=changed, changed_fraction=changed / total)
-    console.print(f"one real step changed {changed:,} of {total:,} bf16 words ({100 * changed / total:.2f}%)")
-
-    key = generate_key()
-    with console.status("encoding the delta and a full snapshot"):
-        with timed(facts, "encode_delta_s"):
-            delta = encode_delta(old, new, model_id="smollm2-135m-instruct", version=1, base_version=0, key=key)
-        with timed(facts, "encode_full_s"):
-            full = encode_full(new, model_id="smollm2-135m-instruct", version=1, key=key)
-    facts["delta_bytes"] = len(delta.manifest_bytes) + sum(len(p) for p in delta.pieces)
-    facts["full_bytes"] = len(full.manifest_bytes) + sum(len(p) for p in full.pieces)
-    del full
-
-    with console.status("verifying the signature, every piece and every result tensor; applying"):
-        with timed(facts, "apply_s"):
-            manifest = load_manifest(delta.manifest_bytes, [key.public_key()])
-            result = apply(old, manifest, delta.pieces)
-    facts["exact"] = result.keys() == new.keys() and all(
-        torch.equal(result[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
-    del result
-
-    tampered = list(delta.pieces)
-    damaged = bytearray(tampered[0])
-    damaged[len(damaged) // 2] ^= 0x01
-    tampered[0] = bytes(damaged)
-    before = {k: v.clone() for k, v in old.items()}
+    workflow = args.workflow.replace("-", "_") if args.workflow else None
+    overrides = {"steps": args.steps, "model": args.model, "workflow": workflow, "seed": args.seed, "lr": args.lr,
+                 "pools": args.pools, "full_every": args.full_every, "run_dir": args.run_dir}
     try:
-        apply(old, manifest, tampered)
-        facts["tamper_refused"] = False
-    except CodecError as e:
-        facts["tamper_refused"] = all(torch.equal(before[k], old[k]) for k in old)
-        facts["tamper_error"] = str(e)
+        if args.topology:
+            overrides["topology"] = to_dict(load_topology(args.topology))
+        config = load_config(DemoConfig, args.config, section="demo", overrides=overrides)
+    except (ConfigError, ValueError) as e:
+        logging.getLogger(__name__).error("%s", e)
+        return 2
+    live = console.is_terminal and not args.plain and sys.stdout.isatty()
+    result = asyncio.run(run_demo(config, console=console, live=live))
+    print_summary(console, result)
+    return result.exit_code
 
-    table = Table(title=f"codec tour: SmolLM2-135M, one Adam step at lr {lr:g}")
-    for col in ("what", "bytes", "x smaller", "bytes/changed word", "encode", "apply"):
-        table.add_column(col, justify="left" if col == "what" else "right")
-    table.add_row("raw bf16", f"{raw:,}", "1.0", f"{raw / changed:.1f}", "", "")
-    table.add_row("full snapshot", f"{facts['full_bytes']:,}", f"{raw / facts['full_bytes']:.2f}",
-                  f"{facts['full_bytes'] / changed:.1f}", f"{facts['encode_full_s']:.2f} s", "")
-    table.add_row("delta", f"{facts['delta_bytes']:,}", f"{raw / facts['delta_bytes']:.1f}",
-                  f"{facts['delta_bytes'] / changed:.2f}", f"{facts['encode_delta_s']:.2f} s", f"{facts['apply_s']:.2f} s")
-    console.print(table)
-    pieces = f"{len(delta.pieces)} piece" + ("s" if len(delta.pieces) != 1 else "")
-    console.print(f"delta: signed manifest + {pieces}; applied weights bit-exact: "
-                  f"{'[green]yes[/]' if facts['exact'] else '[red]NO[/]'} (apply includes signature, "
-                  f"piece and result-hash checks)")
-    console.print(f"one flipped bit in piece 0: {'[green]refused, weights untouched[/]' if facts['tamper_refused'] else '[red]NOT refused[/]'}"
-                  + (f" ({facts['tamper_error']})" if "tamper_error" in facts else ""))
-    console.print(f"times: load {facts['load_s']:.1f} s, training step {facts['train_step_s']:.1f} s")
-    return facts
-
-
-@contextmanager
-def timed(facts: dict[str, Any], name: str) -> Iterator[None]:
-    """Store the block's wall time in seconds under facts[name]."""
-    start = time.perf_counter()
-    yield
-    facts[name] = time.perf_counter() - start

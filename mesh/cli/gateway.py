@@ -23,6 +23,8 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
     p.add_argument("--keep-fulls", type=int, help="retention: newest full snapshots kept per model")
     p.add_argument("--relay-connections", type=int, help="parallel piece fetches per relayed version")
     p.add_argument("--bandwidth-cap-mbps", type=float, help="cap per upstream link, megabits per second")
+    p.add_argument("--link-delay-ms", type=float,
+                   help="latency added to every request to an upstream (emulated in the application)")
     p.add_argument("--stall-timeout", type=float, dest="stall_timeout_s", help="seconds of silence before failover")
     p.add_argument("--piece-wait", type=float, dest="piece_wait_s", help="seconds a request waits for a pending piece")
     p.add_argument("--lease", type=float, dest="lease_s",
@@ -34,8 +36,8 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
 
 
 OVERRIDES = ("region", "listen", "store", "upstreams", "advertise", "trusted_keys", "pool_tokens", "keep_deltas",
-             "keep_fulls", "relay_connections", "bandwidth_cap_mbps", "stall_timeout_s", "piece_wait_s",
-             "heartbeat_timeout_s", "probe_interval_s", "lease_s")
+             "keep_fulls", "relay_connections", "bandwidth_cap_mbps", "link_delay_ms", "stall_timeout_s",
+             "piece_wait_s", "heartbeat_timeout_s", "probe_interval_s", "lease_s")
 
 
 def run(args: argparse.Namespace) -> int:

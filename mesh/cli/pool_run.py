@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from deltamesh.config import ConfigError, load_config
+    from deltamesh.mesh.engines.base import EngineError
     from deltamesh.mesh.pool.config import PoolConfig
     from deltamesh.mesh.pool.pool import PoolError, RolloutPool
     from deltamesh.mesh.workflows import WorkflowError
@@ -116,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         except (PoolError, WorkflowError) as e:
             log.error("%s", e)
             return 1 if stop.is_set() else 2
+        except (EngineError, OSError) as e:  # the engine could not start (model directory, SGLang server)
+            log.error("pool %s: %s", config.name, e)
+            return 1
         return 0
 
     return asyncio.run(main())

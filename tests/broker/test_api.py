@@ -177,11 +177,12 @@ def test_staleness_bound_drops_old_groups(serve_broker, make_group, tmp_path):
             assert batch.groups == ["v3", "v4"]  # v0..v2 are more than 2 versions behind 5
             assert [s["min_version"] for s in batch.samples] == [3, 3, 4, 4]
             assert list(broker.models["m"].fresh) == ["v5"]
+            assert (await trainer.ack())["acked"] == [batch.batch_id]  # served groups keep their tokens until then
 
     asyncio.run(scenario())
     with sqlite3.connect(tmp_path / "broker.db") as conn:
         states = dict(conn.execute("SELECT group_id, state FROM groups"))
-        # served groups retire at once when replay is off; dropped and retired ones lose their token arrays
+        # acknowledged groups retire at once when replay is off; dropped and retired ones lose their token arrays
         assert states == {"v0": "stale", "v1": "stale", "v2": "stale", "v3": "retired", "v4": "retired",
                           "v5": "fresh"}
         assert conn.execute("SELECT COUNT(*) FROM trajectories WHERE payload IS NULL").fetchone()[0] == 10
@@ -245,5 +246,9 @@ def test_step_reports_and_status_endpoints(serve_broker, make_group):
                     assert status["models"]["m"]["fresh_samples"] == 0
                 async with s.post(f"{url}/v1/models/m/batch", json={"size": 0}) as r:
                     assert r.status == 400
+                for body, reason in (({"pool": ""}, "pool must be 1..256"), ({"pool": "p", "gpus": -1}, "gpus must be"),
+                                     ({"pool": "p", "max_tasks": "3"}, "max_tasks must be"), ([1], "JSON object")):
+                    async with s.post(f"{url}/v1/leases", json=body) as r:
+                        assert r.status == 400 and reason in (await r.json())["error"]
 
     asyncio.run(scenario())

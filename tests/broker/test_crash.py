@@ -48,10 +48,12 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
             await holder.submit(make_group("early", [1.0, 0.0, 1.0, 0.0]))
             await trainer.report_version(2)
             assert (await trainer.next_batch(4, timeout_s=5)).groups == [leases[0].group_id]
+            await trainer.ack()  # trained: never served again (tests/broker/test_delivery.py: unacknowledged ones are)
         open_leases = broker.get("/v1/leases")["leases"]
         clients = [asyncio.create_task(client(i)) for i in range(CLIENTS)]
-        while len(acked) < ACKS_BEFORE_KILL:
+        while len(acked) < ACKS_BEFORE_KILL and not unacked:
             await asyncio.sleep(0.005)
+        assert not unacked, "a submission failed before the kill"
         broker.kill()  # SIGKILL while the 8 clients are mid-submission
         await asyncio.gather(*clients)
         return open_leases

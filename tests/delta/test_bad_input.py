@@ -28,8 +28,12 @@ def _versions():
         "w": (torch.randn(40, 25, generator=g) * 0.02).to(torch.bfloat16),
         "f": torch.randn(30, generator=g),
         "i": torch.arange(12, dtype=torch.int64),
+        "s": (torch.randn(64, 80, generator=g) * 0.02).to(torch.bfloat16),  # changes among small words
     }
+    old["s"].view(-1)[::23] = 0.0
     new = {k: v.clone() for k, v in old.items()}
+    new["s"].view(-1)[::23] = 1e-4
+    new["s"].view(-1).view(torch.int16)[(old["s"].abs() < 0.001).view(-1)] += 1
     new["w"].view(-1).view(torch.int16)[::37] += 1
     new["w"].view(-1).view(torch.int16)[5::53] -= 2
     new["f"][::7] = float("nan")
@@ -41,9 +45,10 @@ def _versions():
 @pytest.fixture(scope="module")
 def encoded(key):
     old, new = _versions()
-    delta = encode_delta(old, new, model_id="m", version=2, base_version=1, key=key, piece_bytes=64)
-    full = encode_full(new, model_id="m", version=2, key=key, piece_bytes=256)
-    assert len(delta.pieces) >= 3 and len(full.pieces) >= 3
+    delta = encode_delta(old, new, model_id="m", version=2, base_version=1, key=key, piece_bytes=400)
+    full = encode_full(new, model_id="m", version=2, key=key, piece_bytes=4096)
+    assert 3 <= len(delta.pieces) <= 8 and 3 <= len(full.pieces) <= 8
+    assert any(p[20] == 1 for p in delta.pieces)  # a segment located among small words
     return old, new, delta, full
 
 

@@ -147,7 +147,7 @@ def test_sigkill_mid_apply_leaves_old_or_new_version(worker_setup, key, same_wei
     target, steps, public, versions = worker_setup
     rng = random.Random(1234)
     seen_versions, reads = set(), 0
-    for attempt in range(5):
+    for attempt in range(4):
         proc = _start_worker(target, steps, public)
         try:
             # Read concurrently while the worker swaps versions: every read is one whole version.
@@ -179,3 +179,15 @@ def test_sigkill_mid_apply_leaves_old_or_new_version(worker_setup, key, same_wei
     assert not [n for n in names if ".partial-" in n or ".link-" in n]
     assert len([n for n in names if n.startswith(".model.v")]) <= 2
     assert same_weights(read_weights(target), versions[1])
+
+
+def test_migration_killed_between_its_renames_is_recovered(tmp_path, key, same_weights):
+    """A plain directory is moved aside before the symlink takes its place; a kill in between
+    leaves no path at all, and the next apply puts the original back before going on."""
+    v1 = _model(20, tensors=2)
+    v2 = _next(v1, 21)
+    target = tmp_path / "model"
+    write_weights(tmp_path / ".model.v-original-dead", v1)  # what the killed apply left behind
+    delta = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key)
+    assert apply_to_dir(target, [(delta.manifest, delta.pieces)]).version == 2
+    assert same_weights(read_weights(target), v2)

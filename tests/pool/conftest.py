@@ -28,6 +28,8 @@ from aiohttp import web
 from deltamesh.delta import generate_key, read_weights, save_keypair
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
+from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.broker.server import build_app
 from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
@@ -148,6 +150,7 @@ class PoolKit:
     get_json = staticmethod(get_json)
     post_json = staticmethod(post_json)
     wait_until = staticmethod(wait_until)
+    free_port = staticmethod(free_port)
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         return read_weights(self.model_dir)
@@ -196,17 +199,26 @@ class PoolKit:
         return GatewayConfig(**kw)
 
     @staticmethod
-    @contextlib.asynccontextmanager
-    async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
-        """A gateway in this process on a real loopback socket; yields its base URL."""
-        runner = web.AppRunner(create_app(config), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-        finally:
-            await runner.cleanup()
+    def running_gateway(config: GatewayConfig):
+        """A gateway in this process on a real loopback socket: `async with ... as url`."""
+        return _serving(create_app(config))
+
+    @staticmethod
+    def running_broker(config: BrokerConfig, db: Path):
+        """A broker in this process on a real loopback socket: `async with ... as url`."""
+        return _serving(build_app(config, db))
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture(scope="session")

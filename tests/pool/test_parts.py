@@ -164,3 +164,16 @@ def test_engine_metrics_of_several_policies_merge_into_the_pool_registry():
 def test_cli_registers_pool_run():
     args = build_parser().parse_args(BASE + ["--model", "/m"])
     assert isinstance(args, argparse.Namespace) and args.run.__module__ == "deltamesh.mesh.cli.pool_run"
+
+
+def test_pool_run_refuses_bad_settings_with_exit_code_2(caplog):
+    def run(argv: list[str]) -> int:
+        args = build_parser().parse_args(BASE + argv)
+        return args.run(args)
+
+    assert run(["--lease-batch", "0", "--model", "/m"]) == 2
+    assert "lease_batch" in caplog.text
+    # Two policies, and the workflow's verifier role is played by neither: refused before any engine loads.
+    assert run(["--model", "/m", "--model-id", "a", "--model-id", "b", "--workflow", "solver_verifier",
+                "--region", "r", "--role", "solver=a"]) == 2
+    assert "no policy plays role 'verifier'" in caplog.text

@@ -52,7 +52,8 @@ def test_two_regions_generate_and_a_new_version_reaches_both(kit):
     v1 = kit.next_version(kit.base_weights(), 1)
     pub = Publisher(east.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
     _publish(pub, v1, 1)
-    pools = {"p-east": kit.pool("p-east", east.url, broker.url), "p-west": kit.pool("p-west", west.url, broker.url)}
+    pools = {"p-east": kit.pool("p-east", east.url, broker.url, "--tier", "big"),
+             "p-west": kit.pool("p-west", west.url, broker.url, "--tier", "small")}
     procs = (broker, east, west, *pools.values())
     for p in pools.values():
         p.wait_healthy()
@@ -72,9 +73,10 @@ def test_two_regions_generate_and_a_new_version_reaches_both(kit):
     samples = _drain(broker.url, kit.model, 2)
     by_pool = {name: [s for s in samples if s["pool"] == name] for name in pools}
     assert {s["pool"] for s in samples} == set(pools)
-    for name, region in (("p-east", "east"), ("p-west", "west")):
+    for name, region, tier in (("p-east", "east", "big"), ("p-west", "west", "small")):
         mine = by_pool[name]
-        assert all(s["region"] == region and s["model_id"] == kit.model for s in mine)
+        assert all(s["region"] == region and s["model_id"] == kit.model and s["metadata"]["tier"] == tier
+                   for s in mine)
         assert any(s["max_version"] == 1 for s in mine), f"{name} generated with v1"
         assert any(s["min_version"] == 2 for s in mine), f"{name}'s later tokens carry v2"
         assert all(1 <= s["min_version"] <= s["max_version"] <= 2 for s in mine)

@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import AsyncIterator
@@ -31,6 +32,7 @@ from deltamesh.gateway.http import client_session, request_bytes, request_json
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
 from deltamesh.trainer.loop import pad_rows
+from deltamesh.trainer.mesh_client import MeshClient
 from deltamesh.trainer.publish import gateway_weights, start_stream
 from deltamesh.trainer.step import TrainState, build_optimizer, train_step
 
@@ -251,8 +253,6 @@ def test_an_interrupted_first_full_snapshot_is_finished(tmp_path, key_files):
 @contextlib.contextmanager
 def gateway_in_thread(store: Path, public_key: Path):
     """A real gateway on a loopback socket, served from a thread of its own (for blocking callers)."""
-    import threading
-
     urls: list[str] = []
     started, stop = threading.Event(), None
 
@@ -279,10 +279,6 @@ def gateway_in_thread(store: Path, public_key: Path):
 def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp_path, key_files):
     """An unreachable gateway for one publish and an unreachable broker throughout: the loop's client
     logs them, tells the step log, and the next version is a delta on the last one that got through."""
-    import threading
-
-    from deltamesh.trainer.mesh_client import MeshClient
-
     key, _, public = key_files
     outcomes = []
     dead = f"http://127.0.0.1:{mesh.free_port()}"
@@ -310,6 +306,25 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
         assert_same(rebuilt, weights_at(3))
 
 
+def test_one_config_file_holds_the_trainer_and_train_tables(tmp_path):
+    from deltamesh.config import ConfigError, load_config
+    from deltamesh.trainer.config import TrainerConfig
+    from deltamesh.trainer.loop_config import TrainLoopConfig
+
+    path = tmp_path / "mesh.toml"
+    path.write_text('[trainer]\nmodel_id = "solver"\n[trainer.optim]\nlr = 2e-6\n'
+                    '[train]\nbroker = "http://b:1/"\ngateway = "http://g:2"\nmodel = "m"\nkey = "k"\n'
+                    'batch_size = 32\n[gateway]\nregion = "x"\n')
+    cfg = load_config(TrainerConfig, path, section="trainer", overrides={"checkpoint.dir": "ck"})
+    loop_cfg = load_config(TrainLoopConfig, path, section="train", overrides={"max_steps": 5})
+    assert (cfg.model_id, cfg.optim.lr, cfg.checkpoint.dir) == ("solver", 2e-6, Path("ck"))
+    assert (loop_cfg.broker, loop_cfg.batch_size, loop_cfg.max_steps) == ("http://b:1", 32, 5)
+    for bad in ({"broker": "b:1"}, {"batch_size": 0}, {"device": "tpu"}, {"key": ""}):
+        with pytest.raises(ConfigError):
+            load_config(TrainLoopConfig, path, section="train", overrides=bad)
+
+
+@pytest.mark.slow
 def test_padding_rows_for_ranks_leaves_the_step_unchanged(tiny):
     """Rows added so a batch splits evenly over ranks carry no loss and change no gradient."""
     cfg = tiny.trainer_config()

@@ -1,0 +1,140 @@
+"""Scale simulator: predicts how versions propagate through a deltamesh mesh far larger than this machine
+can emulate, from a model calibrated on the emulated transfer runs.
+
+The model (simulate_model.py): links with a rate and an RTT; per hop, parallel TCP connections fetching
+pieces (slow start, a per-connection window, one idle RTT per piece request, BBR-like sharing);
+cut-through relays (a hop ends no earlier than one piece after its upstream) or store-and-forward
+relays (hops add up); codec costs from measured bytes per changed weight and speeds. It is calibrated
+on the `long_link` scenario of benchmarks/transfer.py (window from the single stream, per-piece
+overhead from deltamesh's fetch), then shown beside every other measured scenario, out of sample.
+Then it predicts per-version time to all pools, origin egress and staleness for Qwen3-14B, Qwen3-235B
+and a 1T model over 8 regions, with its assumptions printed, and sets the papers' figures beside it.
+
+Measurements come from .cache/transfer/results.json when benchmarks/transfer.py has run here (or
+--measured FILE), else from the figures recorded in BENCHMARKS.md (`RECORDED` below). `--json` prints
+one object: {"calibration", "emulated": [{"scenario", "method", "predicted_s", "measured_s", "ratio",
+"fitted"}], "big_models": [...], "papers": [...], "assumptions": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from simulate_model import Tcp
+from simulate_scenarios import (
+    MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, codec_from_training, emulated_rows, paper_rows,
+)
+
+RESULTS = Path(__file__).resolve().parent.parent / ".cache" / "transfer" / "results.json"
+
+# The full run recorded in BENCHMARKS.md (## Transfer): the fields the simulator reads, so that it works
+# on a machine where the emulator has not run.
+RECORDED: dict = {"scenarios": []}
+
+
+def load_measured(path: Path | None) -> tuple[dict[str, dict], str]:
+    for candidate in ([path] if path else [RESULTS]):
+        if candidate.exists():
+            report = json.loads(candidate.read_text())
+            return {s["name"]: s for s in report["scenarios"]}, str(candidate)
+    if path:
+        raise SystemExit(f"{path}: no such file")
+    return {s["name"]: s for s in RECORDED["scenarios"]}, "figures recorded in BENCHMARKS.md"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--measured", type=Path, help="transfer.py results file (default .cache/transfer/results.json)")
+    ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")
+    ap.add_argument("--changed", type=float, default=Mesh.changed_fraction, help="fraction of weights changed per step")
+    ap.add_argument("--encode-gbps", type=float, default=Codec.encode_gbps, help="codec encode speed per node")
+    ap.add_argument("--apply-gbps", type=float, default=Codec.apply_gbps, help="codec apply speed per node")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    measured, source = load_measured(args.measured)
+    if "long_link" in measured:
+        tcp, calibration = calibrate(measured["long_link"])
+    else:
+        tcp, calibration = Tcp(), {"note": "no long_link measurement: uncalibrated defaults"}
+    calibration["source"] = source
+    codec = codec_from_training(measured.get("real_training"),
+                                Codec(encode_gbps=args.encode_gbps, apply_gbps=args.apply_gbps))
+    mesh = replace(Mesh(), wan_mbit=args.wan_mbit, changed_fraction=args.changed)
+    emulated = emulated_rows(measured, tcp)
+    report = {
+        "calibration": calibration,
+        "emulated": [{"scenario": r.scenario, "method": r.method, "predicted_s": round(r.predicted, 3),
+                      "measured_s": r.measured, "ratio": None if r.ratio is None else round(r.ratio, 3),
+                      "fitted": r.fitted} for r in emulated],
+        "big_models": big_model_rows(tcp, codec, mesh),
+        "papers": paper_rows(tcp, codec, mesh),
+        "assumptions": assumptions(tcp, codec, mesh),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+def assumptions(tcp: Tcp, codec: Codec, mesh: Mesh) -> dict:
+    return {
+        "tcp": asdict(tcp), "codec": asdict(codec),
+        "mesh": {"regions": len(mesh.paths()) + 1, "tree": "origin -> 3 hubs (RTT ms "
+                 f"{', '.join(f'{r:g}' for r in mesh.hub_rtts_ms)}) -> 4 leaves (RTT ms from their hub "
+                 f"{', '.join(f'{r:g}' for _, r in mesh.leaf_rtts_ms)})",
+                 "wan_mbit": mesh.wan_mbit, "pools_per_region": mesh.pools_per_region,
+                 "pool_lan": f"{mesh.lan.mbit:g} Mbit/s, {mesh.lan.rtt_ms:g} ms",
+                 "changed_fraction": mesh.changed_fraction, "full_every": mesh.full_every,
+                 "node_bytes": mesh.node_bytes},
+        "models_bf16_bytes": MODELS, "step_seconds": STEP_SECONDS,
+        "connections": "per link: 1.5x its bandwidth-delay product over the window, 4 to 256",
+        "not_modelled": "CPU contention between processes (this machine runs all of them on 2 cores), "
+                        "losses other than a full queue, origin uplink limits beyond its links, disk speed",
+    }
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def print_report(r: dict) -> None:
+    c = r["calibration"]
+    print(f"Calibration ({c['source']}): " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "source"))
+    print("\nEmulated scenarios, predicted beside measured (seconds; fitted = used for calibration)")
+    print(f"  {'scenario':<12} {'method':<18} {'predicted':>10} {'measured':>10} {'pred/meas':>10}")
+    for row in r["emulated"]:
+        measured = "-" if row["measured_s"] is None else f"{row['measured_s']:.2f}"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}" + (" fitted" if row["fitted"] else
+                                                                          (" ok" if abs(row["ratio"] - 1) <= 0.2 else " OFF"))
+        print(f"  {row['scenario']:<12} {row['method']:<18} {row['predicted_s']:>10.2f} {measured:>10} {ratio:>10}")
+    a = r["assumptions"]
+    print(f"\nBig models over {a['mesh']['regions']} regions: {a['mesh']['tree']}; {a['mesh']['wan_mbit']:g} Mbit/s "
+          f"links; {a['mesh']['pools_per_region']} pools per region on {a['mesh']['pool_lan']}; "
+          f"{a['mesh']['changed_fraction']:.1%} of weights changed per step; codec {a['codec']['bytes_per_changed']:.2f} "
+          f"B/changed weight, full {a['codec']['full_ratio']:.2f}x bf16, encode/apply "
+          f"{a['codec']['encode_gbps']:g}/{a['codec']['apply_gbps']:g} GB/s per node, one node per "
+          f"{a['mesh']['node_bytes'] / 1e9:.0f} GB; TCP window {a['tcp']['window']:.3g} B")
+    print(f"  {'model':<11} {'delta GB':>9} {'full GB':>8} {'delta->all':>11} {'full->all':>10} {'egress/ver GB':>14} "
+          f"{'step':>7} {'staleness':>10} {'AstraFlow delta->all':>21}")
+    for m in r["big_models"]:
+        print(f"  {m['model']:<11} {m['delta_bytes'] / 1e9:>9.2f} {m['full_bytes'] / 1e9:>8.0f} "
+              f"{_s(m['delta_seconds_to_all_pools']):>11} {_s(m['full_seconds_to_all_pools']):>10} "
+              f"{m['origin_egress_per_version'] / 1e9:>14.2f} {_s(m['step_seconds']):>7} "
+              f"{m['staleness_mean_versions']:>10.2f} {_s(m['astraflow_seconds_to_all_pools']):>21}")
+    print("\nPaper figures beside the model")
+    for p in r["papers"]:
+        print(f"  {p['source']}: {p['what']}: paper {p['paper']}; model: {p['model']}")
+    print(f"\nNot modelled: {a['not_modelled']}.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

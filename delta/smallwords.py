@@ -1,0 +1,108 @@
+"""Coding where small weights changed: positions counted among the base's small-magnitude words only.
+
+An optimizer step of size ~lr changes a bf16 word when lr is a sizable fraction of its spacing, which
+is proportional to its magnitude: changes crowd into the small weights (and weights that are exactly
+zero change almost always). Since the receiver holds the base, a segment may split its changes in
+two groups at a magnitude bound `small_max` chosen by the encoder: changes of words whose base
+magnitude is <= small_max are located by their rank among such words of the segment (dense, so
+cheap gaps), the others by plain position. The decoder recomputes the same set of small words from
+the base. Only sign-magnitude (float) dtypes use this; magnitude = word without its sign bit.
+
+Everything is chunked: neither side ever materializes an index of all small words.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import CorruptError
+
+CHUNK_WORDS = 1 << 20
+SAMPLE_STRIDE = 61  # base words sampled to estimate how many small words each bound admits
+
+
+def magnitude_mask(width: int) -> int:
+    return (1 << (width * 8 - 1)) - 1
+
+
+def _class_shift(width: int) -> int:
+    # Classes are the top 8 bits of the magnitude: the exponent of bf16 and fp32.
+    return max(0, width * 8 - 9)
+
+
+def choose_small_max(base: np.ndarray, changed_base: np.ndarray) -> int | None:
+    """The magnitude bound that minimizes the estimated position cost, or None if plain gaps win.
+
+    `base` are the tensor's unsigned base words, `changed_base` the base words that changed.
+    """
+    width, n, k = base.itemsize, base.size, changed_base.size
+    if k == 0 or n < 4096:
+        return None
+    dtype = base.dtype.type
+    shift, mask = dtype(_class_shift(width)), dtype(magnitude_mask(width))
+    classes = int(mask >> shift) + 1
+    sample = (base[::SAMPLE_STRIDE] & mask) >> shift
+    words_le = np.cumsum(np.bincount(sample, minlength=classes)) * (n / max(1, sample.size))
+    changes_le = np.cumsum(np.bincount((changed_base & mask) >> shift, minlength=classes))
+    # Small words in the index space are at least the small changes themselves.
+    space = np.maximum(words_le, changes_le).astype(np.float64)
+    cost = _gap_bits(changes_le, space) + _gap_bits(k - changes_le, np.full(classes, float(n)))
+    best = int(np.argmin(cost))
+    if cost[best] >= 0.9 * _gap_bits(np.array([k]), np.array([float(n)]))[0]:
+        return None
+    return ((best + 1) << int(shift)) - 1
+
+
+def _gap_bits(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Estimated bits to code k positions among n (binary entropy, plus a little per position)."""
+    p = np.clip(k / np.maximum(n, 1), 1e-12, 1 - 1e-12)
+    h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return np.where(k > 0, n * h + 0.1 * k, 0.0)
+
+
+def is_small(words: np.ndarray, small_max: int) -> np.ndarray:
+    dtype = words.dtype.type
+    return (words & dtype(magnitude_mask(words.itemsize))) <= dtype(small_max)
+
+
+def small_words_before(words: np.ndarray, positions: np.ndarray, small_max: int) -> np.ndarray:
+    """For each of the ascending `positions`, how many small words of `words` precede it."""
+    out = np.empty(positions.size, dtype=np.int64)
+    seen, done, s = 0, 0, 0
+    while done < positions.size:
+        e = min(s + CHUNK_WORDS, words.size)
+        upto = int(np.searchsorted(positions, e, side="left"))
+        found = np.flatnonzero(is_small(words[s:e], small_max))
+        if upto > done:
+            out[done:upto] = seen + np.searchsorted(found, positions[done:upto] - s, side="left")
+        seen += found.size
+        done, s = upto, e
+    return out
+
+
+def small_positions(words: np.ndarray, start: int, count: int, ranks: np.ndarray, small_max: int) -> np.ndarray:
+    """Absolute positions of the small words of rank `ranks` (ascending) in [start, start + count)."""
+    out = np.empty(ranks.size, dtype=np.int64)
+    seen, done = 0, 0
+    for s in range(start, start + count, CHUNK_WORDS):
+        if done == ranks.size:
+            break
+        e = min(s + CHUNK_WORDS, start + count)
+        found = np.flatnonzero(is_small(words[s:e], small_max))
+        upto = int(np.searchsorted(ranks, seen + found.size, side="left"))
+        out[done:upto] = found[ranks[done:upto] - seen] + s
+        seen += found.size
+        done = upto
+    if done != ranks.size:
+        raise CorruptError(f"rank {int(ranks[done])} beyond the {seen} small words of its segment")
+    return out
+
+
+def small_positions_torch(flat: torch.Tensor, start: int, count: int, ranks: torch.Tensor, small_max: int) -> torch.Tensor:
+    """`small_positions` on a live signed word view, on its own device."""
+    mask = (flat[start : start + count] & magnitude_mask(flat.element_size())) <= small_max
+    found = torch.nonzero(mask).squeeze(1)
+    if ranks.numel() and int(ranks[-1]) >= found.numel():
+        raise CorruptError(f"rank {int(ranks[-1])} beyond the {found.numel()} small words of its segment")
+    return found[ranks] + start

@@ -1,0 +1,161 @@
+"""Laying out and starting the demo mesh: keys, task set, config files, then every service as a process.
+
+`prepare` writes everything the services read into the run directory: the trainer's Ed25519 key
+pair, the digit-sum task set, and one TOML file per broker, trainer and pool (written with the
+services' own config tables, so each one's settings can be read and rerun by hand). `start` then
+launches the broker, the gateways in topology order (each relay gets its link's bandwidth cap and
+added latency), the pools and the trainers, all on free loopback ports; they find each other through
+the URLs given here and retry until their peers answer, so they boot side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from deltamesh.delta import generate_key, save_keypair
+from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
+from deltamesh.mesh.topology import GatewaySpec
+from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
+
+
+@dataclass
+class MeshPlan:
+    """Where everything of one run lives, and the services once started."""
+
+    config: DemoConfig
+    run_dir: Path
+    model_dir: Path
+    private_key: Path
+    public_key: Path
+    token: str
+    broker: Service | None = None
+    gateways: dict[str, Service] = field(default_factory=dict)
+    """Region -> its gateway."""
+    pools: dict[str, Service] = field(default_factory=dict)
+    trainers: dict[str, Service] = field(default_factory=dict)
+    """model_id -> its trainer."""
+
+    def metrics_file(self, model_id: str) -> Path:
+        return self.run_dir / "trainer" / f"{model_id}.steps.jsonl"
+
+    def pool_dir(self, pool: str) -> Path:
+        return self.run_dir / "pools" / pool
+
+    def registration(self, pool: str, model_id: str) -> str:
+        """The name a pool's weight stream registers with at its gateway (see PoolConfig)."""
+        return pool if len(self.config.model_ids) == 1 else f"{pool}.{model_id}"
+
+    @property
+    def services(self) -> list[Service]:
+        out = [self.broker] if self.broker is not None else []
+        return [*out, *self.gateways.values(), *self.pools.values(), *self.trainers.values()]
+
+
+def model_dir(model: str) -> Path:
+    """The model's bf16 Hugging Face directory (built into the cache on first use)."""
+    from deltamesh.trainer import models
+
+    return models.tiny_model_dir() if model == "tiny" else models.smollm2_model_dir()
+
+
+def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key_path = run_dir / "keys" / "trainer.key"
+    key_path.parent.mkdir(exist_ok=True)
+    public = save_keypair(generate_key(), key_path)
+    plan = MeshPlan(config, run_dir, model_dir(config.model), key_path, Path(public), secrets.token_hex(16))
+    # Enough prompts that the trainers never run dry (backpressure keeps production near consumption).
+    count = (config.steps + 20) * config.groups_per_step * 4
+    tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
+    (run_dir / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return plan
+
+
+def _write_toml(path: Path, tables: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(tomli_w.dumps(tables).encode())
+    return path
+
+
+def _http(name: str, kind: str, args: list[str], log_path: Path, port: int, health: str = "/healthz") -> Service:
+    return Service(name, kind, args, log_path, url=f"http://127.0.0.1:{port}", health=health, ports=[port])
+
+
+def broker_service(plan: MeshPlan) -> Service:
+    cfg, port = plan.config, free_port()
+    config = _write_toml(plan.run_dir / "broker" / "broker.toml", {"broker": {
+        "models": list(cfg.model_ids), "durability": "process",
+        "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": 1,
+                  "lease_timeout_s": 60.0, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
+    }})
+    args = ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
+            "--config", str(config)]
+    return _http("broker", "broker", args, plan.run_dir / "logs" / "broker.log", port, health="/v1/status")
+
+
+def gateway_service(plan: MeshPlan, spec: GatewaySpec) -> Service:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["gateway", "--region", spec.region, "--listen", f"127.0.0.1:{port}", "--advertise", url,
+            "--store", str(plan.run_dir / "gateways" / spec.region), "--trusted-key", str(plan.public_key),
+            "--pool-token", plan.token, "--probe-interval", "1", "--heartbeat-timeout", "10",
+            "--stall-timeout", "10", "--piece-wait", "2"]
+    if spec.upstream:
+        args += ["--upstream", plan.gateways[spec.upstream].url]
+        if spec.bandwidth_mbps:
+            args += ["--bandwidth-cap-mbps", str(spec.bandwidth_mbps)]
+        if spec.delay_ms:
+            args += ["--link-delay-ms", str(spec.delay_ms)]
+    return _http(f"gateway-{spec.region}", "gateway", args, plan.run_dir / "logs" / f"gateway-{spec.region}.log",
+                 port)
+
+
+def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
+    cfg, port = plan.config, free_port()
+    assert plan.broker is not None
+    config = _write_toml(plan.run_dir / "pools" / f"{name}.toml", {"pool": {
+        "name": name, "gateways": [plan.gateways[region].url], "broker": plan.broker.url, "token": plan.token,
+        "trusted_keys": [str(plan.public_key)], "dir": str(plan.pool_dir(name)), "region": region,
+        "engine": "transformers", "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
+        "listen": f"127.0.0.1:{port}", "workflow": cfg.workflow, "workflow_options": cfg.workflow_options(),
+        "models": [{"model_id": m, "model_path": str(plan.model_dir)} for m in cfg.model_ids],
+        "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
+        "lease_batch": 2, "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0,
+        "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
+    }})
+    args = ["pool", "run", "--config", str(config)]
+    return _http(name, "pool", args, plan.run_dir / "logs" / f"pool-{name}.log", port)
+
+
+def trainer_service(plan: MeshPlan, model_id: str) -> Service:
+    cfg = plan.config
+    assert plan.broker is not None
+    origin = plan.gateways[cfg.topology.origin.region]
+    config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {
+        "trainer": {"model_id": model_id, "seed": cfg.seed, "optim": {"lr": cfg.lr}},
+        "train": {"broker": plan.broker.url, "gateway": origin.url, "model": str(plan.model_dir),
+                  "key": str(plan.private_key), "batch_size": cfg.batch_size, "max_steps": cfg.steps,
+                  "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
+                  "metrics_file": str(plan.metrics_file(model_id))},
+    })
+    # The trainer may use both cores for the real model; the tiny one gains nothing from a second thread.
+    return Service(f"trainer-{model_id}", "trainer", ["train", "--config", str(config)],
+                   plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)
+
+
+def start(plan: MeshPlan, services: ServiceSet) -> None:
+    """Launch every service of the plan (they come up side by side and wait for their peers)."""
+    cfg = plan.config
+    plan.broker = services.start(broker_service(plan))
+    for spec in cfg.topology.gateways:
+        plan.gateways[spec.region] = services.start(gateway_service(plan, spec))
+    for model_id in cfg.model_ids:
+        plan.trainers[model_id] = services.start(trainer_service(plan, model_id))
+    for index, pool in enumerate(cfg.topology.pools):
+        plan.pools[pool.name] = services.start(pool_service(plan, pool.name, pool.region, index))

@@ -1,0 +1,175 @@
+"""The demo's child processes: each service is a real `deltamesh ...` process with its own log file.
+
+Every child runs in a session (process group) of its own, so stopping it reaches whatever it started
+too; on Linux it also gets SIGTERM should the demo itself die without cleaning up. `ServiceSet.stop`
+sends SIGTERM to each group, gives it a grace period, then SIGKILLs what is left; the demo calls it
+on every way out (normal end, Ctrl-C, SIGTERM, an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import aiohttp
+
+from deltamesh.gateway.http import HttpError, request_json
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+class ServiceError(RuntimeError):
+    """A service exited unexpectedly or never became healthy; the message ends with its log's tail."""
+
+
+def deltamesh_command() -> list[str]:
+    """How to run the `deltamesh` CLI of this very installation."""
+    script = Path(sys.executable).with_name("deltamesh")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: a new session, and SIGTERM when the demo process dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Service:
+    name: str
+    kind: str
+    """broker, gateway, pool or trainer."""
+    args: list[str]
+    log_path: Path
+    url: str = ""
+    """Base URL of its HTTP server, if it has one."""
+    health: str = "/healthz"
+    proc: subprocess.Popen | None = None
+    ports: list[int] = field(default_factory=list)
+    threads: int = 1
+    """CPU threads its math libraries may use."""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """A child's environment: logs at INFO, unbuffered, and math threads kept to what it may use."""
+    env = dict(os.environ)
+    env.update(DELTAMESH_LOG=env.get("DELTAMESH_LOG", "INFO"), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+class ServiceSet:
+    """The services of one demo run, started in order and stopped together."""
+
+    def __init__(self) -> None:
+        self.services: list[Service] = []
+        self._command = deltamesh_command()
+
+    def start(self, service: Service) -> Service:
+        service.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(service.log_path, "ab") as out:
+            service.proc = subprocess.Popen([*self._command, *service.args], stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=child_env(service.threads),
+                                            preexec_fn=_die_with_parent)
+        self.services.append(service)
+        log.info("started %s (pid %d): deltamesh %s", service.name, service.proc.pid, " ".join(service.args[:2]))
+        return service
+
+    def of_kind(self, kind: str) -> list[Service]:
+        return [s for s in self.services if s.kind == kind]
+
+    def check(self, allowed_to_end: Sequence[Service] = ()) -> None:
+        """Raise ServiceError if a service other than `allowed_to_end` has exited."""
+        for s in self.services:
+            if s not in allowed_to_end and not s.running():
+                raise ServiceError(f"{s.name} exited with code {s.returncode()}; its log {s.log_path} ends:\n"
+                                   f"{s.tail()}")
+
+    async def wait_healthy(self, session: aiohttp.ClientSession, services: Sequence[Service], timeout_s: float,
+                           stop: asyncio.Event) -> bool:
+        """Wait until every one of `services` answers its health URL; False if `stop` was set first."""
+        deadline = time.monotonic() + timeout_s
+        waiting = [s for s in services if s.url]
+        while waiting:
+            if stop.is_set():
+                return False
+            self.check()
+            still = []
+            for s in waiting:
+                try:
+                    await request_json(session, "GET", s.url + s.health, timeout_s=2.0)
+                except HttpError:
+                    still.append(s)
+            waiting = still
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in waiting)
+                raise ServiceError(f"{names} did not answer within {timeout_s:.0f} s; see {waiting[0].log_path}:\n"
+                                   f"{waiting[0].tail()}")
+            if waiting:
+                await asyncio.sleep(0.25)
+        return True
+
+    async def stop(self, services: Sequence[Service] | None = None, grace_s: float = 15.0) -> None:
+        """SIGTERM each service's process group, wait up to `grace_s`, then SIGKILL what is left."""
+        group = list(self.services if services is None else services)
+        for s in group:
+            if s.running():
+                s.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(s.running() for s in group) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for s in group:
+            if s.running():
+                log.warning("%s did not stop within %.0f s of SIGTERM: killing it", s.name, grace_s)
+            # Also whatever the service started itself, even once the service has exited.
+            s.signal_group(signal.SIGKILL)
+            if s.proc is not None:
+                try:
+                    s.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.error("%s (pid %d) survived SIGKILL", s.name, s.proc.pid)

@@ -1,0 +1,166 @@
+"""The run report: `report.json` (per step and per version figures, final checks, summary) and `report.png`.
+
+Per step of each policy: reward, version, the bytes each link carried for that version against the
+full snapshot's size, the trainer's wait fraction and timings, how far behind each pool was, how
+many samples each pool contributed, and how long after the step the last pool served the version.
+The chart (matplotlib, Agg backend, no display needed) shows reward per step and, on a log scale,
+bytes per version on each link with the full-sync size as a dashed line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deltamesh.config import to_dict
+from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.state import MeshState
+
+
+@dataclass
+class FinalCheck:
+    """Whether a pool ended on its trainer's final version, bit-exact (by the weights hash)."""
+
+    pool: str
+    model_id: str
+    engine_version: int | None
+    dir_version: int | None
+    dir_weights_hash: str
+    expected_version: int | None
+    expected_hash: str
+
+    @property
+    def bit_exact(self) -> bool:
+        return (self.expected_version is not None and self.engine_version == self.expected_version
+                and self.dir_version == self.expected_version and self.dir_weights_hash == self.expected_hash)
+
+
+def thirds(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean of the first and of the last third of `values` (None when there are fewer than three)."""
+    k = len(values) // 3
+    if k == 0:
+        return None, None
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def step_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
+    run = state.models[model_id]
+    rows = []
+    for r in run.steps:
+        v = int(r["version"])
+        facts = run.versions.get(v)
+        everywhere = state.all_pools_at(model_id, v)
+        # What each pool served when the step ended: how far behind the trainer it was then.
+        served = {p: state.served_at_time(p, model_id, r["time"]) for p in state.pools}
+        rows.append({
+            "step": r["step"], "version": v, "reward": r["reward_mean"], "samples": r["samples"],
+            "pools": r.get("pools", {}), "wait_fraction": r["wait_fraction"], "wait_seconds": r["wait_seconds"],
+            "train_seconds": r["train_seconds"], "publish_seconds": r.get("publish_seconds"),
+            "publish_kinds": r.get("publish_kinds", []), "staleness_mean": r["staleness_mean"],
+            "link_bytes": dict(facts.link_bytes) if facts else {}, "full_bytes": run.full_bytes_at(v),
+            "all_pools_seconds": None if everywhere is None else max(0.0, everywhere - r["time"]),
+            "pool_behind": {p: None if pv is None else max(0, v - pv) for p, pv in served.items()},
+        })
+    return rows
+
+
+def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome: str, error: str,
+                 checks: list[FinalCheck], processes: list[dict[str, Any]]) -> dict[str, Any]:
+    models: dict[str, Any] = {}
+    for model_id, run in state.models.items():
+        rows = step_rows(state, model_id)
+        first, last = thirds([row["reward"] for row in rows])
+        trained = Counter()
+        for row in rows:
+            trained.update(row["pools"])
+        final = run.trainer_version
+        models[model_id] = {
+            "steps": rows, "final_version": final,
+            "final_weights_hash": run.versions[final].weights_hash if final in run.versions else "",
+            "reward_first_third": first, "reward_last_third": last, "trained_samples_by_pool": dict(trained),
+        }
+    pools = {}
+    for name, p in state.pools.items():
+        pools[name] = {
+            "region": p.region, "submitted": p.submitted(), "pulled_bytes": dict(p.pulled),
+            "moves": {m: [{"version": v, "at": at, "pulled_bytes": b} for v, at, b in moves]
+                      for m, moves in p.moves.items()},
+        }
+    links = {name: {"bandwidth_mbps": r.bandwidth_mbps, "delay_ms": r.delay_ms, "rtt_ms_p50": r.rtt_ms,
+                    "bytes_total": r.bytes_total} for name, r in state.links.items()}
+    return {
+        "config": to_dict(config), "run_dir": str(run_dir), "outcome": outcome, "error": error,
+        "started_at": state.started_at, "models": models, "pools": pools, "links": links,
+        "final_checks": [{**to_dict(c), "bit_exact": c.bit_exact} for c in checks],
+        "processes": processes, "summary": summary(models, checks),
+    }
+
+
+def summary(models: dict[str, Any], checks: list[FinalCheck]) -> dict[str, Any]:
+    out: dict[str, Any] = {"all_pools_bit_exact": bool(checks) and all(c.bit_exact for c in checks)}
+    for model_id, m in models.items():
+        rows = m["steps"][1:] if len(m["steps"]) > 1 else m["steps"]  # v1 onwards: deltas, not the first sync
+        per_link: dict[str, list[int]] = {}
+        for row in rows:
+            for link, n in row["link_bytes"].items():
+                per_link.setdefault(link, []).append(n)
+        fulls = [row["full_bytes"] for row in rows if row["full_bytes"]]
+        out[model_id] = {
+            "steps": len(m["steps"]), "final_version": m["final_version"],
+            "reward_first_third": m["reward_first_third"], "reward_last_third": m["reward_last_third"],
+            "mean_wait_fraction": statistics.fmean(r["wait_fraction"] for r in m["steps"]) if m["steps"] else None,
+            "mean_link_bytes_per_version": {k: statistics.fmean(v) for k, v in per_link.items()},
+            "full_bytes": statistics.median(fulls) if fulls else None,
+        }
+    return out
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> tuple[Path, Path | None]:
+    """Write report.json and report.png; the chart is skipped (None) when there is nothing to plot."""
+    json_path = run_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if not any(m["steps"] for m in report["models"].values()):
+        return json_path, None
+    return json_path, plot(report, run_dir / "report.png")
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (ax_reward, ax_bytes) = plt.subplots(2, 1, figsize=(9, 8))
+    for model_id, m in report["models"].items():
+        steps = [r["step"] for r in m["steps"]]
+        rewards = [r["reward"] for r in m["steps"]]
+        ax_reward.plot(steps, rewards, marker=".", linewidth=1, label=f"{model_id}: batch mean")
+        window = [statistics.fmean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+        ax_reward.plot(steps, window, linewidth=2, label=f"{model_id}: mean of last 5")
+        links = sorted({link for r in m["steps"] for link in r["link_bytes"]})
+        for link in links:
+            # A version with no changed word costs 0 bytes: no point on a log scale.
+            points = [(r["version"], r["link_bytes"][link]) for r in m["steps"] if r["link_bytes"].get(link)]
+            ax_bytes.plot([p[0] for p in points], [p[1] for p in points], marker=".", linewidth=1,
+                          label=f"{link}" + (f" [{model_id}]" if len(report["models"]) > 1 else ""))
+        fulls = [(r["version"], r["full_bytes"]) for r in m["steps"] if r["full_bytes"]]
+        if fulls:
+            ax_bytes.plot([p[0] for p in fulls], [p[1] for p in fulls], linestyle="--", color="gray",
+                          label="full snapshot (what a full sync costs)")
+    ax_reward.set_xlabel("trainer step")
+    ax_reward.set_ylabel("reward")
+    ax_reward.set_title("reward per step")
+    ax_reward.legend(fontsize=8)
+    ax_bytes.set_yscale("log")
+    ax_bytes.set_xlabel("version")
+    ax_bytes.set_ylabel("bytes on the link for this version")
+    ax_bytes.set_title("bytes per version on each link (deltas; periodic full syncs show as spikes)")
+    ax_bytes.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,176 @@
+"""What the demo knows about a running mesh: per-version facts accumulated over the run, and the latest readings.
+
+The monitor feeds it what the services report; nothing here does I/O. Per version of each model it
+keeps the bytes each link carried for it (the trainer's upload to the origin; for every relay link,
+the payload of the kinds of that version the downstream gateway holds complete, since a relay mirrors
+every kind it keeps), the size a full snapshot would have cost, the trainer's step record, and when
+each pool's engine first served it. Per pool it keeps the latest status and the bytes it pulled from
+its gateway each time its engine moved to a newer version.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class VersionFacts:
+    version: int
+    payload: dict[str, int] = field(default_factory=dict)
+    """kind -> payload bytes at the origin (a version may have a delta and a full)."""
+    weights_hash: str = ""
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    """link name -> bytes that link carried for this version."""
+    served_at: dict[str, float] = field(default_factory=dict)
+    """pool -> wall time its engine first served this version (or a newer one)."""
+
+
+@dataclass
+class ModelRun:
+    """One policy's weight stream and its trainer's steps."""
+
+    model_id: str
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    versions: dict[int, VersionFacts] = field(default_factory=dict)
+    full_bytes: int = 0
+    """Payload of the newest full snapshot seen at the origin: what a full sync costs."""
+
+    def version(self, v: int) -> VersionFacts:
+        facts = self.versions.get(v)
+        if facts is None:
+            facts = self.versions[v] = VersionFacts(v)
+        return facts
+
+    @property
+    def trainer_version(self) -> int | None:
+        return self.steps[-1]["version"] if self.steps else None
+
+    def full_bytes_at(self, v: int) -> int:
+        """The full snapshot's size at version v (the newest full at or before it, else any)."""
+        fulls = [(u, f.payload["full"]) for u, f in self.versions.items() if "full" in f.payload]
+        before = [size for u, size in sorted(fulls) if u <= v]
+        return before[-1] if before else (fulls[0][1] if fulls else self.full_bytes)
+
+
+@dataclass
+class LinkReading:
+    """An inter-region link as its downstream gateway sees it."""
+
+    name: str
+    bandwidth_mbps: float
+    delay_ms: float
+    rtt_ms: float | None = None
+    bytes_total: int = 0
+    throughput_bps: float | None = None
+
+
+@dataclass
+class PoolReading:
+    name: str
+    region: str
+    status: dict[str, Any] = field(default_factory=dict)
+    """The pool's own /v1/status."""
+    pulled: dict[str, int] = field(default_factory=dict)
+    """model_id -> bytes its gateway has served it."""
+    rtt_ms: float | None = None
+    moves: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    """model_id -> (version reached, wall time, bytes pulled so far), one entry per newer version."""
+
+    def engine_version(self, model_id: str) -> int | None:
+        entry = self.status.get("models", {}).get(model_id)
+        return None if entry is None else entry.get("engine_version")
+
+    def submitted(self) -> int:
+        return int(self.status.get("worker", {}).get("submitted", 0))
+
+
+@dataclass
+class MeshState:
+    model_ids: tuple[str, ...]
+    started_at: float = field(default_factory=time.time)
+    models: dict[str, ModelRun] = field(default_factory=dict)
+    pools: dict[str, PoolReading] = field(default_factory=dict)
+    links: dict[str, LinkReading] = field(default_factory=dict)
+    broker: dict[str, Any] = field(default_factory=dict)
+    phase: str = "starting"
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for m in self.model_ids:
+            self.models.setdefault(m, ModelRun(m))
+
+    # -- updates from the monitor ------------------------------------------------------------------
+    def origin_listing(self, model_id: str, listing: list[dict[str, Any]]) -> None:
+        run = self.models[model_id]
+        for e in listing:
+            if not e.get("complete"):
+                continue
+            facts = run.version(int(e["version"]))
+            facts.payload[e["kind"]] = int(e["payload_bytes"])
+            facts.weights_hash = e.get("weights_hash") or facts.weights_hash
+            if e["kind"] == "full":
+                run.full_bytes = int(e["payload_bytes"])
+
+    def relay_listing(self, model_id: str, link: str, listing: list[dict[str, Any]]) -> None:
+        """A relay gateway's versions: what is complete there came over its upstream link."""
+        run = self.models[model_id]
+        held: dict[int, int] = {}
+        for e in listing:
+            if e.get("complete"):
+                held[int(e["version"])] = held.get(int(e["version"]), 0) + int(e["payload_bytes"])
+        for v, nbytes in held.items():
+            facts = run.version(v)
+            # Retention may drop a version's delta later; keep the largest amount ever seen.
+            facts.link_bytes[link] = max(facts.link_bytes.get(link, 0), nbytes)
+
+    def trainer_step(self, model_id: str, record: dict[str, Any], upload_link: str) -> None:
+        run = self.models[model_id]
+        run.steps.append(record)
+        if record.get("published"):
+            run.version(int(record["version"])).link_bytes[upload_link] = int(record.get("publish_bytes", 0))
+
+    def pool_status(self, name: str, status: dict[str, Any], now: float) -> None:
+        reading = self.pools[name]
+        reading.status = status
+        for model_id, entry in status.get("models", {}).items():
+            v = entry.get("engine_version")
+            if v is None or model_id not in self.models:
+                continue
+            moves = reading.moves.setdefault(model_id, [])
+            if moves and moves[-1][0] >= v:
+                continue
+            at = entry.get("last_swap_at") or now
+            moves.append((int(v), float(at), reading.pulled.get(model_id, 0)))
+            run = self.models[model_id]
+            for u in range(v + 1):
+                run.version(u).served_at.setdefault(name, float(at))
+
+    # -- derived figures -----------------------------------------------------------------------------
+    def pool_behind(self, name: str, model_id: str) -> int | None:
+        """Versions the pool's engine is behind its trainer's newest published version."""
+        trainer = self.models[model_id].trainer_version
+        served = self.pools[name].engine_version(model_id)
+        if trainer is None or served is None:
+            return None
+        return max(0, trainer - served)
+
+    def served_at_time(self, name: str, model_id: str, when: float) -> int | None:
+        """The version pool `name` served at wall time `when` (None if none yet)."""
+        served = None
+        for v, at, _ in self.pools[name].moves.get(model_id, []):
+            if at > when:
+                break
+            served = v
+        return served
+
+    def all_pools_at(self, model_id: str, v: int) -> float | None:
+        """Wall time the last pool started serving version v (None until all have)."""
+        facts = self.models[model_id].versions.get(v)
+        if facts is None or any(p not in facts.served_at for p in self.pools):
+            return None
+        return max(facts.served_at[p] for p in self.pools)
+
+    def rewards(self, model_id: str) -> list[float]:
+        return [float(r["reward_mean"]) for r in self.models[model_id].steps]

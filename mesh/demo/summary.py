@@ -1,0 +1,51 @@
+"""The demo's closing summary on the terminal: what was learned, what the links carried, whether pools are exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from deltamesh.mesh.demo.run import DemoResult
+from deltamesh.mesh.demo.view import human_bytes
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_summary(console: Console, result: DemoResult) -> None:
+    report = result.report
+    s = report["summary"]
+    console.rule(f"deltamesh demo: {result.outcome}")
+    if report["error"]:
+        console.print(f"[red]{report['error']}[/]")
+    for model_id, m in report["models"].items():
+        facts: dict[str, Any] = s.get(model_id, {})
+        console.print(f"[bold]{model_id}[/]: {facts.get('steps', 0)} steps, final version v{m['final_version']}; "
+                      f"reward {_fmt(facts.get('reward_first_third'))} (first third) -> "
+                      f"{_fmt(facts.get('reward_last_third'))} (last third); "
+                      f"mean trainer wait fraction {_fmt(facts.get('mean_wait_fraction'), '.2f')}")
+        trained = ", ".join(f"{pool} {n}" for pool, n in sorted(m["trained_samples_by_pool"].items()))
+        console.print(f"  samples trained on, by pool: {trained or '-'}")
+        table = Table(title=f"{model_id}: bytes per version after v0 (mean), against a full sync")
+        for col in ("link", "bytes per version", "full snapshot", "x smaller"):
+            table.add_column(col, justify="left" if col == "link" else "right")
+        full = facts.get("full_bytes")
+        for link, mean in sorted(facts.get("mean_link_bytes_per_version", {}).items()):
+            table.add_row(link, human_bytes(mean), human_bytes(full), f"{full / mean:.1f}x" if full and mean else "-")
+        console.print(table)
+    checks = report["final_checks"]
+    if checks:
+        exact = sum(1 for c in checks if c["bit_exact"])
+        style = "green" if exact == len(checks) else "red"
+        console.print(f"[{style}]pools on the trainer's final version, bit-exact: {exact}/{len(checks)}[/]")
+        for c in checks:
+            if not c["bit_exact"]:
+                console.print(f"  {c['pool']} {c['model_id']}: serves v{c['engine_version']}, directory "
+                              f"v{c['dir_version']}, expected v{c['expected_version']}")
+    console.print(f"report: {result.report_path}")
+    if result.chart_path is not None:
+        console.print(f"chart:  {result.chart_path}")
+    console.print(f"logs:   {report['run_dir']}/logs")

@@ -1,0 +1,118 @@
+"""The transfer benchmark's bookkeeping (medians, utilization, staleness, per-version times, the
+Prometheus counter it reads, results merging, tables) on hand-made timelines, and one quick real run
+of its long-link scenario through the WAN emulator (needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import transfer
+from transfer_mesh import metric_sum
+from transfer_report import print_report
+from transfer_scenarios import Sample, steady_mbit, summarize
+from transfer_training import staleness, training_json
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_summary_takes_medians_and_utilization_against_the_link_rate():
+    samples = [Sample(10.0, 200, 210, {"steady_mbit": 300.0}), Sample(8.0, 200, 212, {"steady_mbit": 380.0}),
+               Sample(40.0, 400, 420, {"steady_mbit": None})]
+    out = summarize(samples, payload_bytes=400_000_000, mbit=400)
+    assert out["seconds"] == 10.0 and out["runs"] == [10.0, 8.0, 40.0]
+    assert out["utilization"] == pytest.approx(0.8)  # 3.2 Gbit in 10 s over 400 Mbit/s
+    assert out["origin_egress_bytes"] == 200 and out["origin_wire_bytes"] == 212
+    assert out["steady_mbit"] == 340.0  # median of the runs that have one
+
+
+def test_steady_rate_runs_from_the_first_tenth_to_the_end():
+    result = {"progress": [[100.0, 10_000_000], [101.0, 20_000_000], [102.0, 60_000_000]]}
+    assert steady_mbit(result) == pytest.approx(200.0)
+    assert steady_mbit({"progress": [[1.0, 5]]}) is None
+
+
+def test_metric_sum_adds_every_labelled_sample_of_one_counter_only():
+    text = "\n".join([
+        "# HELP deltamesh_gateway_bytes_out_total Piece bytes served",
+        'deltamesh_gateway_bytes_out_total{kind="full",peer_role="downstream"} 3e+06',
+        'deltamesh_gateway_bytes_out_total{kind="delta",peer_role="pool"} 1000.0',
+        'deltamesh_gateway_bytes_out_created{kind="full",peer_role="downstream"} 1.7e+09',
+        "deltamesh_gateway_bytes_out_totalx 5",
+    ])
+    assert metric_sum(text, "deltamesh_gateway_bytes_out_total") == 3_001_000
+
+
+def _timeline():
+    # v0 published at 0-2 s, v1 at 10-11 s, v2 at 20-21 s; pool a keeps up, pool b skips v1.
+    published = [{"version": v, "t_start": 10.0 * v, "t_done": 10.0 * v + (2 if v == 0 else 1),
+                  "manifests": [{"kind": "full" if v == 0 else "delta", "payload_bytes": 100 if v == 0 else 5}]}
+                 for v in range(3)]
+    reached = {"a": {0: 5.0, 1: 13.0, 2: 23.0}, "b": {0: 6.0, 2: 25.0}}
+    return published, reached
+
+
+def test_staleness_counts_versions_behind_the_newest_published():
+    published, reached = _timeline()
+    st = staleness(published, reached)
+    assert st["max"] == 2  # b still on v0 between v2's publish (21 s) and 25 s
+    assert 0 < st["mean"] < 1
+    assert st["p95"] >= 1
+
+
+def test_training_json_times_each_version_to_every_pool_holding_it_or_newer():
+    published, reached = _timeline()
+    costs = [{"version": v, "full_bytes": 100, "delta_bytes": None if v == 0 else 5,
+              "changed_fraction": None if v == 0 else 0.01} for v in range(3)]
+    out = training_json(costs, published, reached, 0.0, 10.0, 2)
+    v0, v1, v2 = out["versions"]
+    assert v0["all_pools_seconds"] == 6.0 and v0["first_pool_seconds"] == 5.0
+    assert v1["all_pools_seconds"] == 15.0  # b had it only when it reached v2 at 25 s
+    assert v2["all_pools_seconds"] == 5.0 and v2["published"] == "delta"
+    assert out["median_delta_seconds"] == 10.0
+
+
+def test_results_are_merged_by_scenario_and_printed(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    scenario = {"name": "long_link", "link": {"mbit": 400, "rtt_ms": 300}, "tcp_buffers": "linux",
+                "connections": 16, "piece_bytes": 3e6, "load_average": [1.0],
+                "methods": {m: {"seconds": 5.0, "utilization": 0.8, "origin_egress_bytes": 200e6,
+                                "payload_bytes": 200e6, "runs": [5.0]} for m in ("deltamesh", "single_stream")}}
+    transfer.save({"scenarios": [scenario]}, path)
+    transfer.save({"scenarios": [{**scenario, "name": "relay_chain", "two_hops_over_one": {"deltamesh": 1.1},
+                                  "link": {"mbit": 200, "rtt_ms": 300, "hops": [{"mbit": 400, "rtt_ms": 150}]}}]}, path)
+    transfer.save({"scenarios": [{**scenario, "connections": 8}]}, path)
+    saved = json.loads(path.read_text())
+    assert [s["name"] for s in saved["scenarios"]] == ["long_link", "relay_chain"]
+    assert saved["scenarios"][0]["connections"] == 8
+    print_report(saved)
+    table = capsys.readouterr().out
+    assert "long_link: 200 MB version over 400 Mbit/s, 300 ms RTT" in table
+    assert "two hops / one hop (direct): deltamesh 1.10x" in table
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_quick_long_link_run_prints_its_json(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("the WAN emulator needs root")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "transfer.py"), "--quick", "--scenario", "long_link",
+                           "--json", "--no-verify", "--payload-mb", "4", "--save", str(tmp_path / "results.json")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (scenario,) = report["scenarios"]
+    assert scenario["name"] == "long_link" and scenario["link"] == {"mbit": 400, "rtt_ms": 60.0}
+    for method in ("deltamesh", "single_stream"):
+        m = scenario["methods"][method]
+        assert 0 < m["utilization"] < 1 and m["seconds"] > 0.06  # at least one RTT
+        # Everything the origin served was the version, once; its links carried it plus headers.
+        assert m["origin_egress_bytes"] == m["payload_bytes"]
+        assert m["payload_bytes"] < m["origin_wire_bytes"] < 1.1 * m["payload_bytes"]
+    assert not list(tmp_path.glob("transfer-*")), "the scenario's scratch folder was left behind"

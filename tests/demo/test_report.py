@@ -1,0 +1,87 @@
+"""The demo's accounting and report from service answers as the monitor receives them (no processes).
+
+The inputs are the JSON shapes the gateways, pools and trainer really produce (version listings, pool
+status, step records); the test checks what each link is charged per version, when every pool served a
+version, how far behind each pool was, the bit-exact verdict, and that report.json and report.png are
+written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.report import FinalCheck, build_report, thirds, write_report
+from deltamesh.mesh.demo.state import MeshState, PoolReading
+
+
+def entry(version: int, kind: str, payload: int, complete: bool = True, weights_hash: str = "") -> dict:
+    return {"version": version, "kind": kind, "base_version": None if kind == "full" else version - 1,
+            "payload_bytes": payload, "pieces": 1, "present": 1 if complete else 0, "complete": complete,
+            "weights_hash": weights_hash or f"h{version}"}
+
+
+def step(version: int, reward: float, at: float, pools: dict[str, int]) -> dict:
+    return {"time": at, "step": version, "version": version, "samples": 8, "reward_mean": reward, "pools": pools,
+            "wait_fraction": 0.25, "wait_seconds": 0.1, "train_seconds": 0.3, "staleness_mean": 1.0,
+            "published": True, "publish_seconds": 0.05, "publish_bytes": 60 + version, "publish_kinds": ["delta"]}
+
+
+def pool_status(version: int, swapped_at: float) -> dict:
+    return {"models": {"policy": {"engine_version": version, "last_swap_at": swapped_at}},
+            "worker": {"submitted": 10 * version}}
+
+
+def mesh_state() -> MeshState:
+    state = MeshState(("policy",))
+    state.pools = {"p1": PoolReading("p1", "a"), "p2": PoolReading("p2", "b")}
+    state.origin_listing("policy", [entry(0, "full", 1000), entry(1, "delta", 50), entry(2, "delta", 40),
+                                    entry(2, "full", 1010)])
+    # The relay holds v2's delta complete but its full only in part: the link is charged what arrived whole.
+    state.relay_listing("policy", "a->b", [entry(0, "full", 1000), entry(1, "delta", 50), entry(2, "delta", 40),
+                                           entry(2, "full", 1010, complete=False)])
+    state.trainer_step("policy", step(1, 0.1, at=100.0, pools={"p1": 8}), "trainer->a")
+    state.trainer_step("policy", step(2, 0.5, at=110.0, pools={"p2": 8}), "trainer->a")
+    state.pool_status("p1", pool_status(1, 100.5), now=101.0)
+    state.pool_status("p2", pool_status(1, 101.0), now=101.0)
+    state.pool_status("p1", pool_status(2, 110.2), now=111.0)
+    state.pool_status("p2", pool_status(2, 111.5), now=112.0)
+    return state
+
+
+def test_links_are_charged_per_version_and_pool_timings_follow_the_swaps():
+    state = mesh_state()
+    run = state.models["policy"]
+    assert run.versions[1].link_bytes == {"a->b": 50, "trainer->a": 61}
+    assert run.versions[2].link_bytes == {"a->b": 40, "trainer->a": 62}
+    assert run.full_bytes_at(1) == 1000 and run.full_bytes_at(2) == 1010
+    assert state.all_pools_at("policy", 2) == 111.5
+    assert state.served_at_time("p2", "policy", 110.0) == 1
+    assert state.pool_behind("p2", "policy") == 0
+    # A later, complete relay of v2's full adds to what the link carried for v2.
+    state.relay_listing("policy", "a->b", [entry(2, "delta", 40), entry(2, "full", 1010)])
+    assert run.versions[2].link_bytes["a->b"] == 1050
+
+
+@pytest.mark.slow  # matplotlib's first import and font scan
+def test_report_rows_checks_and_files(tmp_path):
+    state = mesh_state()
+    checks = [FinalCheck("p1", "policy", 2, 2, "h2", 2, "h2"), FinalCheck("p2", "policy", 2, 2, "other", 2, "h2")]
+    report = build_report(state, DemoConfig(steps=2), run_dir=tmp_path, outcome="completed", error="",
+                          checks=checks, processes=[])
+    rows = report["models"]["policy"]["steps"]
+    assert rows[1]["all_pools_seconds"] == 1.5 and rows[1]["pool_behind"] == {"p1": 1, "p2": 1}
+    assert rows[1]["full_bytes"] == 1010
+    assert report["models"]["policy"]["trained_samples_by_pool"] == {"p1": 8, "p2": 8}
+    assert [c["bit_exact"] for c in report["final_checks"]] == [True, False]
+    assert report["summary"]["all_pools_bit_exact"] is False
+    json_path, chart = write_report(tmp_path, report)
+    assert json.loads(json_path.read_text())["outcome"] == "completed"
+    assert chart is not None and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_thirds():
+    assert thirds([0.0, 0.1, 0.2, 0.6, 0.7, 0.8]) == (0.05, 0.75)
+    assert thirds([1.0, 2.0]) == (None, None)

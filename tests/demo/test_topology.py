@@ -1,0 +1,59 @@
+"""The topology config: the demo's embedded default, a TOML file, and every way a topology can be wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltamesh.config import ConfigError, from_dict
+from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.topology import Topology, default_topology, load_topology
+
+
+def test_the_default_is_an_origin_and_two_remote_regions_one_relaying_through_the_other():
+    topo = default_topology()
+    assert topo.origin.region == "us-east" and not topo.origin.upstream
+    assert [g.link for g in topo.relays()] == ["us-east->eu-west", "eu-west->ap-south"]
+    assert all(g.bandwidth_mbps > 0 and g.delay_ms > 0 for g in topo.relays())
+    assert [topo.hops(p.region) for p in topo.pools] == [0, 1, 2]
+    assert [p.name for p in topo.with_pools(2).pools] == ["us-1", "eu-1"]
+
+
+def test_a_topology_file_is_read_and_checked(tmp_path):
+    path = tmp_path / "mesh.toml"
+    path.write_text('[[topology.gateways]]\nregion = "a"\n[[topology.gateways]]\nregion = "b"\nupstream = "a"\n'
+                    'delay_ms = 5\n[[topology.pools]]\nname = "b-1"\nregion = "b"\n')
+    topo = load_topology(path)
+    assert topo.hops("b") == 1 and topo.gateway("b").delay_ms == 5.0
+    path.write_text('[[topology.gateways]]\nregion = "a"\nlatency = 3\n')
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_topology(path)
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"gateways": []}, "at least one gateway"),
+    ({"gateways": [{"region": "a", "upstream": "b"}, {"region": "b"}]}, "first gateway must be the origin"),
+    ({"gateways": [{"region": "a"}, {"region": "b", "upstream": "c"}]}, "must be listed before"),
+    ({"gateways": [{"region": "a"}, {"region": "a", "upstream": "a"}]}, "listed twice"),
+    ({"gateways": [{"region": "a"}, {"region": "b"}]}, "only the first gateway may be an origin"),
+    ({"gateways": [{"region": "a", "delay_ms": 10}]}, "no upstream"),
+    ({"gateways": [{"region": "a"}], "pools": [{"name": "p", "region": "z"}]}, "unknown region"),
+    ({"gateways": [{"region": "a"}], "pools": [{"name": "p", "region": "a"}] * 2}, "distinct"),
+    ({"gateways": [{"region": "a/b"}]}, "must match"),
+])
+def test_bad_topologies_are_refused_with_the_reason(table, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(Topology, table, where="topology")
+
+
+def test_demo_config_fills_the_model_recipe_and_checks_its_values():
+    tiny = DemoConfig()
+    assert (tiny.lr, tiny.max_new_tokens, tiny.batch_size) == (5e-3, 1, 32)
+    assert tiny.buffered_groups == 2 * tiny.groups_per_step
+    real = DemoConfig(model="smollm2", steps=10)
+    assert real.lr == 5e-6 and real.max_new_tokens == 4
+    two = DemoConfig(workflow="solver_verifier")
+    assert two.model_ids == ("solver", "verifier") and two.max_new_tokens >= 2
+    assert [p.name for p in DemoConfig(pools=1).topology.pools] == ["us-1"]
+    for bad in ({"steps": 0}, {"model": "gpt"}, {"pools": 9}, {"max_digit": 5}, {"format_reward": 1.0}):
+        with pytest.raises((ConfigError, ValueError)):
+            from_dict(DemoConfig, bad)
