@@ -180,7 +180,8 @@ BASELINES: dict[str, Codec] = {
     for c in (
         Codec("astraflow", "uint32/64 flat index + raw bf16 value, uncompressed", astraflow_encode, astraflow_apply),
         Codec("slime", "XOR of old and new, zstd-1, per tensor", slime_encode, slime_apply),
-        Codec("pulse", "gap-encoded indices (smallest int type) + values, zstd-3, per tensor", pulse_encode, pulse_apply),
+        Codec("pulse", "gap-encoded indices (smallest int type) + values, zstd-3, per tensor",
+              pulse_encode, pulse_apply),
         Codec("full", "raw bf16 safetensors", full_encode, full_apply),
     )
 }

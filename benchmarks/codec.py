@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     report["xor_bytes"] = (256 * 2**20) if args.quick else GIB
     report["xor_gbps"] = xor_bandwidth(report["xor_bytes"], args.repeats)
-    synth = [c["results"]["deltamesh"] for c in report["cases"] if c["name"].startswith("qwen3") and "deltamesh" in c["results"]]
+    synth = [c["results"]["deltamesh"] for c in report["cases"]
+             if c["name"].startswith("qwen3") and "deltamesh" in c["results"]]
     if synth:
         report["deltamesh_vs_xor"] = {"encode": synth[0]["encode_gbps"] / report["xor_gbps"],
                                       "apply": synth[0]["apply_gbps"] / report["xor_gbps"]}

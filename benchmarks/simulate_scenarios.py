@@ -88,7 +88,7 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         s = measured["fan_out"]
         total, piece, conns = s["methods"]["deltamesh"]["payload_bytes"], s["piece_bytes"], s["connections"]
         wan = Link(s["link"]["mbit"], s["link"]["rtt_ms"])
-        lan = Link(1000, 2 * wan.rtt_ms / 150)  # the topology's pool links: 1 Gbit/s, 2 ms at full scale
+        lan = Link(**s.get("pool_link", {"mbit": 1000, "rtt_ms": 2}))
         publish = s["methods"]["deltamesh"].get("publish_seconds", 0.0)
         path = Path((wan, lan), (conns, 4))
         rows.append(Row("fan_out", "deltamesh", relay_path(total, piece, path, tcp, origin_ready_s=publish),

@@ -96,7 +96,7 @@ def check_link(wan: Wan, a: Host, b: Host, settings: Settings) -> dict:
     link = a.link_to(b)
     out = {"mbit": link.mbit_from(a), "rtt_ms": link.rtt_ms}
     if settings.verify:
-        check = verify_link(a, b, seconds=3, rtt_count=3)
+        check = verify_link(a, b, rtt_count=3)  # long enough to measure past slow start
         out.update(measured_mbit=check.mbit, measured_rtt_ms=check.rtt_ms)
         if not check.ok:
             log.warning("link %s -> %s: %s", a.name, b.name, check.message)
@@ -275,6 +275,8 @@ def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
                 log.info("fan_out astraflow: all %.2fs", seconds)
         out = scenario_json("fan_out", link, samples, settings)
         out["pools"] = len(pools)
+        lan = pools[0].link_to(run.host("regionA"))
+        out["pool_link"] = {"mbit": lan.mbit_ab, "rtt_ms": lan.rtt_ms}
         out["one_pool_seconds"] = round(statistics.median(one_pool), 3)
         out["one_pool_runs"] = [round(s, 3) for s in one_pool]
         dm = out["methods"]["deltamesh"]

@@ -29,6 +29,8 @@ from .storage import fsync_dir, read_weights, shard_layout, write_weights
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "deltamesh-manifest.json"
+# Files a version rewrites itself; everything else in the directory is carried to the next version.
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def dir_manifest(path: str | Path) -> Manifest | None:
@@ -74,6 +76,8 @@ def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[byte
         token = secrets.token_hex(4)
         partial = parent / f".{name}.partial-{token}"
         write_weights(partial, weights, layout=layout, fsync=True)
+        if current is not None:
+            _carry_side_files(current, partial)
         with open(partial / MANIFEST_FILE, "wb") as f:
             f.write(final.body_bytes())
             f.flush()
@@ -85,6 +89,19 @@ def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[byte
         log.info("%s now holds %s v%d", path, final.model_id, final.version)
         _remove_leftovers(parent, name, keep=target, previous=previous)
         return final
+
+
+def _carry_side_files(current: Path, partial: Path) -> None:
+    """Copy what is not weights (config.json, tokenizer files...) into the new version, so the path
+    stays a model directory that any engine can load, not only a set of tensors."""
+    for entry in current.iterdir():
+        if not entry.is_file() or entry.name == MANIFEST_FILE or entry.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if (partial / entry.name).exists():
+            continue
+        shutil.copy2(entry, partial / entry.name)
+        with open(partial / entry.name, "rb+") as f:
+            os.fsync(f.fileno())
 
 
 def _point(path: Path, target: Path, token: str) -> Path | None:

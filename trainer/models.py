@@ -330,7 +330,8 @@ def to_bf16(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: w.to(torch.bfloat16).contiguous() for name, w in weights.items()}
 
 
-def smollm2_adam_versions(lrs: Iterable[float], *, batch: int = 4, seq_len: int = 256) -> dict[float, dict[str, torch.Tensor]]:
+def smollm2_adam_versions(lrs: Iterable[float], *, batch: int = 4,
+                          seq_len: int = 256) -> dict[float, dict[str, torch.Tensor]]:
     """bf16 SmolLM2 weights after one real Adam step at each learning rate, cached per rate.
 
     The base version (step 0) is `to_bf16(smollm2_state_dict())`, the weights of `smollm2_model_dir()`.
@@ -338,7 +339,8 @@ def smollm2_adam_versions(lrs: Iterable[float], *, batch: int = 4, seq_len: int 
     from safetensors.torch import load_file, save_file
 
     lrs = list(lrs)
-    files = {lr: cache_dir() / f"{SMOLLM2_NAME}-adam-b{batch}x{seq_len}-lr{lr:g}-r{RECIPE_VERSION}.safetensors" for lr in lrs}
+    stem = f"{SMOLLM2_NAME}-adam-b{batch}x{seq_len}"
+    files = {lr: cache_dir() / f"{stem}-lr{lr:g}-r{RECIPE_VERSION}.safetensors" for lr in lrs}
     missing = [lr for lr in lrs if not files[lr].exists()]
     if missing:
         master = smollm2_state_dict()
@@ -373,7 +375,8 @@ def adam_run(config: dict, master: dict[str, torch.Tensor], batches: list[torch.
     return before, to_bf16(untied_state_dict(model))
 
 
-def smollm2_adam_run(lr: float, steps: int = 4, *, batch: int = 4, seq_len: int = 256) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def smollm2_adam_run(lr: float, steps: int = 4, *, batch: int = 4,
+                     seq_len: int = 256) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """`adam_run` on SmolLM2 over successive windows of English text: bf16 weights after step
     `steps - 1` and after step `steps`, cached."""
     from safetensors.torch import load_file, save_file

@@ -3,7 +3,8 @@ policies applied, and training batches out to each trainer. Pools and trainers n
 other; they meet only here, at the data interface defined in `deltamesh.trainer.data`.
 
 `server.build_app` is the HTTP service (`deltamesh broker`; API in docs/api/broker.md), `service.Broker`
-the logic behind it, `runner.StoreRunner` its store thread with group commit, `sqlite_store.SqliteStore`
+the logic behind it, `delivery.BatchDelivery` its batches out to trainers (at least once, held until
+acknowledged), `runner.StoreRunner` its store thread with group commit, `sqlite_store.SqliteStore`
 the embedded durable store behind the narrow `store.BrokerStore` interface, `tasks` the dataset and
 leases, `policies`/`curators` the plug-in data policies, `balance` the wait-fraction report that
 drives the autoscaler (`deltamesh.mesh.autoscale`), `json_form` the JSON submission form, and

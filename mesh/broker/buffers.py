@@ -92,6 +92,7 @@ class ModelBuffer:
             if g.group_id not in self.replay:
                 self.replay[g.group_id] = g
                 self.replay_samples += g.size
+        self._notify()  # replay can fill a batch's replay share: fewer fresh samples make it ready
 
     def remove_replay(self, groups: Iterable[GroupSummary]) -> None:
         for g in groups:
@@ -102,9 +103,15 @@ class ModelBuffer:
         self.version = version
         self._notify()  # a new version can make waiting groups stale: let waiters re-plan
 
-    async def wait_changed(self, timeout_s: float) -> None:
-        """Return when groups arrive or the version moves, or after `timeout_s`."""
-        event = self._changed
+    def watch(self) -> asyncio.Event:
+        """The event the next change sets. Taken before looking at the buffers and waited on after
+        (`wait_changed`), it catches a change that comes in between."""
+        return self._changed
+
+    async def wait_changed(self, timeout_s: float, event: asyncio.Event | None = None) -> None:
+        """Return when groups arrive or the version moves (since `event` was taken with `watch`), or
+        after `timeout_s`."""
+        event = event or self._changed
         try:
             await asyncio.wait_for(event.wait(), timeout_s)
         except asyncio.TimeoutError:

@@ -97,13 +97,14 @@ class BatchDelivery:
         while True:
             if not alive():
                 return None
+            changed = buf.watch()
             served = await asyncio.shield(self._try_serve(buf, size, alive))
             if served is not None:
                 return served
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            await buf.wait_changed(remaining)
+            await buf.wait_changed(remaining, changed)
 
     async def _try_serve(self, buf: ModelBuffer, size: int, alive: Callable[[], bool]) -> tuple[str, bytes] | None:
         async with buf.taking:

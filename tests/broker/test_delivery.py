@@ -4,7 +4,8 @@ Real processes and real SQLite: a trainer's poll run as its own process (batch_p
 mid long-poll and right after receiving a batch; the same samples are served again on the next poll,
 or once the ack deadline passes with no poll at all. An acknowledged batch is never served again,
 also across broker restarts (SIGKILL), while an unacknowledged one survives them and is requeued.
-Acknowledgements are idempotent; an unknown batch id is a 404 that changes nothing.
+Acknowledgements are idempotent; an unknown batch id is a 404 that changes nothing. A group joins
+replay only once acknowledged, and a store written before acknowledgements existed is upgraded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import queue
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -27,6 +29,7 @@ import pytest
 from deltamesh.gateway.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
+from deltamesh.mesh.broker.sqlite_store import SCHEMA_VERSION, SqliteStore
 from deltamesh.trainer.data import Batch, BatchClient
 
 POLLER = Path(__file__).with_name("batch_poller.py")
@@ -244,8 +247,8 @@ def test_acks_are_idempotent_and_an_unknown_batch_id_is_404(serve_broker, make_g
                 200, {"acked": [batch.batch_id], "already_acked": [], "requeued": []})
             assert await post("m", {"batch_ids": [batch.batch_id]}) == (
                 200, {"acked": [], "already_acked": [batch.batch_id], "requeued": []})
-            for model_id, body, status in (("m", {}, 400), ("m", {"batch_ids": "x"}, 400), ("m", {"batch_ids": [3]}, 400),
-                                           ("ghost", {"batch_ids": [batch.batch_id]}, 404)):
+            for model_id, body, status in (("m", {}, 400), ("m", {"batch_ids": "x"}, 400),
+                                           ("m", {"batch_ids": [3]}, 400), ("ghost", {"batch_ids": [batch.batch_id]}, 404)):
                 assert (await post(model_id, body))[0] == status, (model_id, body)
             async with s.post(f"{url}/v1/models/m/batch", json={"size": 2, "held": "x"}) as r:
                 assert r.status == 400
@@ -277,3 +280,21 @@ def test_a_group_joins_replay_only_once_its_batch_is_acknowledged(serve_broker, 
                 assert fourth.groups[-1] == "g4" and fourth.replay.tolist() == [1, 1, 0, 0]
 
     asyncio.run(scenario())
+
+
+def test_a_store_from_before_acknowledgements_is_upgraded_with_its_batches_acknowledged(tmp_path):
+    db = tmp_path / "old.db"
+    SqliteStore(db).close()
+    conn = sqlite3.connect(db, isolation_level=None)  # make it a schema 1 store: batches had no state
+    conn.executescript("ALTER TABLE batches DROP COLUMN state; ALTER TABLE batches DROP COLUMN settled_at; "
+                       "INSERT INTO batches(batch_id, model_id, version, served_at, n_groups) "
+                       "VALUES ('b', 'm', 0, 0, 1); UPDATE meta SET value='1' WHERE key='schema';")
+    conn.close()
+    store = SqliteStore(db)
+    try:
+        assert store.batch_states("m", ["b", "x"]) == {"b": "acked"} and store.load().deliveries == []
+    finally:
+        store.close()
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone() == (SCHEMA_VERSION,)
+    conn.close()

@@ -191,3 +191,25 @@ def test_migration_killed_between_its_renames_is_recovered(tmp_path, key, same_w
     delta = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key)
     assert apply_to_dir(target, [(delta.manifest, delta.pieces)]).version == 2
     assert same_weights(read_weights(target), v2)
+
+
+def test_side_files_travel_with_every_version(tmp_path):
+    """config.json and tokenizer files stay beside the weights, so the path remains a loadable model dir."""
+    import torch
+
+    from deltamesh.delta import apply_to_dir, encode_delta, encode_full, generate_key, read_weights
+
+    key = generate_key()
+    v0 = {"w": torch.arange(64, dtype=torch.float32).to(torch.bfloat16)}
+    v1 = {"w": v0["w"].clone()}
+    v1["w"][3] = 7.5
+    path = tmp_path / "model"
+    full = encode_full(v0, model_id="m", version=0, key=key)
+    apply_to_dir(path, [(full.manifest, full.pieces)])
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "tokenizer.json").write_text("{}")
+    delta = encode_delta(v0, v1, model_id="m", version=1, base_version=0, key=key)
+    apply_to_dir(path, [(delta.manifest, delta.pieces)])
+    assert (path / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (path / "tokenizer.json").exists()
+    assert torch.equal(read_weights(path)["w"].view(torch.int16), v1["w"].view(torch.int16))

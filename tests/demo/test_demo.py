@@ -103,9 +103,12 @@ def test_a_short_demo_learns_and_every_pool_ends_bit_exact(run_dir):
     rise = sum(rewards[-third:]) / third - sum(rewards[:third]) / third
     assert rise >= MIN_RISE, rewards
 
-    # Every relay link carried every version after the first (deltas, and v10/v20/v30's full too).
+    # Every relay link carried every version after the first (deltas, and v10/v20/v30's full too), and
+    # its measured RTT includes the latency its gateway adds.
     for row in model["steps"]:
         assert set(row["link_bytes"]) == {"trainer->us-east", "us-east->eu-west", "eu-west->ap-south"}, row
+    for link in report["links"].values():
+        assert link["rtt_ms_p50"] >= link["delay_ms"] > 0, link
     assert_all_stopped(report, run_dir)
 
 

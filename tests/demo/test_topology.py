@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deltamesh.config import ConfigError, from_dict
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.topology import Topology, default_topology, load_topology
 
@@ -57,3 +58,11 @@ def test_demo_config_fills_the_model_recipe_and_checks_its_values():
     for bad in ({"steps": 0}, {"model": "gpt"}, {"pools": 9}, {"max_digit": 5}, {"format_reward": 1.0}):
         with pytest.raises((ConfigError, ValueError)):
             from_dict(DemoConfig, bad)
+
+
+def test_a_gateway_link_delay_must_be_sane(tmp_path):
+    key = str(tmp_path / "trainer.key.pub")
+    assert GatewayConfig(trusted_keys=[key], upstreams=["http://a"], link_delay_ms=80).link_delay_ms == 80
+    for bad in (-1.0, 60_001.0):
+        with pytest.raises(ValueError, match="link_delay_ms"):
+            GatewayConfig(trusted_keys=[key], link_delay_ms=bad)

@@ -6,8 +6,9 @@ ahead of it, with an upload left half done, behind it, holding other weights, ho
 do not fit). Then the loop's mesh client rides out a publish that fails (gateway unreachable) and a
 broker it cannot reach, and padding a batch for ranks leaves the step unchanged. The last two run
 everything as processes: a broker, an origin gateway, a pool following it and `deltamesh train`,
-killed with SIGKILL mid-run and restarted; then two policies sharing one broker, one of them
-sharded over two torchrun ranks, the other stopped with SIGTERM.
+killed with SIGKILL mid-run and restarted (its unacknowledged batch is served again); then two
+policies sharing one broker, one of them sharded over two torchrun ranks, the other stopped with
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -375,7 +376,8 @@ def feed(broker: str, model, model_id: str, steps: int, *, seed: int, version: i
 @pytest.mark.slow
 def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_lm, tmp_path):
     """SIGKILL mid-run, restart: versions continue after the gateway's head as deltas on the previous
-    version, and the pool that follows the gateway all along never needs a second full snapshot."""
+    version, the pool that follows the gateway all along never needs a second full snapshot, and the
+    batch trained after the last checkpoint is served again, so no sample is lost."""
     model = tiny_lm[1]
     broker = real_mesh.broker([MODEL])
     gateway = real_mesh.gateway()
@@ -400,9 +402,10 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("v")) == [
         "v0000000002", "v0000000004"]
 
-    # One batch more than the five steps left: the broker may still hand one to the killed trainer's
-    # long poll, whose connection it has not yet noticed is gone.
-    feed(broker, model, MODEL, 6, seed=2, version=5)
+    # Batches 1-4 were acknowledged after the checkpoints at v2 and v4. Batch 5 was trained after the
+    # last checkpoint, so its update died with the trainer: the broker serves it again to the restarted
+    # trainer (which holds nothing), and four new batches make the five steps left.
+    feed(broker, model, MODEL, 4, seed=2, version=5)
     second = real_mesh.trainer("trainer-2", broker=broker, gateway=gateway, model_id=MODEL, args=args)
     assert second.wait(120) == 0, second.tail()
     assert "rebuilt by its delta chain from the trainer's v4" in second.tail(20000)
@@ -420,6 +423,14 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
         (s, s + 1) for s in range(5, 10)]
     assert all(r["published"] for r in records)
     assert all(0.0 <= r["wait_fraction"] <= 1.0 and r["train_seconds"] > 0 for r in records)
+    lost, again = records[4], records[5]  # step 5 before the kill, and after the restart
+    assert again["batch_id"] != lost["batch_id"] and again["reward_mean"] == lost["reward_mean"]
+    served = mesh.get_text(f"{broker}/metrics")
+    requeued = {"model_id": MODEL, "reason": "not_held"}
+    assert mesh.metric(served, "deltamesh_broker_batches_requeued_total", requeued) == 1
+    assert mesh.metric(served, "deltamesh_broker_batch_acks_total", {"model_id": MODEL, "outcome": "acked"}) == 9
+    status = mesh.get_json(f"{broker}/v1/status")["models"][MODEL]
+    assert (status["fresh_groups"], status["unacked_batches"]) == (0, 0)  # every sample trained and acknowledged
 
     mesh.wait_until(lambda: dir_manifest(pool_dir).version == 10, 60, "the pool at v10", real_mesh.procs[:3])
     served = mesh.get_text(f"{gateway}/metrics")
@@ -477,4 +488,4 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
     assert sorted(p.name for p in (tmp_path / "ckpt-solver").iterdir()) == ["v0000000003"]
     assert sorted(p.name for p in (tmp_path / "ckpt-verifier").iterdir()) == ["v0000000001", "v0000000002"]
     status = mesh.get_json(f"{broker}/v1/status")["models"]
-    assert status["solver"]["fresh_groups"] == 0 and status["verifier"]["fresh_groups"] == 0
+    assert all(status[m]["fresh_groups"] == 0 and status[m]["unacked_batches"] == 0 for m in ("solver", "verifier"))
