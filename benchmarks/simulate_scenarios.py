@@ -35,8 +35,10 @@ def calibrate(long_link: dict) -> tuple[Tcp, dict]:
     methods = long_link["methods"]
     total, piece = methods["deltamesh"]["payload_bytes"], long_link["piece_bytes"]
     tcp = Tcp()
-    measured_single = methods["single_stream"]["seconds"]
-    if single_stream(total, link, replace(tcp, window=512e6)) >= measured_single:
+    measured_single = methods.get("single_stream", {}).get("seconds")
+    if measured_single is None:
+        window = tcp.window  # nothing to fit it on
+    elif single_stream(total, link, replace(tcp, window=512e6)) >= measured_single:
         window = 512e6  # not window-limited: only the ramp shows
     else:
         window = _bisect(lambda w: single_stream(total, link, replace(tcp, window=w)), 64e3, 512e6,
@@ -65,6 +67,10 @@ class Row:
         return None if not self.measured else self.predicted / self.measured
 
 
+def _seconds(scenario: dict, method: str) -> float | None:
+    return scenario["methods"].get(method, {}).get("seconds")
+
+
 def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
     rows: list[Row] = []
     if "long_link" in measured:
@@ -73,7 +79,7 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         rows.append(Row("long_link", "deltamesh", fetch(total, s["piece_bytes"], link, tcp, s["connections"]).seconds,
                         s["methods"]["deltamesh"]["seconds"], fitted=True))
         rows.append(Row("long_link", "single_stream", single_stream(total, link, tcp),
-                        s["methods"]["single_stream"]["seconds"], fitted=True))
+                        _seconds(s, "single_stream"), fitted=True))
     if "relay_chain" in measured:
         s = measured["relay_chain"]
         hops = tuple(Link(h["mbit"], h["rtt_ms"]) for h in s["link"]["hops"])
@@ -83,7 +89,7 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         direct = Path((Link(min(h.mbit for h in hops), sum(h.rtt_ms for h in hops)),), (conns,))
         for method, path, cut in (("deltamesh", chain, True), ("store_and_forward", chain, False), ("direct", direct, True)):
             predicted = relay_path(total, piece, path, tcp, cut_through=cut, origin_ready_s=publish, poll_s=0.02)
-            rows.append(Row("relay_chain", method, predicted, s["methods"][method]["seconds"]))
+            rows.append(Row("relay_chain", method, predicted, _seconds(s, method)))
     if "fan_out" in measured:
         s = measured["fan_out"]
         total, piece, conns = s["methods"]["deltamesh"]["payload_bytes"], s["piece_bytes"], s["connections"]
@@ -92,13 +98,13 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         publish = s["methods"]["deltamesh"].get("publish_seconds", 0.0)
         path = Path((wan, lan), (conns, 4))
         rows.append(Row("fan_out", "deltamesh", relay_path(total, piece, path, tcp, origin_ready_s=publish),
-                        s["methods"]["deltamesh"]["seconds"]))
+                        _seconds(s, "deltamesh")))
         rows.append(Row("fan_out", "one pool", relay_path(total, piece, path, tcp, origin_ready_s=publish),
                         s.get("one_pool_seconds")))
         through = Link(min(wan.mbit, lan.mbit), wan.rtt_ms + lan.rtt_ms)
         # Sent one after the other: each its own single stream, after the previous one ended.
         rows.append(Row("fan_out", "astraflow", s["pools"] * single_stream(total, through, tcp),
-                        s["methods"]["astraflow"]["seconds"] if "astraflow" in s["methods"] else None))
+                        _seconds(s, "astraflow")))
     return rows
 
 

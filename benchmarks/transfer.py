@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="16 MB version, RTTs / 5, one run, 4 training steps")
     ap.add_argument("--repeats", type=int, help="runs per method (default 3; 1 with --quick)")
     ap.add_argument("--payload-mb", type=float, help="version size for scenarios 1-3 (default 200)")
+    ap.add_argument("--methods", help="comma-separated baselines to run beside deltamesh (default: all)")
     ap.add_argument("--connections", type=int, default=16,
                     help="parallel piece fetches over long links (relay gateways, pullers)")
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     payload_bytes = (payload / "version.bin").stat().st_size
     settings = Settings(payload=payload, payload_bytes=payload_bytes, piece_bytes=payload_bytes / pieces,
                         repeats=args.repeats or (1 if args.quick else 3), rtt_scale=0.2 if args.quick else 1.0,
-                        connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify)
+                        connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify,
+                        methods=frozenset(args.methods.split(",")) if args.methods else None)
     started = time.time()
     scenarios = []
     for name in names:

@@ -56,6 +56,11 @@ class Settings:
     tcp_buffers: str = "linux"
     verify: bool = True
     work_root: Path | None = None
+    methods: frozenset[str] | None = None
+    """Run only these methods (None: all); deltamesh always runs."""
+
+    def runs(self, method: str) -> bool:
+        return method == "deltamesh" or self.methods is None or method in self.methods
 
 
 @dataclass
@@ -183,12 +188,13 @@ def long_link(settings: Settings) -> dict:
             run.add_pull(batch, far, gateway, version, connections=settings.connections)
             seconds, results, egress, wire = run.timed(batch, origin, lambda: run.mesh.gateway_bytes_out(origin))
             samples["deltamesh"].append(Sample(seconds, egress, wire, {"steady_mbit": steady_mbit(results[f"pull-{far.name}"])}))
-
+            if not settings.runs("single_stream"):
+                continue
             batch = run.mesh.batch()
             batch.add(far, "get", "get", "--url", files)
             seconds, results, egress, wire = run.timed(batch, origin, lambda: run.mesh.file_bytes_out(origin))
             samples["single_stream"].append(Sample(seconds, egress, wire, {"steady_mbit": steady_mbit(results["get"])}))
-            log.info("long_link: deltamesh %.2fs, single_stream %.2fs", samples["deltamesh"][-1].seconds, seconds)
+            log.info("long_link: single_stream %.2fs", seconds)
         return scenario_json("long_link", link, samples, settings)
 
 
@@ -211,7 +217,7 @@ def relay_chain(settings: Settings) -> dict:
         lone = run.mesh.gateway(origin, "origin-direct", port=DIRECT_PORT)
         samples: dict[str, list[Sample]] = {"deltamesh": [], "store_and_forward": [], "direct": []}
         for _ in range(settings.repeats):
-            for method in samples:
+            for method in filter(settings.runs, samples):
                 version = run.next_version()
                 batch = run.mesh.batch()
                 port = DIRECT_PORT if method == "direct" else GATEWAY_PORT
@@ -226,9 +232,9 @@ def relay_chain(settings: Settings) -> dict:
                     "start_seconds": pull["t_fetch"] - pull["t_go"]}))
                 log.info("relay_chain %s: %.2fs", method, seconds)
         out = scenario_json("relay_chain", link, samples, settings)
-        direct = out["methods"]["direct"]["seconds"]
+        direct = out["methods"].get("direct", {}).get("seconds")
         out["two_hops_over_one"] = {m: round(out["methods"][m]["seconds"] / direct, 3)
-                                    for m in ("deltamesh", "store_and_forward")}
+                                    for m in ("deltamesh", "store_and_forward") if direct and m in out["methods"]}
         return out
 
 
@@ -265,7 +271,7 @@ def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
                 "publish_seconds": results["publish"]["t_done"] - results["publish"]["t_start"]}))
             one_pool.append(deltamesh_run(pools[:1])[0])
             log.info("fan_out deltamesh: all %.2fs, one pool alone %.2fs", seconds, one_pool[-1])
-            if repeat == 0:  # 12 serialized whole-version sends: its 12 transfers are samples already
+            if repeat == 0 and settings.runs("astraflow"):  # 12 serialized whole-version sends: its 12 transfers are samples already
                 batch = run.mesh.batch()
                 for pool in pools:
                     batch.add(pool, f"get-{pool.name}", "get", "--url", files)

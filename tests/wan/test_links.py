@@ -42,7 +42,9 @@ def test_long_fat_link_400_mbit_300_ms(prefix):
 def test_asymmetric_rate_and_addresses(prefix):
     with Wan(prefix) as wan:
         a, b = wan.host("a"), wan.host("b")
-        link = wan.link(a, b, mbit=20, rtt_ms=20, mbit_back=80)
+        # 60 ms rather than a LAN-like RTT: a few ms of scheduling delay on a loaded 2-core machine
+        # must not decide a 10% check.
+        link = wan.link(a, b, mbit=20, rtt_ms=60, mbit_back=80)
         assert a.addr_of(b) == link.addr_b and b.addr_of(a) == link.addr_a
         forward = verify_link(a, b, seconds=3)
         back = verify_link(b, a, seconds=3)
@@ -50,7 +52,7 @@ def test_asymmetric_rate_and_addresses(prefix):
         server = a.spawn([sys.executable, str(PROBE), "serve", "--port", "5998"], stdout=subprocess.PIPE)
         assert server.stdout.readline()
         echo = b.run([sys.executable, str(PROBE), "rtt", "--to", f"{a.ip}:5998", "--count", "7"])
-        assert 18 <= json.loads(echo.stdout)["rtt_ms"] <= 22
+        assert 54 <= json.loads(echo.stdout)["rtt_ms"] <= 66
     assert forward.ok and back.ok, (forward.message, back.message)
     assert forward.mbit < 22 and back.mbit > 70
 
