@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
     ap.add_argument("--save", type=Path, help="results file to merge into (default .cache/transfer/results.json, "
                                               "results-quick.json with --quick)")
+    ap.add_argument("--pool-rtt-ms", type=float, default=0.0,
+                    help="RTT of the region-to-pool links (default 0: rate-limited, no delayer; the topology says 2)")
     ap.add_argument("--no-verify", action="store_true", help="skip measuring the links before the runs")
     ap.add_argument("--log-level", default=os.environ.get("DELTAMESH_LOG", "WARNING"))
     return ap.parse_args(argv)
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(payload=payload, payload_bytes=payload_bytes, piece_bytes=payload_bytes / pieces,
                         repeats=args.repeats or (1 if args.quick else 3), rtt_scale=0.2 if args.quick else 1.0,
                         connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify,
-                        methods=frozenset(args.methods.split(",")) if args.methods else None)
+                        methods=frozenset(args.methods.split(",")) if args.methods else None,
+                        pool_rtt_ms=args.pool_rtt_ms)
     started = time.time()
     scenarios = []
     for name in names:

@@ -56,6 +56,8 @@ class Settings:
     tcp_buffers: str = "linux"
     verify: bool = True
     work_root: Path | None = None
+    pool_rtt_ms: float | None = None
+    """RTT of the region-to-pool links instead of the topology's (0: no delayer on them)."""
     methods: frozenset[str] | None = None
     """Run only these methods (None: all); deltamesh always runs."""
 
@@ -89,10 +91,12 @@ def summarize(samples: list[Sample], payload_bytes: int, mbit: float) -> dict:
     return out
 
 
-def build_topology(wan: Wan, name: str, rtt_scale: float) -> None:
+def build_topology(wan: Wan, name: str, rtt_scale: float, pool_rtt_ms: float | None = None) -> None:
     topology = load_topology(TOPOLOGIES / f"{name}.toml")
     for spec in topology.link:
         spec.rtt_ms *= rtt_scale
+        if pool_rtt_ms is not None and spec.b.startswith("pool"):
+            spec.rtt_ms = pool_rtt_ms
     build(wan, topology)
 
 
@@ -240,7 +244,7 @@ def relay_chain(settings: Settings) -> dict:
 
 def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
     with work_dir(settings) as work, Wan("txf") as wan:
-        build_topology(wan, "fanout", settings.rtt_scale)
+        build_topology(wan, "fanout", settings.rtt_scale, settings.pool_rtt_ms)
         run = Scenario(wan, settings, work)
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]

@@ -15,8 +15,10 @@ the run from the first delta on.
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import time
+from datetime import datetime
 from pathlib import Path
 
 from deltamesh.delta import dir_manifest
@@ -40,7 +42,7 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
     folder = steps_dir(LR, 10)  # always the same 10 cached steps; a quick run uses the first few
     costs = load_costs(folder)[: steps + 1]
     with work_dir(settings) as work, Wan("txt") as wan:
-        build_topology(wan, "fanout", settings.rtt_scale)
+        build_topology(wan, "fanout", settings.rtt_scale, settings.pool_rtt_ms)
         run = Scenario(wan, settings, work)
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
@@ -64,7 +66,10 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
         published = batch.finish(120)["publish"]["versions"]
         egress = run.mesh.gateway_bytes_out(origin)
         wan_link = origin.link_to(run.host("regionA"))
+        stages = stage_times(work, published, [p.name for p in pools])
     out = training_json(costs, published, reached, t0, step_seconds, len(pools))
+    for version in out["versions"]:
+        version.update(stages.get(version["version"], {}))
     out["link"] = {"mbit": wan_link.mbit_ab, "rtt_ms": wan_link.rtt_ms}
     out["tcp_buffers"], out["connections"] = settings.tcp_buffers, settings.connections
     out["origin_egress_bytes"] = egress
@@ -94,6 +99,48 @@ def watch_pools(batch, dirs: dict[str, Path], last: int, settle_s: float) -> dic
             behind = {n: max(r, default=None) for n, r in reached.items() if last not in r}
             raise WanError(f"pools did not reach v{last} within {settle_s:g} s of the last publish: {behind}")
         time.sleep(POLL_S)
+
+
+LOG_TIME = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+RELAYED = re.compile(LOG_TIME + r".*relay: \S+ v(\d+) (delta|full) complete")
+PLANNED = re.compile(LOG_TIME + r".*pool \S+: plan v\S+ -> v(\d+):")
+APPLIED = re.compile(LOG_TIME + r".*pool \S+: now at \S+ v(\d+)")
+
+
+def _log_time(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def stage_times(work: Path, published: list[dict], pools: list[str]) -> dict[int, dict]:
+    """Where each version's time went, from the gateways' and pool agents' logs (medians over hosts):
+    seconds from its publish until a region gateway holds it, and a pool's fetch-and-apply seconds
+    (from its plan to the version landing in its directory)."""
+    starts = {p["version"]: p["t_start"] for p in published}
+    relayed: dict[int, list[float]] = {}
+    for region in REGIONS:
+        for line in _read(work / f"gateway-{region}.log"):
+            m = RELAYED.match(line)
+            if m and m.group(3) == "delta" or (m and int(m.group(2)) == 0):
+                v = int(m.group(2))
+                relayed.setdefault(v, []).append(_log_time(m.group(1)) - starts.get(v, 0.0))
+    applying: dict[int, list[float]] = {}
+    for pool in pools:
+        planned: dict[int, float] = {}
+        for line in _read(work / f"sync-{pool}.log"):
+            if m := PLANNED.match(line):
+                planned[int(m.group(2))] = _log_time(m.group(1))
+            elif (m := APPLIED.match(line)) and int(m.group(2)) in planned:
+                applying.setdefault(int(m.group(2)), []).append(_log_time(m.group(1)) - planned[int(m.group(2))])
+    return {v: {"to_regions_seconds": round(statistics.median(relayed[v]), 3) if v in relayed else None,
+                "pool_fetch_apply_seconds": round(statistics.median(applying[v]), 3) if v in applying else None}
+            for v in starts}
+
+
+def _read(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def held_version(path: Path) -> int | None:

@@ -11,6 +11,8 @@ new word (a literal). Everything works on unsigned numpy words, whose arithmetic
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .dtypes import NP_UWORDS
@@ -18,13 +20,15 @@ from .dtypes import NP_UWORDS
 SCAN_CHUNK_BYTES = 1 << 21  # per array per step: both chunks and the mask stay in L2/L3
 
 
-def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None,
+                 visit_old: Callable[[np.ndarray, int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where two unsigned word arrays of the same size differ: (positions, old words, new words).
 
     Positions are ascending flat indices (int64). Compares 8 bytes at a time, then resolves which
     words inside a differing 8-byte block changed; chunked so each chunk is compared, hashed (into the
-    optional xxhash objects `hash_old`, `hash_new`) and mined for changes while it is in cache, and
-    no temporary as large as the arrays is ever allocated.
+    optional xxhash objects `hash_old`, `hash_new`), shown to `visit_old(old words, index of the
+    first)` and mined for changes while it is in cache, and no temporary as large as the arrays is
+    ever allocated.
     """
     n, width = old.size, old.itemsize
     per = 8 // width
@@ -43,6 +47,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None)
                 hash_old.update(a[s:e])
             if hash_new is not None:
                 hash_new.update(b[s:e])
+            if visit_old is not None:
+                visit_old(a[s:e].view(old.dtype), s * per)
             blocks = np.flatnonzero(m)
             if not blocks.size:
                 continue
@@ -60,6 +66,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None)
             hash_old.update(old[body:])
         if hash_new is not None:
             hash_new.update(new[body:])
+        if visit_old is not None:
+            visit_old(old[body:], body)
         tail = np.flatnonzero(old[body:] != new[body:]) + body
         found.append((tail, old[tail], new[tail]))
     if not found:

@@ -24,13 +24,14 @@ from .errors import CodecError
 from .hashing import digest
 from .keys import Ed25519PrivateKey
 from .manifest import Manifest, PieceEntry, TensorEntry, table_hash
-from .parallel import thread_map
+from .parallel import thread_map, thread_stream
 from .piece import CODEC
 from .piece_writer import BuiltPiece, DeltaPieceCutter, TensorChanges, full_pieces
+from .smallwords import MagnitudeSample
 from .tensors import cpu_tensor, tensor_entry
 
 PIECE_BYTES = 4 << 20
-SCAN_WINDOW = 4  # tensors scanned per core before their changes are cut into pieces
+SCAN_WINDOW = 4  # tensors per core scanned ahead of cutting their changes into pieces
 
 
 @dataclass(frozen=True)
@@ -72,21 +73,21 @@ def encode_delta(
     full: list[int] = []
     base_entries: dict[str, TensorEntry] = {}
     cutter = DeltaPieceCutter(piece_bytes)
-    # Tensors are scanned a window at a time, and their changes cut into pieces before the next
-    # window, so the change lists of only a few tensors are held at once.
+    # Tensors are scanned in order with a bounded number ahead, and their changes cut into pieces as
+    # they come, so the change lists of only a few tensors are held at once.
     window = SCAN_WINDOW * (os.cpu_count() or 1)
-    for first in range(0, len(names), window):
-        batch = range(first, min(first + window, len(names)))
-        scans = thread_map(lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None), batch)
-        for i, scan in zip(batch, scans):
-            entries.append(scan.entry)
-            words.append(scan.words)
-            if scan.full:
-                full.append(i)
-            if scan.base_entry is not None:
-                base_entries[scan.entry.name] = scan.base_entry
-            if scan.changes is not None:
-                cutter.add(scan.changes)
+    scans = thread_stream(
+        lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None),
+        range(len(names)), window)
+    for i, scan in enumerate(scans):
+        entries.append(scan.entry)
+        words.append(scan.words)
+        if scan.full:
+            full.append(i)
+        if scan.base_entry is not None:
+            base_entries[scan.entry.name] = scan.base_entry
+        if scan.changes is not None:
+            cutter.add(scan.changes)
     if base_hash is None:
         rest = [name for name in old if name not in base_entries]
         base_entries.update(zip(rest, thread_map(lambda name: tensor_entry(name, cpu_tensor(old[name])), rest)))
@@ -114,10 +115,14 @@ def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_ba
     base = cpu_tensor(base)
     # Hashing rides along with the scan while each chunk is in cache (the base only if needed).
     hash_new, hash_old = xxhash.xxh3_128(), (xxhash.xxh3_128() if hash_base else None)
-    positions, old_words, new_words = scan_changes(np_words(base), w, hash_old, hash_new)
+    floating = is_float(dtype_name(t))
+    # The base's magnitude sample (for coding changes of small words) is taken in the same pass.
+    sample = MagnitudeSample(w.itemsize) if floating else None
+    positions, old_words, new_words = scan_changes(
+        np_words(base), w, hash_old, hash_new, sample.add if sample is not None else None)
     changes = None
     if positions.size:
-        changes = TensorChanges.of(i, np_words(base), positions, old_words, new_words, is_float(dtype_name(t)))
+        changes = TensorChanges.of(i, np_words(base), positions, old_words, new_words, floating, sample)
     base_entry = tensor_entry(name, base, hash_old.hexdigest()) if hash_old is not None else None
     return _Scan(tensor_entry(name, t, hash_new.hexdigest()), w, False, changes, base_entry)
 

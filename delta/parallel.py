@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, TypeVar
+from collections import deque
+from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -25,3 +26,28 @@ def thread_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(fn, items))
+
+
+def thread_stream(fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:
+    """`fn(x)` for each of `items`, yielded in input order, with at most `ahead` results pending.
+
+    Unlike fixed batches, a worker that finishes early moves on to the next item while a slow one
+    (a big tensor) is still running, so every core stays busy; `ahead` bounds memory held.
+    """
+    items = list(items)
+    workers = min(MAX_WORKERS, os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        yield from (fn(x) for x in items)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        try:
+            for x in items:
+                if len(pending) >= max(ahead, workers):
+                    yield pending.popleft().result()
+                pending.append(pool.submit(fn, x))
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()

@@ -97,9 +97,10 @@ class TensorChanges:
 
     @classmethod
     def of(cls, tensor: int, base: np.ndarray, positions: np.ndarray, old: np.ndarray, new: np.ndarray,
-           floating: bool) -> "TensorChanges":
+           floating: bool, sample: smallwords.MagnitudeSample | None = None) -> "TensorChanges":
+        """`sample`: the base's magnitude sample if the scan already took it."""
         moves = encode_moves(old, new, floating)
-        small_max = smallwords.choose_small_max(base, old) if floating else None
+        small_max = smallwords.choose_small_max(base, old, sample) if floating else None
         if small_max is None:
             return cls(tensor, positions, None, None, 0, Group.of(positions, moves, new), None)
         is_small = smallwords.is_small(old, small_max)

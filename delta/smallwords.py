@@ -13,6 +13,8 @@ Everything is chunked: neither side ever materializes an index of all small word
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -31,19 +33,51 @@ def _class_shift(width: int) -> int:
     return max(0, width * 8 - 9)
 
 
-def choose_small_max(base: np.ndarray, changed_base: np.ndarray) -> int | None:
+@dataclass
+class MagnitudeSample:
+    """Histogram of the magnitude classes of every `SAMPLE_STRIDE`-th base word, built chunk by chunk
+    (`add`) so it can ride along another pass over the base while each chunk is in cache."""
+
+    width: int
+    counts: np.ndarray = field(init=False)
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = np.zeros(_classes(self.width), dtype=np.int64)
+
+    def add(self, chunk: np.ndarray, first: int) -> None:
+        """Count the sampled words of `chunk`, the base's words from index `first` on."""
+        offset = -first % SAMPLE_STRIDE
+        if offset < chunk.size:
+            self.add_words(chunk[offset::SAMPLE_STRIDE])
+
+    def add_words(self, sample: np.ndarray) -> None:
+        dtype = sample.dtype.type
+        shift, mask = dtype(_class_shift(self.width)), dtype(magnitude_mask(self.width))
+        self.counts += np.bincount((sample & mask) >> shift, minlength=self.counts.size)
+        self.size += sample.size
+
+
+def _classes(width: int) -> int:
+    return (magnitude_mask(width) >> _class_shift(width)) + 1
+
+
+def choose_small_max(base: np.ndarray, changed_base: np.ndarray, sample: MagnitudeSample | None = None) -> int | None:
     """The magnitude bound that minimizes the estimated position cost, or None if plain gaps win.
 
-    `base` are the tensor's unsigned base words, `changed_base` the base words that changed.
+    `base` are the tensor's unsigned base words, `changed_base` the base words that changed, `sample`
+    the base's `MagnitudeSample` if already taken (else it is taken here).
     """
     width, n, k = base.itemsize, base.size, changed_base.size
     if k == 0 or n < 4096:
         return None
+    if sample is None:
+        sample = MagnitudeSample(width)
+        sample.add_words(base[::SAMPLE_STRIDE])
     dtype = base.dtype.type
     shift, mask = dtype(_class_shift(width)), dtype(magnitude_mask(width))
-    classes = int(mask >> shift) + 1
-    sample = (base[::SAMPLE_STRIDE] & mask) >> shift
-    words_le = np.cumsum(np.bincount(sample, minlength=classes)) * (n / max(1, sample.size))
+    classes = _classes(width)
+    words_le = np.cumsum(sample.counts) * (n / max(1, sample.size))
     changes_le = np.cumsum(np.bincount((changed_base & mask) >> shift, minlength=classes))
     # Small words in the index space are at least the small changes themselves.
     space = np.maximum(words_le, changes_le).astype(np.float64)
@@ -67,17 +101,31 @@ def is_small(words: np.ndarray, small_max: int) -> np.ndarray:
 
 
 def small_words_before(words: np.ndarray, positions: np.ndarray, small_max: int) -> np.ndarray:
-    """For each of the ascending `positions`, how many small words of `words` precede it."""
+    """For each of the ascending `positions`, how many small words of `words` precede it.
+
+    Each chunk's small-word mask is packed to bits and popcounted per 64 words, so the cost is one
+    pass over the words plus work per position, never an index of every small word.
+    """
     out = np.empty(positions.size, dtype=np.int64)
-    seen, done, s = 0, 0, 0
-    while done < positions.size:
+    seen, done = 0, 0
+    for s in range(0, words.size, CHUNK_WORDS):
+        if done == positions.size:
+            break
         e = min(s + CHUNK_WORDS, words.size)
         upto = int(np.searchsorted(positions, e, side="left"))
-        found = np.flatnonzero(is_small(words[s:e], small_max))
+        bits = np.packbits(is_small(words[s:e], small_max), bitorder="little")
+        blocks = np.zeros((bits.size + 7) // 8 * 8, dtype=np.uint8)
+        blocks[: bits.size] = bits
+        blocks64 = blocks.view("<u8")
+        counts = np.bitwise_count(blocks64)
         if upto > done:
-            out[done:upto] = seen + np.searchsorted(found, positions[done:upto] - s, side="left")
-        seen += found.size
-        done, s = upto, e
+            local = positions[done:upto] - s
+            block = local >> 6
+            before = np.cumsum(counts, dtype=np.int64) - counts  # small words before each block
+            below = (np.uint64(1) << (local & 63).astype(np.uint64)) - np.uint64(1)
+            out[done:upto] = seen + before[block] + np.bitwise_count(blocks64[block] & below)
+        seen += int(counts.sum(dtype=np.int64))
+        done = upto
     return out
 
 

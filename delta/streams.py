@@ -30,9 +30,9 @@ def gaps_to_bytes(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Returns the bytes and, for every gap, the index of its last byte (so the stream can be cut
     between any two gaps without re-encoding it).
     """
-    runs = gaps // 255
-    if not runs.any():  # the common case: every gap fits one byte
+    if not gaps.size or int(gaps.max()) < 255:  # the common case: every gap fits one byte
         return gaps.astype(np.uint8), np.arange(gaps.size, dtype=np.int64)
+    runs = gaps // 255
     ends = np.cumsum(runs + 1) - 1
     out = np.full(int(ends[-1]) + 1, 255, dtype=np.uint8)
     out[ends] = (gaps - runs * 255).astype(np.uint8)

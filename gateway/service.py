@@ -28,7 +28,7 @@ from deltamesh.gateway.store import StoredVersion, VersionStore
 
 log = logging.getLogger(__name__)
 
-GC_INTERVAL_S = 30.0
+GC_INTERVAL_S = 5.0
 
 
 class Gateway:

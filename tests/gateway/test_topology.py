@@ -11,6 +11,7 @@ their alternates, and A, restarted, resumes from its intact store without fetchi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -44,6 +45,11 @@ def _version(pool) -> int | None:
 def _bytes_in(url: str) -> float:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
     return sum(float(v) for v in re.findall(r'^deltamesh_gateway_bytes_in_total\{[^}]*source="relay"\} (\S+)$', text, re.M))
+
+
+def _no_delta(url: str, version: int) -> bool:
+    listing = json.loads(urllib.request.urlopen(f"{url}/v1/models/{MODEL}/versions", timeout=5).read())
+    return not any(e["version"] == version and e["kind"] == "delta" for e in listing["versions"])
 
 
 def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway, spawn_pool, tmp_path):
@@ -96,6 +102,9 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
                     await away.apply(await away.fetch_plan_steps(plan))
                     assert kit.same_bits(read_weights(away.config.dir), history[13])
                 if v == 20:  # away since v2, beyond every relay's retention of deltas: a full snapshot
+                    # Retention runs when a version completes or a lease lapses; on a loaded machine
+                    # the last collection may still be pending, so wait for B to have dropped v3.
+                    await asyncio.to_thread(kit.wait_until, lambda: _no_delta(b.url, 3), 40, "B to collect v3's delta")
                     plan = await far.fetch_plan()
                     assert plan.is_full and plan.reason == "full: delta chain broken", plan
                     await far.apply(await far.fetch_plan_steps(plan))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from deltamesh.delta import dir_manifest
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.data import BatchClient
@@ -37,6 +38,11 @@ def _drain(broker_url: str, model: str, group_size: int) -> list[dict]:
 
 def _submitted(pool) -> int:
     return pool.status()["worker"].get("submitted", 0)
+
+
+def _dir_version(path) -> int | None:
+    manifest = dir_manifest(path) if path.exists() else None
+    return None if manifest is None else manifest.version
 
 
 def _model_status(pool, model: str) -> dict:
@@ -141,6 +147,10 @@ def test_staleness_bound_stops_leasing_and_a_restarted_pool_syncs_before_it_gene
     _publish(pub, w[3])
     kit.wait_until(lambda: pool.status()["worker"]["leased"] > leased, 60, "leasing to resume at v3", procs=procs)
     assert _model_status(pool, kit.model)["engine_version"] == 3
+    # The engine swaps in place first and persists the version to its directory after; the restart
+    # below must find v3 on disk, so wait for that write before the kill.
+    synced = kit.tmp / "weights" / "p1" / kit.model
+    kit.wait_until(lambda: _dir_version(synced) == 3, 60, "v3 to reach the pool's directory", procs=procs)
 
     pool.kill(signal.SIGKILL)
     _publish(pub, w[4])
