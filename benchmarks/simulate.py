@@ -11,7 +11,7 @@ Then it predicts per-version time to all pools, origin egress and staleness for 
 and a 1T model over 8 regions, with its assumptions printed, and sets the papers' figures beside it.
 
 Measurements come from .cache/transfer/results.json when benchmarks/transfer.py has run here (or
---measured FILE), else from the figures recorded in BENCHMARKS.md (`RECORDED` below). `--json` prints
+--measured FILE), else from the runs recorded in BENCHMARKS.md (benchmarks/transfer_recorded.json). `--json` prints
 one object: {"calibration", "emulated": [{"scenario", "method", "predicted_s", "measured_s", "ratio",
 "fitted"}], "big_models": [...], "papers": [...], "assumptions": {...}}.
 """
@@ -26,30 +26,31 @@ from pathlib import Path
 
 from simulate_model import Tcp
 from simulate_scenarios import (
-    MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, codec_from_training, emulated_rows, paper_rows,
+    MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
+    paper_rows,
 )
 
 RESULTS = Path(__file__).resolve().parent.parent / ".cache" / "transfer" / "results.json"
-
-# The full run recorded in BENCHMARKS.md (## Transfer): the fields the simulator reads, so that it works
-# on a machine where the emulator has not run.
-RECORDED: dict = {"scenarios": []}
+RECORDED = Path(__file__).resolve().with_name("transfer_recorded.json")
+"""The transfer runs recorded in BENCHMARKS.md (## Transfer), for machines where the emulator has not run."""
 
 
-def load_measured(path: Path | None) -> tuple[dict[str, dict], str]:
-    for candidate in ([path] if path else [RESULTS]):
-        if candidate.exists():
-            report = json.loads(candidate.read_text())
-            return {s["name"]: s for s in report["scenarios"]}, str(candidate)
-    if path:
+def load_measured(path: Path | None) -> tuple[dict[str, dict], str, list[dict]]:
+    """(scenario name -> measured scenario, where from, extra long-link runs to check against)."""
+    if path is not None and not path.exists():
         raise SystemExit(f"{path}: no such file")
-    return {s["name"]: s for s in RECORDED["scenarios"]}, "figures recorded in BENCHMARKS.md"
+    source = path or (RESULTS if RESULTS.exists() else None)
+    label = str(source) if source else "figures recorded in BENCHMARKS.md"
+    report = json.loads((source or RECORDED).read_text())
+    return {s["name"]: s for s in report["scenarios"]}, label, report.get("checks", [])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--measured", type=Path, help="transfer.py results file (default .cache/transfer/results.json)")
+    ap.add_argument("--check", type=Path, action="append", default=[],
+                    help="another transfer.py results file of long_link runs to compare with (repeatable)")
     ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")
     ap.add_argument("--changed", type=float, default=Mesh.changed_fraction, help="fraction of weights changed per step")
     ap.add_argument("--encode-gbps", type=float, default=Codec.encode_gbps, help="codec encode speed per node")
@@ -59,16 +60,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    measured, source = load_measured(args.measured)
+    measured, source, checks = load_measured(args.measured)
+    for extra in args.check:
+        checks += json.loads(extra.read_text())["scenarios"]
     if "long_link" in measured:
-        tcp, calibration = calibrate(measured["long_link"])
+        tcp, calibration = calibrate(measured)
     else:
         tcp, calibration = Tcp(), {"note": "no long_link measurement: uncalibrated defaults"}
     calibration["source"] = source
     codec = codec_from_training(measured.get("real_training"),
                                 Codec(encode_gbps=args.encode_gbps, apply_gbps=args.apply_gbps))
     mesh = replace(Mesh(), wan_mbit=args.wan_mbit, changed_fraction=args.changed)
-    emulated = emulated_rows(measured, tcp)
+    emulated = emulated_rows(measured, tcp) + check_rows(checks, tcp)
     report = {
         "calibration": calibration,
         "emulated": [{"scenario": r.scenario, "method": r.method, "predicted_s": round(r.predicted, 3),
@@ -96,9 +99,10 @@ def assumptions(tcp: Tcp, codec: Codec, mesh: Mesh) -> dict:
                  "changed_fraction": mesh.changed_fraction, "full_every": mesh.full_every,
                  "node_bytes": mesh.node_bytes},
         "models_bf16_bytes": MODELS, "step_seconds": STEP_SECONDS,
-        "connections": "per link: 1.5x its bandwidth-delay product over the window, 4 to 256",
-        "not_modelled": "CPU contention between processes (this machine runs all of them on 2 cores), "
-                        "losses other than a full queue, origin uplink limits beyond its links, disk speed",
+        "connections": "per link: enough to fill it with 25% to spare (a window per RTT each, one idle RTT per "
+                       "4 MiB piece), 4 to 512",
+        "not_modelled": "CPU (except the emulation host's serving rate, in the fan_out '+ host CPU' rows), "
+                        "losses other than a full queue, an origin uplink slower than its links, disk speed",
     }
 
 
@@ -110,26 +114,31 @@ def print_report(r: dict) -> None:
     c = r["calibration"]
     print(f"Calibration ({c['source']}): " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "source"))
     print("\nEmulated scenarios, predicted beside measured (seconds; fitted = used for calibration)")
-    print(f"  {'scenario':<12} {'method':<18} {'predicted':>10} {'measured':>10} {'pred/meas':>10}")
+    print(f"  {'scenario':<34} {'method':<22} {'predicted':>10} {'measured':>10} {'pred/meas':>10}")
     for row in r["emulated"]:
         measured = "-" if row["measured_s"] is None else f"{row['measured_s']:.2f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}" + (" fitted" if row["fitted"] else
                                                                           (" ok" if abs(row["ratio"] - 1) <= 0.2 else " OFF"))
-        print(f"  {row['scenario']:<12} {row['method']:<18} {row['predicted_s']:>10.2f} {measured:>10} {ratio:>10}")
+        print(f"  {row['scenario']:<34} {row['method']:<22} {row['predicted_s']:>10.2f} {measured:>10} {ratio:>10}")
     a = r["assumptions"]
     print(f"\nBig models over {a['mesh']['regions']} regions: {a['mesh']['tree']}; {a['mesh']['wan_mbit']:g} Mbit/s "
           f"links; {a['mesh']['pools_per_region']} pools per region on {a['mesh']['pool_lan']}; "
           f"{a['mesh']['changed_fraction']:.1%} of weights changed per step; codec {a['codec']['bytes_per_changed']:.2f} "
           f"B/changed weight, full {a['codec']['full_ratio']:.2f}x bf16, encode/apply "
           f"{a['codec']['encode_gbps']:g}/{a['codec']['apply_gbps']:g} GB/s per node, one node per "
-          f"{a['mesh']['node_bytes'] / 1e9:.0f} GB; TCP window {a['tcp']['window']:.3g} B")
-    print(f"  {'model':<11} {'delta GB':>9} {'full GB':>8} {'delta->all':>11} {'full->all':>10} {'egress/ver GB':>14} "
-          f"{'step':>7} {'staleness':>10} {'AstraFlow delta->all':>21}")
+          f"{a['mesh']['node_bytes'] / 1e9:.0f} GB; TCP as calibrated above; fetches per link sized to fill it")
+    print(f"  {'model':<11} {'delta GB':>9} {'full GB':>8} {'delta net':>10} {'+codec':>8} {'full->all':>10} "
+          f"{'egress delta':>13} {'egress/ver':>11} {'step':>8} {'stale':>6} {'AstraFlow delta':>16}")
     for m in r["big_models"]:
         print(f"  {m['model']:<11} {m['delta_bytes'] / 1e9:>9.2f} {m['full_bytes'] / 1e9:>8.0f} "
-              f"{_s(m['delta_seconds_to_all_pools']):>11} {_s(m['full_seconds_to_all_pools']):>10} "
-              f"{m['origin_egress_per_version'] / 1e9:>14.2f} {_s(m['step_seconds']):>7} "
-              f"{m['staleness_mean_versions']:>10.2f} {_s(m['astraflow_seconds_to_all_pools']):>21}")
+              f"{_s(m['delta_network_seconds']):>10} {_s(m['delta_seconds_to_all_pools']):>8} "
+              f"{_s(m['full_seconds_to_all_pools']):>10} {m['origin_egress_delta'] / 1e9:>10.2f} GB "
+              f"{m['origin_egress_per_version'] / 1e9:>8.1f} GB {_s(m['step_seconds']):>8} "
+              f"{m['staleness_mean_versions']:>6.2f} {_s(m['astraflow_seconds_to_all_pools']):>16}")
+    print("  (delta net: publish to all pools, network only; +codec: with encode and apply; full->all: a full\n"
+          "   snapshot with its codec; egress/ver: with the full snapshot every 10 versions; stale: mean versions\n"
+          "   a pool is behind at that step time; AstraFlow delta: every pool pulls a 10 B/changed delta from the\n"
+          "   trainer node, one stream each, one pool at a time)")
     print("\nPaper figures beside the model")
     for p in r["papers"]:
         print(f"  {p['source']}: {p['what']}: paper {p['paper']}; model: {p['model']}")

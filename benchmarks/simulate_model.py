@@ -28,12 +28,27 @@ class Tcp:
     """How one TCP connection behaves; `window` and `piece_overhead_s` are calibrated on measured runs."""
 
     window: float = 1.9e6
-    """Bytes a connection keeps in flight at most (bounded by the sender's buffer)."""
+    """Bytes a connection keeps in flight at most at an RTT of `window_rtt_ms` (bounded by the sender's buffer)."""
+    window_rtt_ms: float = 300.0
+    window_exponent: float = 0.0
+    """The kernel keeps more in flight on shorter links: window x (window_rtt_ms / rtt) ** this."""
+    window_cap: float = 4 * 2**20
+    """The send buffer's limit (tcp_wmem's max) bounds the window whatever the RTT."""
     growth: float = 2.0
-    """cwnd multiplier per RTT in slow start."""
+    """cwnd multiplier per RTT in slow start, for a connection alone on its link."""
+    shared_growth: float = 2.0
+    """The same for connections starting together on one link: their joint burst fills the bottleneck
+    queue early, so they leave slow start before doubling all the way."""
     initial_window: float = 10 * MSS
     piece_overhead_s: float = 0.0
     """Software time per piece request beyond the RTT (request handling, hashing, scheduling)."""
+    shared_efficiency: float = 1.0
+    """Fraction of the link's payload rate that several connections sharing it get together (losses in
+    the bottleneck queue, uneven sharing); one connection alone is not affected."""
+
+    def window_at(self, rtt_ms: float) -> float:
+        scaled = self.window * (self.window_rtt_ms / max(rtt_ms, 0.1)) ** self.window_exponent
+        return min(scaled, max(self.window_cap, self.window))
 
 
 @dataclass(frozen=True)
@@ -60,14 +75,25 @@ class Hop:
 
 
 @lru_cache(maxsize=4096)
-def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *, fresh: bool = True) -> Hop:
-    """Fetch `total` bytes in pieces of `piece` bytes over `connections` parallel connections."""
+def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *, fresh: bool = True,
+          warm: bool = False) -> Hop:
+    """Fetch `total` bytes in pieces of `piece` bytes over `connections` parallel connections.
+
+    `fresh`: the connections are new (a handshake before the first request). `warm`: they have carried
+    data before and kept their sending rate (BBR keeps its bandwidth estimate over idle periods), so
+    they start at their share of the link instead of in slow start.
+    """
     n_pieces = max(1, math.ceil(total / piece))
     sizes = [piece] * (n_pieces - 1) + [total - piece * (n_pieces - 1)]
     rtt, rate = max(link.rtt, 1e-4), link.rate
+    window = tcp.window_at(link.rtt_ms)
     dt = rtt / 10
-    conns = [{"cwnd": tcp.initial_window, "slow": True, "left": 0.0, "ready": 0.0, "busy": False}
-             for _ in range(min(connections, n_pieces))]
+    count = min(connections, n_pieces)
+    cwnd = min(window, 2 * rate / count * rtt) if warm else tcp.initial_window
+    # Real connections never share a link exactly evenly; without some spread, identical connections
+    # would finish their pieces in lockstep and all sit out the next request's RTT together.
+    conns = [{"cwnd": cwnd, "slow": not warm, "left": 0.0, "ready": 0.0, "busy": False,
+              "weight": 1.0 + 0.4 * ((i * 0.618034) % 1.0 - 0.5)} for i in range(count)]
     start_delay = (2 if fresh else 1) * rtt
     queue = list(reversed(sizes))
     for c in conns:
@@ -77,14 +103,18 @@ def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *,
     steady_pieces = 0
     while any(c["busy"] for c in conns):
         active = [c for c in conns if c["busy"] and t >= c["ready"]]
-        demand = [min(c["cwnd"], tcp.window) / rtt for c in active]
+        demand = [min(c["cwnd"], window) / rtt for c in active]
         total_demand = sum(demand)
-        scale = min(1.0, rate / total_demand) if total_demand else 1.0
+        usable = rate * (tcp.shared_efficiency if len(active) > 1 else 1.0)
+        scale = min(1.0, usable / total_demand) if total_demand else 1.0
+        if scale < 1.0:  # the link is full: shares follow the connections' weights
+            weighted = sum(d * c["weight"] for c, d in zip(active, demand))
+            demand = [d * c["weight"] * total_demand / weighted for c, d in zip(active, demand)]
         for c, d in zip(active, demand):
-            if c["slow"] and (scale < 1.0 or c["cwnd"] >= tcp.window):  # the link, or the window, is full
+            if c["slow"] and (scale < 1.0 or c["cwnd"] >= window):  # the link, or the window, is full
                 c["slow"] = False
             if c["slow"]:
-                c["cwnd"] *= tcp.growth ** (dt / rtt)
+                c["cwnd"] *= (tcp.growth if count == 1 else tcp.shared_growth) ** (dt / rtt)
             else:  # BBR-like: twice the share of the path's bandwidth-delay product
                 c["cwnd"] = max(c["cwnd"] if scale >= 1.0 else 0.0, 2 * rate / max(len(active), 1) * rtt)
             sent = d * scale * dt
@@ -124,33 +154,43 @@ class Path:
     connections: tuple[int, ...]
 
 
-def control_s(link: Link) -> float:
-    """Learning of a version and fetching its manifest: the long poll's answer (half an RTT) plus one RTT."""
-    return 1.5 * link.rtt
+def control_s(link: Link, relay: bool = True) -> float:
+    """Learning of a version and fetching its manifest: the long poll's answer (half an RTT), a relay's
+    listing of the upstream's versions (one RTT), the manifest (one RTT)."""
+    return (2.5 if relay else 1.5) * link.rtt
 
 
 def relay_path(total: float, piece: float, path: Path, tcp: Tcp, *, cut_through: bool = True,
-               origin_ready_s: float = 0.0, poll_s: float = 0.0, first_hop_waits: bool = False) -> float:
+               origin_ready_s: float = 0.0, poll_s: float = 0.0, first_hop_waits: bool = False,
+               warm: bool = False) -> float:
     """Seconds from the version's manifest at the origin until the path's last host holds all of it.
 
+    Every hop but the last is a relay gateway; the last is a pool (or puller) fetching a plan.
     `origin_ready_s`: when the origin itself holds the last piece (its upload). Cut-through: each hop
-    starts once its relay has the manifest and ends no earlier than one piece after its upstream's
-    end. Store-and-forward: each relay's downstream hop starts `poll_s` after the relay holds
-    everything; the first hop too only if `first_hop_waits` (else it follows the origin cut-through,
-    as a deltamesh gateway pulling from a publishing origin does).
+    starts once its relay has the manifest and ends no earlier than its upstream's end plus the last
+    piece's own trip. Store-and-forward: each relay's downstream hop starts `poll_s` after the relay
+    holds everything; the first hop too only if `first_hop_waits` (else it follows the origin
+    cut-through, as a deltamesh gateway pulling from a publishing origin does). `warm`: the hops'
+    connections have carried data before (see `fetch`).
     """
     start, end = 0.0, origin_ready_s
+    last = len(path.hops) - 1
     for index, (link, conns) in enumerate(zip(path.hops, path.connections)):
-        hop = fetch(total, piece, link, tcp, conns)
+        hop = fetch(total, piece, link, tcp, conns, fresh=not warm, warm=warm)
+        control = control_s(link, relay=index < last)
         if cut_through or (index == 0 and not first_hop_waits):
-            start += control_s(link)
-            end = max(start + hop.seconds, end + link.rtt / 2 + piece / min(link.rate, hop.steady_bps or link.rate))
+            start += control
+            last_piece = min(piece, total) / min(link.rate, tcp.window_at(link.rtt_ms) / max(link.rtt, 1e-4))
+            end = max(start + hop.seconds, end + link.rtt / 2 + last_piece)
         else:
-            start = end + poll_s + control_s(link)
+            start = end + poll_s + control
             end = start + hop.seconds
     return end
 
 
-def connections_for(link: Link, tcp: Tcp, floor: int = 4, ceiling: int = 256) -> int:
-    """Fetches needed to fill a link: 1.5x its bandwidth-delay product over the per-connection window."""
-    return max(floor, min(ceiling, math.ceil(1.5 * link.rate * link.rtt / tcp.window)))
+def connections_for(link: Link, tcp: Tcp, piece: float = 4 * 2**20, floor: int = 4, ceiling: int = 512) -> int:
+    """Fetches needed to fill a link with 25% to spare: each connection moves at most a window per RTT,
+    and sits idle for one RTT between pieces."""
+    window = tcp.window_at(link.rtt_ms)
+    per_connection = window / max(link.rtt, 1e-4) * piece / (piece + window)
+    return max(floor, min(ceiling, math.ceil(1.25 * link.rate / per_connection)))

@@ -8,11 +8,13 @@ Four scenarios (transfer_scenarios.py and transfer_training.py describe each met
    `store_and_forward` vs B pulling straight from the origin (`direct`).
 3. `fan_out`: origin -> 3 regions x 4 pools; deltamesh relays vs every pool pulling its own copy from
    the origin (`astraflow`).
-4. `real_training`: 10 successive real SmolLM2-135M RL-step versions published and propagated over the
-   fan-out mesh to 12 `deltamesh pool sync` agents.
+4. `real_training`: 10 successive training steps of real SmolLM2-135M weights (one Adam optimizer,
+   lr 5e-6, next-token loss on real text) published and propagated over the fan-out mesh to 12
+   `deltamesh pool sync` agents.
 
-Needs root and the WAN emulator (benchmarks/wan/setup.sh). Each figure is the median of --repeats
-runs. `--json` prints one object {"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...},
+Needs root and the WAN emulator (benchmarks/wan/setup.sh). Scenarios 1-3 first measure their first
+long link and prints the measured rate and RTT beside the asked ones (a link the delayer cannot keep
+up with shows there). Each figure is the median of --repeats runs. `--json` prints one object {"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...},
 "methods": {"<method>": {"seconds", "utilization", "origin_egress_bytes", "payload_bytes", ...}}}]};
 utilization = payload bits / seconds / link rate. Results are also saved (merged by scenario name)
 to .cache/transfer/results.json (results-quick.json with --quick), which benchmarks/simulate.py reads.
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
     ap.add_argument("--save", type=Path, help="results file to merge into (default .cache/transfer/results.json, "
                                               "results-quick.json with --quick)")
+    ap.add_argument("--rtt-scale", type=float, help="multiply every link's RTT (default 1; 0.2 with --quick)")
     ap.add_argument("--pool-rtt-ms", type=float, default=0.0,
                     help="RTT of the region-to-pool links (default 0: rate-limited, no delayer; the topology says 2)")
     ap.add_argument("--no-verify", action="store_true", help="skip measuring the links before the runs")
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     pieces = len(payload_manifest(payload).pieces)
     payload_bytes = (payload / "version.bin").stat().st_size
     settings = Settings(payload=payload, payload_bytes=payload_bytes, piece_bytes=payload_bytes / pieces,
-                        repeats=args.repeats or (1 if args.quick else 3), rtt_scale=0.2 if args.quick else 1.0,
+                        repeats=args.repeats or (1 if args.quick else 3),
+                        rtt_scale=args.rtt_scale or (0.2 if args.quick else 1.0),
                         connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify,
                         methods=frozenset(args.methods.split(",")) if args.methods else None,
                         pool_rtt_ms=args.pool_rtt_ms)
@@ -115,7 +119,7 @@ def save(report: dict, path: Path) -> None:
         old = {"scenarios": []}
     ran = {s["name"] for s in report["scenarios"]}
     kept = [s for s in old.get("scenarios", []) if s["name"] not in ran]
-    merged = {**report, "scenarios": sorted(kept + report["scenarios"], key=lambda s: ORDER.index(s["name"]))}
+    merged = {**old, **report, "scenarios": sorted(kept + report["scenarios"], key=lambda s: ORDER.index(s["name"]))}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(merged, indent=1))
     tmp.replace(path)

@@ -176,7 +176,7 @@ def training_json(costs: list[dict], published: list[dict], reached: dict[str, d
         "median_delta_seconds": round(statistics.median(deltas), 3) if deltas else None,
         "staleness": staleness(published, reached), "t0": t0,
         "methods": {"deltamesh": {
-            "seconds": round(statistics.median(deltas), 3) if deltas else None,
+            "seconds": round(statistics.median(deltas), 3) if deltas else None, "utilization": None,
             "origin_egress_bytes": None,
             "payload_bytes": int(statistics.median(v["delta_bytes"] for v in versions[1:])) if len(versions) > 1 else None,
         }},

@@ -30,7 +30,8 @@ def test_more_connections_help_until_the_link_is_full():
     times = [fetch(100 * MB, 4 * MB, link, tcp, n).seconds for n in (1, 4, 16, 64)]
     assert times[0] > times[1] > times[2]
     assert times[3] > 100 * MB / link.rate  # never faster than the link
-    assert connections_for(link, tcp) == 11  # 1.5 x (14.3 MB of payload in flight) / 2 MB
+    # 47.8 MB/s over 6.7 MB/s per connection, idle one RTT in every 4 MiB piece: 1.25 x 10.6
+    assert connections_for(link, tcp) == 14
 
 
 def test_a_large_window_makes_one_stream_ramp_bound_only():
@@ -47,21 +48,37 @@ def test_cut_through_beats_store_and_forward_which_adds_the_hops():
     cut = relay_path(200 * MB, 3 * MB, path, tcp)
     stored = relay_path(200 * MB, 3 * MB, path, tcp, cut_through=False, first_hop_waits=True)
     each = [fetch(200 * MB, 3 * MB, k, tcp, 16).seconds for k in hops]
-    assert stored == pytest.approx(sum(each) + sum(1.5 * k.rtt for k in hops), rel=0.01)
+    # a relay learns of a version in 2.5 RTTs (poll answer, listing, manifest), the last hop in 1.5
+    assert stored == pytest.approx(sum(each) + 2.5 * hops[0].rtt + 1.5 * hops[1].rtt, rel=0.01)
     assert max(each) < cut < max(each) + 1.5  # the slowest hop plus a piece and the control round trips
 
 
 def test_calibration_recovers_the_parameters_that_made_the_measurements():
-    link, truth = Link(400, 300), Tcp(window=3e6, piece_overhead_s=0.05)
-    total, piece = 150 * MB, 3 * MB
-    measured = {"link": {"mbit": 400, "rtt_ms": 300}, "piece_bytes": piece, "connections": 16, "methods": {
-        "deltamesh": {"seconds": fetch(total, piece, link, truth, 16).seconds, "payload_bytes": total},
-        "single_stream": {"seconds": single_stream(total, link, truth), "payload_bytes": total}}}
+    link, total, piece = Link(400, 300), 150 * MB, 3 * MB
+    truth = Tcp(window=2e6, window_rtt_ms=300, window_exponent=0.5, shared_efficiency=0.85, shared_growth=1.6)
+    through = Link(400, 150)
+    parallel = fetch(total, piece, link, truth, 16)
+    measured = {
+        "long_link": {"link": {"mbit": 400, "rtt_ms": 300}, "piece_bytes": piece, "connections": 16, "methods": {
+            "deltamesh": {"seconds": parallel.seconds, "payload_bytes": total,
+                          "steady_mbit": parallel.steady_bps * 8 / 1e6},
+            "single_stream": {"seconds": single_stream(total, link, truth), "payload_bytes": total}}},
+        "fan_out": {"link": {"mbit": 400, "rtt_ms": 150}, "pool_link": {"mbit": 1000, "rtt_ms": 0}, "pools": 12,
+                    "piece_bytes": piece, "connections": 16, "methods": {
+                        "deltamesh": {"seconds": 30.0, "payload_bytes": total},
+                        "astraflow": {"seconds": 12 * single_stream(total, through, truth), "payload_bytes": total}}},
+    }
     tcp, fitted = calibrate(measured)
-    assert tcp.window == pytest.approx(3e6, rel=0.02)
-    assert tcp.piece_overhead_s == pytest.approx(0.05, abs=0.01)
-    rows = emulated_rows({"long_link": measured}, tcp)
-    assert all(abs(r.ratio - 1) < 0.02 and r.fitted for r in rows)
+    assert tcp.window == pytest.approx(2e6, rel=0.02)
+    assert tcp.window_at(150) == pytest.approx(truth.window_at(150), rel=0.03)
+    assert tcp.window_exponent == pytest.approx(0.5, abs=0.05)
+    assert tcp.shared_efficiency == pytest.approx(0.85, abs=0.03)
+    assert tcp.shared_growth == pytest.approx(1.6, abs=0.1)
+    rows = emulated_rows(measured, tcp)
+    fitted_rows = [r for r in rows if r.fitted]
+    assert {(r.scenario, r.method) for r in fitted_rows} == {
+        ("long_link", "deltamesh"), ("long_link", "single_stream"), ("fan_out", "astraflow")}
+    assert all(abs(r.ratio - 1) < 0.03 for r in fitted_rows)
 
 
 def test_big_models_scale_with_their_size_and_beat_per_pool_pulls():
