@@ -13,9 +13,10 @@ Four scenarios (transfer_scenarios.py and transfer_training.py describe each met
    `deltamesh pool sync` agents.
 
 Needs root and the WAN emulator (benchmarks/wan/setup.sh). Scenarios 1-3 first measure their first
-long link and prints the measured rate and RTT beside the asked ones (a link the delayer cannot keep
-up with shows there). Each figure is the median of --repeats runs. `--json` prints one object {"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...},
-"methods": {"<method>": {"seconds", "utilization", "origin_egress_bytes", "payload_bytes", ...}}}]};
+long link and print the measured rate and RTT beside the asked ones (a link the delayer cannot keep up
+with shows there). Each figure is the median of --repeats runs. `--json` prints one object
+{"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...}, "methods": {"<method>": {"seconds",
+"utilization", "origin_egress_bytes", "payload_bytes", ...}}}]};
 utilization = payload bits / seconds / link rate. Results are also saved (merged by scenario name)
 to .cache/transfer/results.json (results-quick.json with --quick), which benchmarks/simulate.py reads.
 `--quick` runs a small version over links with a fifth of the RTT, once: for trying things out.
