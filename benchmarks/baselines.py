@@ -46,6 +46,8 @@ class Codec:
     apply: Callable[[Weights, Blobs], dict[str, torch.Tensor]]
     prepare: Callable[[Weights], None] | None = None
     """Untimed set-up on the old weights before a measurement (what a sender already knows)."""
+    apply_in_place: Callable[[dict[str, torch.Tensor], Blobs], dict[str, torch.Tensor]] | None = None
+    """Applies into the given weights themselves (a receiver's live copy), where the method has it."""
 
 
 def words(t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ import numpy as np
 
 from deltamesh.gateway.http import client_session, request_bytes
 from deltamesh.mesh.broker.client import PoolClient
-from deltamesh.trainer.data import BatchClient, Trajectory
+from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.data import Trajectory
 
 TOKENS = 2048
 GROUP = 8

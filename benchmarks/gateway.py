@@ -37,7 +37,8 @@ from pathlib import Path
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
-from deltamesh.gateway.fetch import Fetcher, Source
+from deltamesh.gateway.fetch import Fetcher
+from deltamesh.gateway.sources import Source
 from deltamesh.gateway.http import client_session, request_json
 from deltamesh.gateway.upload import upload_version
 

@@ -39,10 +39,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 import torch
-from aiohttp import web
 
 from inputs import qwen3_shapes, synthetic_case
 
@@ -52,6 +50,7 @@ from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.mesh.pool.status import serving
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.trainer.models import char_tokenizer_dir, load_tokenizer, smollm2_adam_versions, smollm2_model_dir
 
@@ -125,18 +124,6 @@ def synthetic_input(workdir: Path, layers: int) -> ModelInput:
 
 # -- the measured system -------------------------------------------------------------------------------
 
-@contextlib.asynccontextmanager
-async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
-    runner = web.AppRunner(create_app(config), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
 class Generating:
     """Keeps an engine generating (one greedy token per call) and notes when each version first served."""
 
@@ -207,10 +194,10 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
     public = save_keypair(key, workdir / "trainer.key")
     config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], pool_tokens=[TOKEN],
                            keep_fulls=1, keep_deltas=4)
-    serving: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
+    served_after: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
     first_token: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
     payload: dict[str, list[int]] = {k: [] for k in KINDS}
-    async with running_gateway(config) as url, contextlib.AsyncExitStack() as stack:
+    async with serving(create_app(config), "127.0.0.1:0") as url, contextlib.AsyncExitStack() as stack:
         trainer = Trainer(url, key, model)
         await trainer.start()
         pools = {}
@@ -239,7 +226,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
                                                f"wanted v{version}; {weights.status.last_error}")
                         served = weights.status.last_swap_at - available
                         first = await generating.first_token_of(version) - available
-                    serving[(kind, mode)].append(served)
+                    served_after[(kind, mode)].append(served)
                     first_token[(kind, mode)].append(first)
                     payload[kind].append(nbytes)
                     log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s (%d payload bytes)",
@@ -247,7 +234,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
     gc.collect()
     cases = []
     for kind in KINDS:
-        in_place, reload = serving[(kind, "in_place")], serving[(kind, "reload")]
+        in_place, reload = served_after[(kind, "in_place")], served_after[(kind, "reload")]
         cases.append({
             "model": model.name, "kind": kind, "in_place_seconds": statistics.median(in_place),
             "reload_seconds": statistics.median(reload),

@@ -40,17 +40,16 @@ def ready_then_wait(args: argparse.Namespace) -> float:
 
 
 class Progress:
-    """(time, bytes) marks each time another tenth of a transfer has arrived: its ramp, for the report."""
+    """(time, bytes) marks each time another tenth of a transfer has arrived: its ramp, for the report.
+    The total may be set after bytes have started arriving (pieces prefetched with the manifest)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int | None = None):
         self.total, self.done, self.marks = total, 0, []
-        self._next = total / 10
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
-        if self.total and self.done >= self._next:
+        while self.total and self.done >= (len(self.marks) + 1) * self.total / 10 and len(self.marks) < 10:
             self.marks.append((round(time.time(), 4), self.done))
-            self._next = (len(self.marks) + 1) * self.total / 10
 
 
 def add_sync_args(p: argparse.ArgumentParser) -> None:
@@ -123,40 +122,53 @@ def pull(args: argparse.Namespace) -> int:
     store-and-forward relay would serve it; otherwise it starts the moment the version is announced.
     """
     from deltamesh.delta import load_manifest, load_public_key
-    from deltamesh.gateway.fetch import Fetcher, Source
+    from deltamesh.gateway.fetch import Fetcher
+    from deltamesh.gateway.sources import Source
     from deltamesh.gateway.http import client_session, request_json
 
     keys = [load_public_key(args.trusted_key)]
     base = args.gateway.rstrip("/")
     model = args.model
 
+    async def pull_one(session, version: int, t_go: float) -> dict:
+        while True:  # long-poll until the version is announced
+            answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
+                                        params={"after": version - 1, "wait": 30}, timeout_s=60)
+            if answer["head"] is not None and answer["head"] >= version:
+                break
+        t_announced = time.time()
+        if args.after_complete:
+            while not await _complete_at(session, base, model, version, args.kind):
+                await asyncio.sleep(0.02)
+        t_fetch = time.time()
+        fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
+        progress = Progress()
+        fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
+        manifest = await fetcher.manifest_bytes(model, version, args.kind, _accept(load_manifest, keys),
+                                                prefetch=args.connections)
+        progress.total = manifest.payload_bytes
+        verified = 0
+
+        async def keep(index: int, data: bytearray) -> None:
+            nonlocal verified
+            verified += len(data)  # checked by the fetcher against the signed manifest
+
+        await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
+        return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, "t_done": time.time(),
+                "bytes": verified, "pieces": len(manifest.pieces), "progress": progress.marks}
+
     async def main() -> dict:
-        async with client_session(connections=max(8, 2 * args.connections), timeout_s=None) as session:
+        async with client_session(connections=2 * args.connections + 4, timeout_s=None) as session:
             t_go = ready_then_wait(args)
-            while True:  # long-poll until the version is announced
-                answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
-                                            params={"after": args.version - 1, "wait": 30}, timeout_s=60)
-                if answer["head"] is not None and answer["head"] >= args.version:
-                    break
-            t_announced = time.time()
-            if args.after_complete:
-                while not await _complete_at(session, base, model, args.version, args.kind):
-                    await asyncio.sleep(0.02)
-            t_fetch = time.time()
-            fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
-            manifest = await fetcher.manifest_bytes(model, args.version, args.kind,
-                                                    _accept(load_manifest, keys))
-            progress = Progress(manifest.payload_bytes)
-            fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
-            verified = 0
-
-            async def keep(index: int, data: bytearray) -> None:
-                nonlocal verified
-                verified += len(data)  # checked by the fetcher against the signed manifest
-
-            await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
-            return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, "t_done": time.time(),
-                    "bytes": verified, "pieces": len(manifest.pieces), "progress": progress.marks}
+            if args.warm_version is None:
+                return await pull_one(session, args.version, t_go)
+            # Steady state: the previous version came over these same connections, then they idled.
+            warm = await pull_one(session, args.warm_version, t_go)
+            await asyncio.sleep(args.idle_s)
+            result = await pull_one(session, args.version, time.time())
+            result["t_start"] = result["t_go"]
+            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
+            return result
 
     write_json(args.out, asyncio.run(main()))
     return 0
@@ -252,22 +264,33 @@ def get(args: argparse.Namespace) -> int:
     import aiohttp
     import xxhash
 
+    async def fetch_once(session, t_go: float) -> dict:
+        h, received, t_first = xxhash.xxh3_128(), 0, None
+        async with session.get(args.url) as resp:
+            resp.raise_for_status()
+            progress = Progress(resp.content_length or 0)
+            async for chunk in resp.content.iter_chunked(1024 * 1024):
+                if t_first is None:
+                    t_first = time.time()
+                h.update(chunk)
+                received += len(chunk)
+                progress.add(len(chunk))
+        return {"t_go": t_go, "t_first_byte": t_first, "t_done": time.time(), "bytes": received,
+                "hash": h.hexdigest(), "progress": progress.marks}
+
     async def main() -> dict:
-        connector = aiohttp.TCPConnector(limit=1)
+        # One connection, kept open between requests (as a client following versions would).
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=600)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             t_go = ready_then_wait(args)
-            h, received, t_first = xxhash.xxh3_128(), 0, None
-            async with session.get(args.url) as resp:
-                resp.raise_for_status()
-                progress = Progress(resp.content_length or 0)
-                async for chunk in resp.content.iter_chunked(1024 * 1024):
-                    if t_first is None:
-                        t_first = time.time()
-                    h.update(chunk)
-                    received += len(chunk)
-                    progress.add(len(chunk))
-            return {"t_go": t_go, "t_first_byte": t_first, "t_done": time.time(), "bytes": received,
-                    "hash": h.hexdigest(), "progress": progress.marks}
+            if not args.warm:
+                return await fetch_once(session, t_go)
+            warm = await fetch_once(session, t_go)
+            await asyncio.sleep(args.idle_s)
+            result = await fetch_once(session, time.time())
+            result["t_start"] = result["t_go"]
+            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
+            return result
 
     write_json(args.out, asyncio.run(main()))
     return 0
@@ -315,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--name", default="bench")
     p.add_argument("--after-complete", action="store_true", help="start only once the gateway holds all of it")
+    p.add_argument("--warm-version", type=int, default=None,
+                   help="first fetch this version over the same connections (untimed), then idle")
+    p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
     add_sync_args(p)
     p.set_defaults(run=pull)
 
@@ -326,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("get", help="download a URL over one TCP connection")
     p.add_argument("--url", required=True)
+    p.add_argument("--warm", action="store_true", help="download it once untimed first, then idle")
+    p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
     add_sync_args(p)
     p.set_defaults(run=get)
 

@@ -186,8 +186,15 @@ def wire_tx_bytes(host: Host) -> int:
     return sum(i["stats64"]["tx"]["bytes"] for i in json.loads(out) if i["ifname"] != "lo")
 
 
+# Every host keeps an idle connection's congestion window (Linux otherwise restarts slow start after
+# an idle RTO): what deltamesh's deployment notes ask of gateway and pool hosts on long links, and
+# what lets a connection kept open between versions resume at the rate it had. Set for every method.
+HOST_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "bbr"}
+
+
 def set_tcp_buffers(wan: Wan, profile: str) -> None:
-    settings = [f"{k}={v}" for k, v in TCP_BUFFERS[profile].items()]
+    """The hosts' TCP buffer limits (`TCP_BUFFERS[profile]`) and `HOST_SYSCTLS`."""
+    settings = [f"{k}={v}" for k, v in {**TCP_BUFFERS[profile], **HOST_SYSCTLS}.items()]
     for host in wan.hosts.values():
         host.run(["sysctl", "-q", "-w", *settings])
 

@@ -157,9 +157,12 @@ class Scenario:
             batch.start()
             batch.finish(600)
 
-    def add_pull(self, batch, host: Host, gateway: str, version: int, *, connections: int, after_complete=False):
+    def add_pull(self, batch, host: Host, gateway: str, version: int, *, connections: int, after_complete=False,
+                 warm_version: int | None = None):
         args = ["--gateway", gateway, "--model", MODEL_ID, "--version", str(version),
                 "--trusted-key", str(self.mesh.public_key), "--connections", str(connections), "--name", host.name]
+        if warm_version is not None:
+            args += ["--warm-version", str(warm_version)]
         batch.add(host, f"pull-{host.name}", "pull", *args, *(["--after-complete"] if after_complete else []))
 
     def timed(self, batch, origin: Host, egress) -> tuple[float, dict, int, int]:
@@ -176,30 +179,51 @@ class Scenario:
 
 
 def long_link(settings: Settings) -> dict:
+    """Cold: the first version over fresh connections. Warm (`*_warm`): the steady state of a mesh
+    that gets a version every step, i.e. a version fetched over the connections the previous one
+    came over, after they idled (hosts run with `tcp_slow_start_after_idle=0`, see transfer_mesh)."""
     with work_dir(settings) as work, Wan("txl") as wan:
         build_topology(wan, "long_link", settings.rtt_scale)
         run = Scenario(wan, settings, work)
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
         set_tcp_buffers(wan, settings.tcp_buffers)
-        gateway = run.mesh.gateway(origin, "origin")
+        # Two full versions kept: a warm run publishes its warm-up version and the timed one up front.
+        gateway = run.mesh.gateway(origin, "origin", extra=["--keep-fulls", "2"])
         files = run.mesh.file_server(origin, settings.payload / "version.bin")
-        samples: dict[str, list[Sample]] = {"deltamesh": [], "single_stream": []}
+        methods = ("deltamesh", "single_stream", "deltamesh_warm", "single_stream_warm")
+        samples: dict[str, list[Sample]] = {m: [] for m in methods}
+        pull = f"pull-{far.name}"
         for _ in range(settings.repeats):
-            version = run.next_version()
-            run.publish(origin, gateway, version)  # in place before the clock starts, like the baseline's file
-            batch = run.mesh.batch()
-            run.add_pull(batch, far, gateway, version, connections=settings.connections)
-            seconds, results, egress, wire = run.timed(batch, origin, lambda: run.mesh.gateway_bytes_out(origin))
-            samples["deltamesh"].append(Sample(seconds, egress, wire, {"steady_mbit": steady_mbit(results[f"pull-{far.name}"])}))
-            if not settings.runs("single_stream"):
-                continue
-            batch = run.mesh.batch()
-            batch.add(far, "get", "get", "--url", files)
-            seconds, results, egress, wire = run.timed(batch, origin, lambda: run.mesh.file_bytes_out(origin))
-            samples["single_stream"].append(Sample(seconds, egress, wire, {"steady_mbit": steady_mbit(results["get"])}))
-            log.info("long_link: single_stream %.2fs", seconds)
+            for method in filter(settings.runs, methods):
+                batch = run.mesh.batch()
+                if method.startswith("deltamesh"):
+                    warm = run.next_version() if method.endswith("_warm") else None
+                    version = run.next_version()
+                    for v in filter(None, (warm, version)):  # in place before the clock starts, like the baseline's file
+                        run.publish(origin, gateway, v)
+                    run.add_pull(batch, far, gateway, version, connections=settings.connections, warm_version=warm)
+                    egress, name = (lambda: run.mesh.gateway_bytes_out(origin)), pull
+                else:
+                    batch.add(far, "get", "get", "--url", files, *(["--warm"] if method.endswith("_warm") else []))
+                    egress, name = (lambda: run.mesh.file_bytes_out(origin)), "get"
+                seconds, results, out, wire = run.timed(batch, origin, egress)
+                result = results[name]
+                if "t_start" in result:  # warm: only the second fetch counts, and only its bytes
+                    seconds, out, wire = result["t_done"] - result["t_start"], out // 2, wire // 2
+                samples[method].append(Sample(seconds, out, wire, {"steady_mbit": steady_mbit(result)}))
+                log.info("long_link: %s %.2fs; %s", method, seconds, _timeline(result))
         return scenario_json("long_link", link, samples, settings)
+
+
+def _timeline(result: dict) -> str:
+    """An agent's result as seconds since its start: announce, fetch start, tenths received, done."""
+    t0 = result.get("t_start", result["t_go"])
+    marks = [("announced", result.get("t_announced")), ("fetch", result.get("t_fetch")),
+             ("first byte", result.get("t_first_byte"))]
+    parts = [f"{name} {t - t0:.2f}" for name, t in marks if t is not None]
+    parts.append("tenths " + " ".join(f"{t - t0:.2f}" for t, _ in result.get("progress") or []))
+    return ", ".join(parts) + f", done {result['t_done'] - t0:.2f}"
 
 
 def relay_chain(settings: Settings) -> dict:

@@ -10,7 +10,6 @@ by one. Output is a pure function of the inputs (plus the manifest's creation ti
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -27,11 +26,12 @@ from .manifest import Manifest, PieceEntry, TensorEntry, table_hash
 from .parallel import thread_map, thread_stream
 from .piece import CODEC
 from .piece_writer import BuiltPiece, DeltaPieceCutter, TensorChanges, full_pieces
-from .smallwords import MagnitudeSample
+from .smallwords import MagnitudeSample, sample_stride
 from .tensors import cpu_tensor, tensor_entry
 
 PIECE_BYTES = 4 << 20
-SCAN_WINDOW = 4  # tensors per core scanned ahead of cutting their changes into pieces
+SCAN_AHEAD_BYTES = 256 << 20  # tensor bytes scanned ahead of cutting their changes into pieces ...
+SCAN_AHEAD_LARGEST = 3  # ... or this many times the largest tensor, so it never stalls the other cores
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,11 @@ def encode_delta(
     cutter = DeltaPieceCutter(piece_bytes)
     # Tensors are scanned in order with a bounded number ahead, and their changes cut into pieces as
     # they come, so the change lists of only a few tensors are held at once.
-    window = SCAN_WINDOW * (os.cpu_count() or 1)
+    sizes = [new[name].numel() * new[name].element_size() for name in names]
+    ahead = max(SCAN_AHEAD_BYTES, SCAN_AHEAD_LARGEST * max(sizes, default=0))
     scans = thread_stream(
         lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None),
-        range(len(names)), window)
+        range(len(names)), ahead, weight=lambda i: sizes[i])
     for i, scan in enumerate(scans):
         entries.append(scan.entry)
         words.append(scan.words)
@@ -117,7 +118,7 @@ def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_ba
     hash_new, hash_old = xxhash.xxh3_128(), (xxhash.xxh3_128() if hash_base else None)
     floating = is_float(dtype_name(t))
     # The base's magnitude sample (for coding changes of small words) is taken in the same pass.
-    sample = MagnitudeSample(w.itemsize) if floating else None
+    sample = MagnitudeSample(w.itemsize, sample_stride(w.size)) if floating else None
     positions, old_words, new_words = scan_changes(
         np_words(base), w, hash_old, hash_new, sample.add if sample is not None else None)
     changes = None

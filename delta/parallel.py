@@ -28,26 +28,36 @@ def thread_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return list(pool.map(fn, items))
 
 
-def thread_stream(fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:
-    """`fn(x)` for each of `items`, yielded in input order, with at most `ahead` results pending.
+def thread_stream(fn: Callable[[T], R], items: Iterable[T], ahead: float,
+                  weight: Callable[[T], float] | None = None) -> Iterator[R]:
+    """`fn(x)` for each of `items`, yielded in input order, with at most `ahead` pending.
 
-    Unlike fixed batches, a worker that finishes early moves on to the next item while a slow one
-    (a big tensor) is still running, so every core stays busy; `ahead` bounds memory held.
+    Pending is counted in items, or in `weight(x)` summed over the pending items when `weight` is
+    given (say bytes, so one huge item does not stall the other cores the way a count would: while
+    a worker is busy with it, the rest move on through smaller ones). Unlike fixed batches, a worker
+    that finishes early moves on to the next item while a slow one is still running, so every core
+    stays busy; `ahead` bounds memory held. At least one item per core is always pending.
     """
     items = list(items)
     workers = min(MAX_WORKERS, os.cpu_count() or 1, len(items))
     if workers <= 1:
         yield from (fn(x) for x in items)
         return
+    cost = weight or (lambda _: 1.0)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque = deque()
+        held = 0.0
         try:
             for x in items:
-                if len(pending) >= max(ahead, workers):
-                    yield pending.popleft().result()
-                pending.append(pool.submit(fn, x))
+                w = cost(x)
+                while pending and len(pending) >= workers and held + w > ahead:
+                    future, done_w = pending.popleft()
+                    held -= done_w
+                    yield future.result()
+                pending.append((pool.submit(fn, x), w))
+                held += w
             while pending:
-                yield pending.popleft().result()
+                yield pending.popleft()[0].result()
         finally:
-            for future in pending:
+            for future, _ in pending:
                 future.cancel()

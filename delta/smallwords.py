@@ -21,7 +21,13 @@ import torch
 from .errors import CorruptError
 
 CHUNK_WORDS = 1 << 20
-SAMPLE_STRIDE = 61  # base words sampled to estimate how many small words each bound admits
+SAMPLE_STRIDE = 61  # base words sampled to estimate how many small words each bound admits ...
+SAMPLE_WORDS = 1 << 14  # ... but no more than about this many per tensor: the histogram is as good
+
+
+def sample_stride(n: int) -> int:
+    """The sampling stride for a tensor of `n` words."""
+    return max(SAMPLE_STRIDE, n // SAMPLE_WORDS)
 
 
 def magnitude_mask(width: int) -> int:
@@ -35,10 +41,11 @@ def _class_shift(width: int) -> int:
 
 @dataclass
 class MagnitudeSample:
-    """Histogram of the magnitude classes of every `SAMPLE_STRIDE`-th base word, built chunk by chunk
+    """Histogram of the magnitude classes of every `stride`-th base word, built chunk by chunk
     (`add`) so it can ride along another pass over the base while each chunk is in cache."""
 
     width: int
+    stride: int = SAMPLE_STRIDE
     counts: np.ndarray = field(init=False)
     size: int = 0
 
@@ -47,9 +54,9 @@ class MagnitudeSample:
 
     def add(self, chunk: np.ndarray, first: int) -> None:
         """Count the sampled words of `chunk`, the base's words from index `first` on."""
-        offset = -first % SAMPLE_STRIDE
+        offset = -first % self.stride
         if offset < chunk.size:
-            self.add_words(chunk[offset::SAMPLE_STRIDE])
+            self.add_words(chunk[offset :: self.stride])
 
     def add_words(self, sample: np.ndarray) -> None:
         dtype = sample.dtype.type
@@ -72,8 +79,8 @@ def choose_small_max(base: np.ndarray, changed_base: np.ndarray, sample: Magnitu
     if k == 0 or n < 4096:
         return None
     if sample is None:
-        sample = MagnitudeSample(width)
-        sample.add_words(base[::SAMPLE_STRIDE])
+        sample = MagnitudeSample(width, sample_stride(n))
+        sample.add_words(base[:: sample.stride])
     dtype = base.dtype.type
     shift, mask = dtype(_class_shift(width)), dtype(magnitude_mask(width))
     classes = _classes(width)

@@ -4,6 +4,7 @@ Every service describes its settings as a dataclass with defaults (nested datacl
 and validates them in `__post_init__`. `load_config` reads an optional TOML file (optionally one table
 of it), applies overrides (usually the CLI flags that were given), checks types and unknown keys, and
 builds the dataclass, so a typo in a config file is an error rather than a silently ignored setting.
+Checks that many configs make (`http_url`) live here too, so that they read and fail alike.
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def http_url(value: str, what: str) -> str:
+    """`value` without its trailing slash, if it is an http(s) URL; else ValueError naming `what`.
+
+    For the configs' `__post_init__` checks (`from_dict` reports their ValueErrors as ConfigError).
+    """
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must be an http(s) URL, got {value!r}")
+    return value.rstrip("/")
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -3,12 +3,15 @@
 One gateway runs per region. The origin gateway has no upstream and accepts publishes; a relay
 gateway lists one or more upstream gateway URLs and mirrors their versions. Every gateway trusts a
 set of trainer public keys (PEM files) and a set of region tokens that pools register with.
+A pool follows its region's gateways by `WeightSyncSettings`; `PoolSyncConfig` adds where its
+weights live (the rollout pool's own config extends the same settings).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltamesh.config import http_url
 from deltamesh.gateway.http import parse_listen
 
 
@@ -55,11 +58,9 @@ class GatewayConfig:
         if not self.region or not self.region.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"region {self.region!r} must be a non-empty name of letters, digits, - and _")
         parse_listen(self.listen)
-        for url in self.upstreams:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"upstream {url!r} must be an http(s) URL")
-        if self.advertise and not self.advertise.startswith(("http://", "https://")):
-            raise ValueError(f"advertise {self.advertise!r} must be an http(s) URL")
+        self.upstreams = [http_url(u, "upstream") for u in self.upstreams]
+        if self.advertise:
+            self.advertise = http_url(self.advertise, "advertise")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
         if any(not t for t in self.pool_tokens):
@@ -78,8 +79,6 @@ class GatewayConfig:
             raise ValueError("link_delay_ms must be in [0, 60000] (0 for none)")
         if self.max_piece_bytes < 1:
             raise ValueError("max_piece_bytes must be >= 1")
-        self.upstreams = [u.rstrip("/") for u in self.upstreams]
-        self.advertise = self.advertise.rstrip("/")
 
     @property
     def is_origin(self) -> bool:
@@ -87,48 +86,57 @@ class GatewayConfig:
 
 
 @dataclass
-class PoolSyncConfig:
-    """A pool agent's weight sync: which gateways to follow and where the weights live."""
+class WeightSyncSettings:
+    """How a pool follows its region's gateways: the settings `PoolSyncConfig` (`deltamesh pool sync`)
+    and the rollout pool's config (`deltamesh pool run`) share, checked here once for both."""
 
     gateways: list[str] = field(default_factory=list)
     """Gateway base URLs: the region's gateway first, alternates after (used when it fails)."""
     token: str = ""
-    name: str = ""
-    dir: str = ""
-    """The safetensors directory the pool's engine loads; versions are applied to it atomically."""
+    """The region's pool token (registration with the gateway)."""
     trusted_keys: list[str] = field(default_factory=list)
-    model: str = ""
-    """Model id to follow; empty to take the one model the gateway serves (or the one DIR holds)."""
+    """PEM files of the trainer public keys whose signed versions are accepted."""
     gpus: int = 0
-    engine: str = "none"
     tier: str = ""
-    endpoint: str = ""
     connections: int = 4
-    """Parallel piece fetches."""
+    """Parallel piece fetches per transfer."""
     heartbeat_s: float = 2.0
     poll_wait_s: float = 30.0
     stall_timeout_s: float = 20.0
     give_up_s: float = 120.0
     """How long a piece may stay unavailable from every gateway before the transfer is abandoned and retried."""
     full_every: int = 0
-    """Ask for a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
+    """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
 
     def __post_init__(self) -> None:
         if not self.gateways:
             raise ValueError("gateways must list at least one gateway URL")
-        for url in self.gateways:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"gateway {url!r} must be an http(s) URL")
-        self.gateways = [u.rstrip("/") for u in self.gateways]
+        self.gateways = [http_url(u, "gateway") for u in self.gateways]
         if not self.token:
             raise ValueError("token is required (the region's pool token)")
-        if not self.name:
-            raise ValueError("name is required")
-        if not self.dir:
-            raise ValueError("dir is required")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
         if self.gpus < 0 or self.connections < 1 or self.full_every < 0:
             raise ValueError("gpus and full_every must be >= 0 and connections >= 1")
         if min(self.heartbeat_s, self.poll_wait_s, self.stall_timeout_s, self.give_up_s) <= 0:
             raise ValueError("heartbeat_s, poll_wait_s, stall_timeout_s and give_up_s must be > 0")
+
+
+@dataclass
+class PoolSyncConfig(WeightSyncSettings):
+    """A pool agent's weight sync: which gateways to follow and where the weights live."""
+
+    name: str = ""
+    dir: str = ""
+    """The safetensors directory the pool's engine loads; versions are applied to it atomically."""
+    model: str = ""
+    """Model id to follow; empty to take the one model the gateway serves (or the one DIR holds)."""
+    engine: str = "none"
+    endpoint: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.name:
+            raise ValueError("name is required")
+        if not self.dir:
+            raise ValueError("dir is required")

@@ -6,6 +6,10 @@ are kept when a source dies or stalls, and the next source is asked only for the
 so a switch of source never refetches what arrived. A piece is accepted only when its length and
 xxh3-128 match the (signed) manifest; a source that serves a bad piece is penalised and the piece is
 fetched again. A piece a source has announced but not yet received (503) is simply asked for again.
+
+The manifest request can carry the first wave of piece requests with it (`prefetch`), so data
+flows one round trip after the version is known instead of two; those pieces are held unverified
+until the manifest is, then checked like any other.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Sequence
 
 import aiohttp
@@ -21,32 +25,18 @@ import aiohttp
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.http import HttpError, request_bytes
-from deltamesh.gateway.links import PEER_HEADER, Link, LinkMonitor
+from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
+from deltamesh.gateway.sources import Source, order_sources, pieces_url
 
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
+PREFETCH_LIMIT = 64 * 1024 * 1024
+"""Largest piece taken before its manifest arrives (a bigger one is dropped and fetched normally)."""
 
 
 class FetchError(Exception):
     """No source delivered a piece (or manifest) before the deadline."""
-
-
-class RateLimiter:
-    """Caps the bytes per second of one link, shared by all concurrent transfers over it."""
-
-    def __init__(self, bytes_per_s: float, burst_s: float = 0.05):
-        self.bytes_per_s = bytes_per_s
-        self.burst_s = burst_s
-        self._free_at = 0.0
-
-    async def take(self, nbytes: int) -> None:
-        now = time.monotonic()
-        # A virtual clock of when the link is next free: each transfer books its bytes' airtime.
-        self._free_at = max(self._free_at, now - self.burst_s) + nbytes / self.bytes_per_s
-        delay = self._free_at - now
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 @dataclass
@@ -55,32 +45,6 @@ class _Partial:
 
     data: bytearray
     filled: int = 0
-
-
-@dataclass(eq=False)
-class Source:
-    """A gateway to fetch from, with its health, optional bandwidth cap and optional added latency."""
-
-    url: str
-    link: Link | None = None
-    limiter: RateLimiter | None = None
-    bad_until: float = 0.0
-    delay_s: float = 0.0
-    """Emulated latency: every request to this source waits this long before it is sent."""
-
-    def healthy(self, now: float) -> bool:
-        return self.bad_until <= now
-
-
-def pieces_url(base: str, manifest: Manifest) -> str:
-    return f"{base}/v1/models/{manifest.model_id}/versions/{manifest.version}/{manifest.kind}"
-
-
-def order_sources(sources: Sequence[Source]) -> list[Source]:
-    """Healthy sources in preference order; if none is healthy, the one penalised longest ago first."""
-    now = time.monotonic()
-    healthy = [s for s in sources if s.healthy(now)]
-    return healthy or sorted(sources, key=lambda s: s.bad_until)
 
 
 @dataclass
@@ -95,6 +59,7 @@ class Fetcher:
     give_up_s: float = 120.0
     penalty_s: float = 5.0
     on_bytes: Callable[[int], None] | None = None
+    _early: dict[tuple[str, int, str], dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
 
     def _fail(self, source: Source, reason: str, penalty: bool = True) -> None:
         if penalty:
@@ -103,8 +68,30 @@ class Fetcher:
             self.monitor.record_error(source.link, reason)
         log.info("fetch from %s: %s", source.url, reason)
 
-    async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]]):
-        """Fetch a manifest envelope and pass it to `accept` (which verifies it); try each source in turn."""
+    async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
+                             *, prefetch: int = 0):
+        """Fetch a manifest envelope and pass it to `accept` (which verifies it); try each source in turn.
+
+        With `prefetch`, pieces 0 .. prefetch-1 are requested at the same time from the preferred
+        source; the next `pieces()` call of this version takes them (after checking them).
+        """
+        key = (model, version, kind)
+        self.discard_prefetch(key)
+        if prefetch > 0:
+            self._early[key] = {i: asyncio.create_task(self._prefetch(model, version, kind, i)) for i in range(prefetch)}
+        try:
+            return await self._manifest(model, version, kind, accept)
+        except BaseException:
+            self.discard_prefetch(key)
+            raise
+
+    def discard_prefetch(self, key: tuple[str, int, str] | None = None) -> None:
+        """Cancel prefetched pieces of one version (or of all) that no `pieces()` call took."""
+        for k in [key] if key is not None else list(self._early):
+            for task in self._early.pop(k, {}).values():
+                task.cancel()
+
+    async def _manifest(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]]):
         deadline = time.monotonic() + self.give_up_s
         started = time.monotonic()
         rejected: dict[str, str] = {}
@@ -135,8 +122,20 @@ class Fetcher:
 
     async def piece(self, manifest: Manifest, index: int) -> bytearray:
         """One verified piece, resuming across sources with Range requests."""
-        entry = manifest.pieces[index]
-        part = _Partial(bytearray(entry.length))
+        part = _Partial(bytearray(manifest.pieces[index].length))
+        while True:
+            source = await self._fetch_all(manifest, index, part)
+            try:
+                manifest.check_piece(index, part.data)
+            except CorruptError as e:
+                part.filled = 0
+                self._fail(source, f"served a bad piece {index}: {e}")
+                continue
+            return part.data
+
+    async def _fetch_all(self, manifest: Manifest, index: int, part: _Partial) -> Source:
+        """Receive all of `part` (unverified), failing over between sources; returns the source that
+        sent its last bytes."""
         deadline = time.monotonic() + self.give_up_s
         pending_since: float | None = None
         attempt = 0
@@ -144,13 +143,7 @@ class Fetcher:
             for source in order_sources(self.sources):
                 outcome = await self._try(source, manifest, index, part)
                 if outcome == "done":
-                    try:
-                        manifest.check_piece(index, part.data)
-                    except CorruptError as e:
-                        part.filled = 0
-                        self._fail(source, f"served a bad piece {index}: {e}")
-                        continue
-                    return part.data
+                    return source
                 if outcome in ("pending", "missing"):
                     # Not there yet (not arrived, or the version not even announced there): wait for
                     # the preferred source, which is about to get it, unless it has kept us waiting
@@ -162,8 +155,38 @@ class Fetcher:
             if time.monotonic() > deadline:
                 raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
                                  f"no source delivered it within {self.give_up_s:.0f}s "
-                                 f"({part.filled}/{entry.length} bytes)")
+                                 f"({part.filled}/{len(part.data)} bytes)")
             await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
+
+    async def _prefetch(self, model: str, version: int, kind: str, index: int) -> bytes | None:
+        """Piece `index` of a version whose manifest is not here yet, from the preferred source; None
+        when it does not come in one go (the normal path then fetches it, with failover)."""
+        source = order_sources(self.sources)[0]
+        url = f"{source.url}/v1/models/{model}/versions/{version}/{kind}/pieces/{index}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
+        if source.delay_s:
+            await asyncio.sleep(source.delay_s)
+        chunks, size = [], 0
+        t0 = time.perf_counter()
+        try:
+            async with self.session.get(url, headers={PEER_HEADER: self.peer}, timeout=timeout) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return None
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    size += len(chunk)
+                    if size > PREFETCH_LIMIT:
+                        return None
+                    chunks.append(chunk)
+                    if source.limiter is not None:
+                        await source.limiter.take(len(chunk))
+                    if self.on_bytes is not None:
+                        self.on_bytes(len(chunk))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None
+        if self.monitor is not None and source.link is not None and size:
+            self.monitor.record_transfer(source.link, size, time.perf_counter() - t0)
+        return b"".join(chunks)
 
     async def _try(self, source: Source, manifest: Manifest, index: int, part: "_Partial") -> str:
         """One request for the rest of a piece; returns 'done', 'pending', 'missing' or 'failed'."""
@@ -224,10 +247,27 @@ class Fetcher:
         connections: int,
         on_piece: Callable[[int, bytearray], Awaitable[None]],
     ) -> None:
-        """Fetch `indices` with `connections` parallel requests, handing each verified piece to `on_piece`."""
+        """Fetch `indices` with `connections` parallel requests, handing each verified piece to
+        `on_piece`. Pieces prefetched with the manifest (`manifest_bytes(prefetch=...)`) are taken
+        first, checked like any other; a bad or missing one is fetched again the usual way."""
+        early = self._early.pop((manifest.model_id, manifest.version, manifest.kind), {})
+        order = list(dict.fromkeys(indices))
+        for i in set(early) - set(order):
+            early.pop(i).cancel()
         queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in indices:
+        for i in sorted(order, key=lambda i: i not in early):  # the prefetched ones first
             queue.put_nowait(i)
+
+        async def one(i: int) -> bytearray:
+            task = early.pop(i, None)
+            data = await task if task is not None else None
+            if data is not None:
+                try:
+                    manifest.check_piece(i, data)
+                    return bytearray(data)
+                except CorruptError as e:
+                    log.info("prefetched piece %d rejected: %s", i, e)
+            return await self.piece(manifest, i)
 
         async def worker() -> None:
             while True:
@@ -235,7 +275,7 @@ class Fetcher:
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await on_piece(i, await self.piece(manifest, i))
+                await on_piece(i, await one(i))
 
         workers = [asyncio.create_task(worker()) for _ in range(max(1, min(connections, queue.qsize())))]
         try:
@@ -243,4 +283,6 @@ class Fetcher:
         finally:
             for w in workers:
                 w.cancel()
+            for task in early.values():
+                task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)

@@ -21,6 +21,12 @@ log = logging.getLogger(__name__)
 JSON_LIMIT = 8 * 1024 * 1024
 """Largest JSON body a server accepts unless it says otherwise (manifests of huge models stay below)."""
 
+KEEPALIVE_S = 300.0
+"""How long idle connections stay open, on both ends. Versions come every RL step, seconds to
+minutes apart: a connection kept between them skips the handshake, and (on hosts with
+`net.ipv4.tcp_slow_start_after_idle=0`) keeps the congestion window it had grown, which on a long
+link is worth seconds per version. aiohttp's defaults (15 s client, 75 s server) would drop them."""
+
 
 class HttpError(Exception):
     """A peer answered with a non-2xx status, or could not be reached. `status` is 0 when unreachable."""
@@ -39,12 +45,13 @@ def client_session(
     connect_timeout_s: float = 10.0,
     headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientSession:
-    """A client session with a bounded pool of connections and sane timeouts.
+    """A client session with a bounded pool of connections kept open between requests (`KEEPALIVE_S`)
+    and sane timeouts.
 
     `timeout_s` bounds a whole request (None for long transfers and long polls that set their own).
     """
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections),
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections, keepalive_timeout=KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s),
         headers=dict(headers or {}),
         raise_for_status=False,
@@ -170,7 +177,8 @@ def serve(app: web.Application, host: str, port: int) -> None:
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
         loop_factory = asyncio.new_event_loop
-    web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None)
+    web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None,
+                keepalive_timeout=KEEPALIVE_S)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -28,7 +28,8 @@ import aiohttp
 
 from deltamesh.delta import CodecError, CorruptError, Manifest, apply_to_dir, dir_manifest, load_manifest, load_public_key
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError, Source
+from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.sources import Source
 from deltamesh.gateway.http import HttpError, bearer, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
@@ -68,7 +69,7 @@ class WeightSync:
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
-        self._session = client_session(connections=max(8, 2 * self.config.connections), timeout_s=None)
+        self._session = client_session(connections=2 * self.config.connections + 4, timeout_s=None)
         held = await asyncio.to_thread(dir_manifest, self.config.dir)
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
@@ -152,7 +153,8 @@ class WeightSync:
             return m
 
         try:
-            manifest = await fetcher.manifest_bytes(self.model, step.version, step.kind, accept)
+            manifest = await fetcher.manifest_bytes(self.model, step.version, step.kind, accept,
+                                                    prefetch=self.config.connections)
             pieces: list[bytes | None] = [None] * len(manifest.pieces)
 
             async def keep(index: int, data: bytes) -> None:

@@ -22,7 +22,8 @@ import uuid
 import aiohttp
 
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError, RateLimiter, Source
+from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.sources import RateLimiter, Source
 from deltamesh.gateway.http import HttpError, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
 from deltamesh.gateway.metrics import GatewayMetrics
@@ -175,7 +176,8 @@ class Relay:
         try:
             entry = self.store.get(model, version, kind)
             if entry is None:
-                entry = await fetcher.manifest_bytes(model, version, kind, self._accept_manifest)
+                entry = await fetcher.manifest_bytes(model, version, kind, self._accept_manifest,
+                                                     prefetch=self.config.relay_connections)
             with self.store.using(entry):
                 missing = entry.missing
                 if not missing:

@@ -32,19 +32,23 @@ def _authorized(gw: Gateway, request: web.Request) -> bool:
 
 def add_control_routes(app: web.Application, gw: Gateway) -> None:
     cfg = gw.config
+    routes = web.RouteTableDef()
 
     def unauthorized() -> web.Response:
         gw.metrics.rejected.labels("401").inc()
         return error_response(401, "unknown or missing pool token")
 
+    @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "region": cfg.region, "origin": cfg.is_origin,
                                   "instance": gw.instance, "upstreams": cfg.upstreams})
 
+    @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
         body = gw.metrics.render(gw.store, gw.pools, gw.links)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    @routes.post("/v1/pools")
     async def register_pool(request: web.Request) -> web.Response:
         if not _authorized(gw, request):
             return unauthorized()
@@ -57,6 +61,7 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
         return web.json_response({"name": record.name, "region": cfg.region,
                                   "heartbeat_timeout_s": cfg.heartbeat_timeout_s}, status=201)
 
+    @routes.post("/v1/pools/{name}/heartbeat")
     async def heartbeat(request: web.Request) -> web.Response:
         if not _authorized(gw, request):
             return unauthorized()
@@ -73,12 +78,15 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
         head = gw.store.head(record.model)
         return web.json_response({"name": name, "head": head})
 
+    @routes.get("/v1/pools")
     async def list_pools(request: web.Request) -> web.Response:
         return web.json_response({"region": cfg.region, "pools": gw.pools.describe(gw.store.heads())})
 
+    @routes.get("/v1/links")
     async def links(request: web.Request) -> web.Response:
         return web.json_response({"region": cfg.region, "links": gw.links.describe()})
 
+    @routes.post("/v1/gateways")
     async def announce(request: web.Request) -> web.Response:
         body = await read_json(request, limit=16 * 1024)
         if not isinstance(body, dict):
@@ -93,10 +101,4 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
         gw.add_downstream(region, url.rstrip("/"))
         return web.json_response({"region": cfg.region})
 
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/pools", register_pool)
-    app.router.add_post("/v1/pools/{name}/heartbeat", heartbeat)
-    app.router.add_get("/v1/pools", list_pools)
-    app.router.add_get("/v1/links", links)
-    app.router.add_post("/v1/gateways", announce)
+    app.add_routes(routes)

@@ -72,6 +72,15 @@ def _version_kind(request: web.Request) -> tuple[str, int, str]:
     return model, int(version), kind
 
 
+def _entries(gw: Gateway, request: web.Request) -> tuple[str, list[StoredVersion]]:
+    """The model the path names and its stored versions (404 when it has none here)."""
+    model = _model(request)
+    entries = gw.store.entries(model)
+    if not entries:
+        raise _Reject(404, f"model {model} is not in this gateway's store")
+    return model, entries
+
+
 def _entry(gw: Gateway, request: web.Request) -> StoredVersion:
     model, version, kind = _version_kind(request)
     entry = gw.store.get(model, version, kind)
@@ -102,6 +111,9 @@ def _peer_role(request: web.Request) -> tuple[str, str]:
 
 def add_version_routes(app: web.Application, gw: Gateway) -> None:
     cfg = gw.config
+    routes = web.RouteTableDef()
+    base = "/v1/models/{model}"
+    one = base + "/versions/{version}/{kind}"
 
     def guarded(handler):
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -119,6 +131,8 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
                 return resp
         return wrapped
 
+    @routes.get("/v1/heads")
+    @guarded
     async def heads(request: web.Request) -> web.Response:
         since = _int_param(request, "since", -1)
         wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
@@ -128,9 +142,13 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         return web.json_response({"region": cfg.region, "instance": gw.instance, "epoch": epoch,
                                   "heads": gw.store.heads()})
 
+    @routes.get("/v1/models")
+    @guarded
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"region": cfg.region, "models": gw.store.heads()})
 
+    @routes.get(base + "/head")
+    @guarded
     async def head(request: web.Request) -> web.Response:
         model = _model(request)
         after = _int_param(request, "after")
@@ -138,19 +156,17 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         h = await gw.store.wait_head(model, after, wait)
         return web.json_response({"model": model, "head": h, "region": cfg.region})
 
+    @routes.get(base + "/versions")
+    @guarded
     async def versions(request: web.Request) -> web.Response:
-        model = _model(request)
-        entries = gw.store.entries(model)
-        if not entries:
-            raise _Reject(404, f"model {model} is not in this gateway's store")
+        model, entries = _entries(gw, request)
         return web.json_response({"model": model, "head": gw.store.head(model),
                                   "versions": [e.describe() for e in entries]})
 
+    @routes.get(base + "/plan")
+    @guarded
     async def plan(request: web.Request) -> web.Response:
-        model = _model(request)
-        entries = gw.store.entries(model)
-        if not entries:
-            raise _Reject(404, f"model {model} is not in this gateway's store")
+        model, entries = _entries(gw, request)
         head_v = gw.store.head(model)
         frm = _int_param(request, "from")
         to = _int_param(request, "to", head_v)
@@ -163,11 +179,15 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         gw.store.lease([gw.store.get(model, s.version, s.kind) for s in p.steps], cfg.lease_s)
         return web.json_response(p.to_json())
 
+    @routes.get(one + "/manifest")
+    @guarded
     async def get_manifest(request: web.Request) -> web.Response:
         entry = _entry(gw, request)
         gw.store.lease([entry], cfg.lease_s)
         return web.Response(body=entry.manifest_bytes, content_type="application/json")
 
+    @routes.put(one + "/manifest")
+    @guarded
     async def put_manifest(request: web.Request) -> web.Response:
         if not cfg.is_origin:
             raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
@@ -192,6 +212,8 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             raise _Reject(409, str(e)) from None
         return web.json_response({"stored": new, "missing": entry.missing}, status=201 if new else 200)
 
+    @routes.put(one + "/pieces/{index}")
+    @guarded
     async def put_piece(request: web.Request) -> web.Response:
         if not cfg.is_origin:
             raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
@@ -211,6 +233,8 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
         return web.json_response({"stored": stored, "complete": entry.complete}, status=201 if stored else 200)
 
+    @routes.get(one + "/pieces/{index}")
+    @guarded
     async def get_piece(request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
         entry = _entry(gw, request)
@@ -242,17 +266,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             gw.links.record_transfer(link, end - start, done - t_send)
         return resp
 
-    base = "/v1/models/{model}"
-    one = base + "/versions/{version}/{kind}"
-    app.router.add_get("/v1/heads", guarded(heads))
-    app.router.add_get("/v1/models", guarded(models))
-    app.router.add_get(base + "/head", guarded(head))
-    app.router.add_get(base + "/versions", guarded(versions))
-    app.router.add_get(base + "/plan", guarded(plan))
-    app.router.add_get(one + "/manifest", guarded(get_manifest))
-    app.router.add_put(one + "/manifest", guarded(put_manifest))
-    app.router.add_get(one + "/pieces/{index}", guarded(get_piece))
-    app.router.add_put(one + "/pieces/{index}", guarded(put_piece))
+    app.add_routes(routes)
 
 
 def _check_envelope(raw: bytes) -> None:

@@ -1,23 +1,21 @@
 """The data interface between rollout pools, the dataflow broker and trainers (the trainer owns it).
 
 The trajectory record (`Trajectory`; `build_trajectories` is the one validation every entry point
-shares), the two binary layouts (a submission of trajectories and a training batch: safetensors
-bytes with per-sample metadata as JSON in `__metadata__`, see docs/api/broker.md), and `BatchClient`,
-the trainer's client of the broker (report versions and step timings, long-poll and acknowledge
-batches). Nothing is pickled; arrays travel as little-endian raw tensors.
+shares) and the two binary layouts (a submission of trajectories and a training batch: safetensors
+bytes with per-sample metadata as JSON in `__metadata__`, see docs/api/broker.md). Nothing is
+pickled; arrays travel as little-endian raw tensors. The trainer's client of the broker, which
+speaks these layouts, is `deltamesh.trainer.batch_client`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from deltamesh.gateway.http import HttpError, client_session, request_bytes, request_json
 from deltamesh.trainer.safetensors_bytes import DataFormatError, load_tensors, safetensors_buffer
 
 TRAJECTORIES_FORMAT = "deltamesh.trajectories/1"
@@ -280,122 +278,3 @@ def decode_batch(data: bytes) -> Batch:
         raise DataFormatError("batch has a different number of samples and token rows")
     return Batch(model_id=model_id, batch_id=batch_id, version=version, groups=groups, samples=samples,
                  **{name: arrays[name] for name in _BATCH_DTYPES})
-
-
-class BatchClient:
-    """The trainer's side of the broker: report versions and step timings, long-poll and acknowledge batches.
-
-    Delivery is at least once. The broker keeps every batch it serves until the batch is acknowledged;
-    one not acknowledged goes back to its buffer when its ack deadline passes or when a poll does not
-    list it as held, so a trainer that dies before acknowledging gets the same samples again after a
-    restart. The client keeps that bookkeeping: every poll carries the acknowledgements not yet
-    confirmed (`ack`) and the batches received and not yet acknowledged (`held`). With `auto_ack`
-    (the default) a batch counts as trained once the next one is asked for; a trainer that must
-    acknowledge later (after a checkpoint) passes `auto_ack=False` and calls `ack`.
-
-    `next_batch` remembers how long it waited and when it was last called, so a trainer that calls it
-    once per step can report `step_timings()` without measuring anything itself. Use one client per
-    model_id, polling one batch at a time.
-    """
-
-    def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True):
-        self.base = broker_url.rstrip("/")
-        self.model_id = model_id
-        self.auto_ack = auto_ack
-        self._model_url = f"{self.base}/v1/models/{model_id}"
-        self._session = client_session(timeout_s=None, connections=4)
-        self._last_call: float | None = None
-        self._wait_s = 0.0
-        self._last_step: tuple[float, float] = (0.0, 0.0)
-        self._held: list[str] = []  # received, not yet acknowledged: the broker keeps them for us
-        self._acks: list[str] = []  # acknowledged here, not yet confirmed by the broker
-
-    async def __aenter__(self) -> BatchClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._session.close()
-
-    @property
-    def held(self) -> list[str]:
-        """Batches received and not yet acknowledged, oldest first."""
-        return list(self._held)
-
-    @property
-    def unconfirmed_acks(self) -> list[str]:
-        """Batches acknowledged here whose acknowledgement the broker has not confirmed yet."""
-        return list(self._acks)
-
-    async def report_version(self, version: int) -> dict[str, Any]:
-        """Tell the broker this trainer now holds `version` (registers the model_id if the broker allows)."""
-        return await request_json(self._session, "POST", f"{self._model_url}/version", body={"version": version},
-                                  timeout_s=30)
-
-    async def report_step(self, wait_s: float, step_s: float) -> dict[str, Any]:
-        """One training step's timings: seconds spent waiting for its batch and the whole step's length."""
-        return await request_json(self._session, "POST", f"{self._model_url}/steps",
-                                  body={"wait_s": wait_s, "step_s": step_s}, timeout_s=30)
-
-    async def next_batch(self, size: int, *, version: int | None = None, timeout_s: float = 30.0) -> Batch | None:
-        """Wait up to `timeout_s` for a batch of (at most, whole groups) `size` samples; None on timeout.
-
-        The request also carries the pending acknowledgements and the batches held; a failed poll
-        loses neither (they go with the next one)."""
-        start = time.monotonic()
-        if self._last_call is not None:
-            self._last_step = (self._wait_s, start - self._last_call)
-        self._last_call = start
-        if self.auto_ack:
-            self._mark_acked(self._held)
-        sent = list(self._acks)
-        body = {"size": size, "version": version, "timeout_s": timeout_s, "ack": sent, "held": list(self._held)}
-        data = await request_bytes(self._session, "POST", f"{self._model_url}/batch",
-                                   data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                                   timeout_s=timeout_s + 30)
-        self._confirmed(sent)
-        self._wait_s = time.monotonic() - start
-        if not data:
-            return None
-        batch = decode_batch(data)
-        self._held.append(batch.batch_id)
-        return batch
-
-    async def ack(self, batch_ids: Sequence[str] | None = None) -> dict[str, list[str]]:
-        """Acknowledge `batch_ids` (default: every batch held) now, with every acknowledgement still
-        unconfirmed. Answers {"acked", "already_acked", "requeued"}: a requeued batch was acknowledged
-        too late (after its deadline) and its samples are served again.
-
-        Raises HttpError. After a 4xx (an id the broker never served, an unknown model) the ids sent
-        are dropped, as the broker will never take them; after any other failure they stay pending
-        and go with the next poll or ack."""
-        self._mark_acked(self._held if batch_ids is None else batch_ids)
-        sent = list(self._acks)
-        if not sent:
-            return {"acked": [], "already_acked": [], "requeued": []}
-        try:
-            answer = await request_json(self._session, "POST", f"{self._model_url}/acks", body={"batch_ids": sent},
-                                        timeout_s=30)
-        except HttpError as e:
-            if 400 <= e.status < 500:
-                self._confirmed(sent)
-            raise
-        self._confirmed(sent)
-        return answer
-
-    def _mark_acked(self, batch_ids: Sequence[str]) -> None:
-        for batch_id in list(batch_ids):
-            if batch_id in self._held:
-                self._held.remove(batch_id)
-            if batch_id not in self._acks:
-                self._acks.append(batch_id)
-
-    def _confirmed(self, batch_ids: Sequence[str]) -> None:
-        done = set(batch_ids)
-        self._acks = [b for b in self._acks if b not in done]
-
-    def step_timings(self) -> tuple[float, float]:
-        """(wait_s, step_s) of the last complete step: from one `next_batch` call to the next."""
-        return self._last_step

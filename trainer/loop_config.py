@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltamesh.config import http_url
 from deltamesh.gateway.publisher import DEFAULT_PIECE_BYTES
 
 
@@ -41,11 +42,8 @@ class TrainLoopConfig:
     metrics_file: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("broker", "gateway"):
-            url = getattr(self, name)
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
-            setattr(self, name, url.rstrip("/"))
+        self.broker = http_url(self.broker, "broker")
+        self.gateway = http_url(self.gateway, "gateway")
         if not self.model:
             raise ValueError("model (the initial model directory) is required")
         if not self.key:

@@ -27,7 +27,8 @@ from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.gateway.http import HttpError
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.trainer.data import Batch, BatchClient, DataFormatError
+from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.data import Batch, DataFormatError
 from deltamesh.trainer.publish import StreamStart, start_stream
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ import torch
 
 from deltamesh.delta import Applier, CodecError, Manifest, load_manifest, weights_hash
 from deltamesh.delta.keys import Ed25519PublicKey
-from deltamesh.gateway.fetch import Fetcher, FetchError, Source
+from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.sources import Source
 from deltamesh.gateway.http import HttpError, client_session, request_json
 from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.publisher import Published, Publisher
@@ -152,7 +153,7 @@ async def gateway_weights(
     `trusted_keys` and every result tensor against its hash, so the weights are bit-exact.
     """
     url = gateway.rstrip("/")
-    async with client_session(connections=max(4, connections), timeout_s=None) as session:
+    async with client_session(connections=2 * connections + 4, timeout_s=None) as session:
         params = {"from": None if have is None else have[0], "to": version}
         plan = Plan.from_json(await request_json(session, "GET", f"{url}/v1/models/{model_id}/plan",
                                                  params=params, timeout_s=30.0))
@@ -160,7 +161,8 @@ async def gateway_weights(
         weights: Mapping[str, torch.Tensor] | None = None if have is None else have[1]
         for step in plan.steps:
             manifest = await fetcher.manifest_bytes(model_id, step.version, step.kind,
-                                                    lambda raw: _verified(raw, trusted_keys, model_id, step))
+                                                    lambda raw: _verified(raw, trusted_keys, model_id, step),
+                                                    prefetch=connections)
             applier = Applier(manifest, weights if manifest.kind == "delta" else None)
 
             async def add(index: int, data: bytearray, applier: Applier = applier) -> None:

@@ -108,6 +108,9 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
 
+    routes = web.RouteTableDef()
+
+    @routes.post("/v1/trajectories")
     @_errors
     async def submit(request: web.Request) -> web.Response:
         raw = await read_body(request, limit=config.max_body_bytes)
@@ -126,6 +129,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         result = await broker.submit(trajectories)
         return web.json_response({"accepted": result.accepted, "duplicates": result.duplicates})
 
+    @routes.post("/v1/leases")
     @_errors
     async def lease(request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -138,15 +142,18 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         leases = await broker.lease(pool, region, gpus, max_tasks)
         return web.json_response({"leases": leases, "tasks": broker.status()["tasks"]})
 
+    @routes.get("/v1/leases")
     async def list_leases(request: web.Request) -> web.Response:
         return web.json_response({"leases": broker.leases(request.query.get("pool"))})
 
+    @routes.post("/v1/models/{model_id}/version")
     @_errors
     async def version(request: web.Request) -> web.Response:
         body = await read_json(request)
         v = _field(body, "version", int, minimum=0)
         return web.json_response(await broker.report_version(request.match_info["model_id"], v))
 
+    @routes.post("/v1/models/{model_id}/steps")
     @_errors
     async def steps(request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -156,6 +163,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
             raise web.HTTPBadRequest(reason="wait_s cannot exceed step_s")
         return web.json_response(broker.report_step(request.match_info["model_id"], wait_s, step_s))
 
+    @routes.post("/v1/models/{model_id}/batch")
     @_errors
     async def batch(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -171,30 +179,25 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         batch_id, data = served
         return web.Response(body=data, content_type=BATCH_CONTENT_TYPE, headers={"X-Batch-Id": batch_id})
 
+    @routes.post("/v1/models/{model_id}/acks")
     @_errors
     async def acks(request: web.Request) -> web.Response:
         body = await read_json(request)
         result = await broker.ack(request.match_info["model_id"], _batch_ids(body, "batch_ids"))
         return web.json_response(result.as_json())
 
+    @routes.get("/v1/status")
     async def status(request: web.Request) -> web.Response:
         return web.json_response(broker.status())
 
+    @routes.get("/v1/balance")
     async def balance(request: web.Request) -> web.Response:
         return web.json_response(broker.balance())
 
+    @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
         broker.balance()  # refresh the report's gauges
         return web.Response(body=generate_latest(broker.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/v1/trajectories", submit)
-    app.router.add_post("/v1/leases", lease)
-    app.router.add_get("/v1/leases", list_leases)
-    app.router.add_post("/v1/models/{model_id}/version", version)
-    app.router.add_post("/v1/models/{model_id}/steps", steps)
-    app.router.add_post("/v1/models/{model_id}/batch", batch)
-    app.router.add_post("/v1/models/{model_id}/acks", acks)
-    app.router.add_get("/v1/status", status)
-    app.router.add_get("/v1/balance", balance)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(routes)
     return app

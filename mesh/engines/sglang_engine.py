@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from deltamesh.config import http_url
 from deltamesh.delta import Manifest, dir_manifest
 from deltamesh.gateway.http import HttpError, client_session, request_json
 from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams
@@ -65,8 +66,8 @@ class SGLangEngineConfig:
             raise ValueError("model_id must be set")
         if not self.url and not self.model_path:
             raise ValueError("set url (attach to a server) or model_path (launch one)")
-        if self.url and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url {self.url!r} must be an http(s) URL")
+        if self.url:
+            self.url = http_url(self.url, "url")
         if not self.url and not self.launch_command:
             raise ValueError("launch_command must not be empty")
         if not 0 < self.port < 65536:
@@ -81,7 +82,7 @@ class SGLangEngine:
     def __init__(self, config: SGLangEngineConfig, *, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.model_id = config.model_id
-        self.base_url = config.url.rstrip("/") if config.url else f"http://{config.host}:{config.port}"
+        self.base_url = config.url or f"http://{config.host}:{config.port}"
         self.metrics = EngineMetrics(self.model_id, "sglang", registry)
         self._session: aiohttp.ClientSession | None = None
         self._process: asyncio.subprocess.Process | None = None

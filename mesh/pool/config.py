@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from deltamesh.config import http_url
+from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.http import parse_listen
 
 
@@ -32,8 +34,8 @@ class PolicyConfig:
     """SGLang only: port of the server the pool launches (when `engine_url` is empty)."""
 
     def __post_init__(self) -> None:
-        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
-            raise ValueError(f"engine_url {self.engine_url!r} must be an http(s) URL")
+        if self.engine_url:
+            self.engine_url = http_url(self.engine_url, "engine_url")
         if not 0 < self.engine_port < 65536:
             raise ValueError(f"engine_port {self.engine_port} out of range")
 
@@ -56,24 +58,16 @@ class SamplingConfig:
 
 
 @dataclass
-class PoolConfig:
-    """Everything `deltamesh pool run` needs."""
+class PoolConfig(WeightSyncSettings):
+    """Everything `deltamesh pool run` needs: how it follows the gateways (`WeightSyncSettings`) and the rest."""
 
     name: str = ""
-    gateways: list[str] = field(default_factory=list)
-    """The region's gateway first, alternates after (used when it fails)."""
     broker: str = ""
-    token: str = ""
-    """The region's pool token (registration with the gateway)."""
-    trusted_keys: list[str] = field(default_factory=list)
-    """PEM files of the trainer public keys whose signed versions are accepted."""
     dir: str = "pool-weights"
     """Root of the synced weights: each policy's directory is DIR/<model_id>, kept at the gateway's
     head atomically; a restarted pool resumes from it without downloading what it already holds."""
     region: str = ""
     """Empty: the region of the first gateway that answers."""
-    tier: str = ""
-    gpus: int = 0
     engine: Literal["transformers", "sglang"] = "transformers"
     device: str = "cpu"
     """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
@@ -113,29 +107,12 @@ class PoolConfig:
     submit_retries: int = 10
     drain_s: float = 30.0
     """On stop: how long running episodes may take to finish and submit (unfinished leases expire)."""
-    connections: int = 4
-    """Parallel piece fetches per transfer."""
-    heartbeat_s: float = 2.0
-    poll_wait_s: float = 30.0
-    stall_timeout_s: float = 20.0
-    give_up_s: float = 120.0
-    full_every: int = 0
-    """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name is required")
-        if not self.gateways:
-            raise ValueError("gateways must list at least one gateway URL")
-        for url in [*self.gateways, self.broker]:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} must be an http(s) URL (gateways and broker are required)")
-        self.gateways = [u.rstrip("/") for u in self.gateways]
-        self.broker = self.broker.rstrip("/")
-        if not self.token:
-            raise ValueError("token is required (the region's pool token)")
-        if not self.trusted_keys:
-            raise ValueError("trusted_keys must name at least one trainer public key file")
+        super().__post_init__()
+        self.broker = http_url(self.broker, "broker")
         if not self.models:
             raise ValueError("models must describe at least one policy (or give --model)")
         ids = [m.model_id for m in self.models]
@@ -150,20 +127,18 @@ class PoolConfig:
         if unknown:
             raise ValueError(f"roles name model_ids the pool does not serve: {unknown}")
         parse_listen(self.listen)
-        if self.advertise and not self.advertise.startswith(("http://", "https://")):
-            raise ValueError(f"advertise {self.advertise!r} must be an http(s) URL")
+        if self.advertise:
+            self.advertise = http_url(self.advertise, "advertise")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
-        if min(self.lease_batch, self.max_episodes, self.max_batch, self.connections) < 1:
-            raise ValueError("lease_batch, max_episodes, max_batch and connections must be >= 1")
-        if self.gpus < 0 or self.threads < 0 or self.submit_retries < 0 or self.full_every < 0:
-            raise ValueError("gpus, threads, submit_retries and full_every must be >= 0")
+        if min(self.lease_batch, self.max_episodes, self.max_batch) < 1:
+            raise ValueError("lease_batch, max_episodes and max_batch must be >= 1")
+        if self.threads < 0 or self.submit_retries < 0:
+            raise ValueError("threads and submit_retries must be >= 0")
         if self.batch_window_s < 0 or self.drain_s < 0:
             raise ValueError("batch_window_s and drain_s must be >= 0")
-        if min(self.idle_s, self.broker_refresh_s, self.heartbeat_s, self.poll_wait_s, self.stall_timeout_s,
-               self.give_up_s) <= 0:
-            raise ValueError("idle_s, broker_refresh_s, heartbeat_s, poll_wait_s, stall_timeout_s and give_up_s "
-                             "must be > 0")
+        if min(self.idle_s, self.broker_refresh_s) <= 0:
+            raise ValueError("idle_s and broker_refresh_s must be > 0")
 
     def policy_dir(self, model_id: str) -> Path:
         """The synced weights directory of one policy."""

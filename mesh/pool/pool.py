@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 
-from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.gateway.http import HttpError, client_session, request_json
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
@@ -197,10 +197,7 @@ class RolloutPool:
 
     def _sync_config(self, model_id: str) -> PoolSyncConfig:
         cfg = self.config
-        return PoolSyncConfig(
-            gateways=cfg.gateways, token=cfg.token, name=cfg.registration_name(model_id),
-            dir=str(cfg.policy_dir(model_id)), trusted_keys=cfg.trusted_keys, model=model_id, gpus=cfg.gpus,
-            engine=cfg.engine, tier=cfg.tier, endpoint=cfg.advertise or self.url, connections=cfg.connections,
-            heartbeat_s=cfg.heartbeat_s, poll_wait_s=cfg.poll_wait_s, stall_timeout_s=cfg.stall_timeout_s,
-            give_up_s=cfg.give_up_s, full_every=cfg.full_every)
+        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(WeightSyncSettings)}
+        return PoolSyncConfig(**shared, name=cfg.registration_name(model_id), dir=str(cfg.policy_dir(model_id)),
+                              model=model_id, engine=cfg.engine, endpoint=cfg.advertise or self.url)
 

@@ -17,19 +17,21 @@ from deltamesh.gateway.http import json_errors, parse_listen
 
 def status_app(status: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> web.Application:
     app = web.Application(middlewares=[json_errors])
+    routes = web.RouteTableDef()
 
+    @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    @routes.get("/v1/status")
     async def status_json(request: web.Request) -> web.Response:
         return web.json_response(status())
 
+    @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/v1/status", status_json)
-    app.router.add_get("/metrics", metrics)
+    app.add_routes(routes)
     return app
 
 

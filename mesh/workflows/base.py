@@ -51,6 +51,12 @@ class Task:
         value = self.metadata.get("answer")
         return None if value is None else str(value)
 
+    def reference_answer(self, workflow: str) -> str:
+        """The answer `workflow` scores against; WorkflowError if the task has none."""
+        if self.answer is None:
+            raise WorkflowError(f"task {self.task_id}: the {workflow} workflow needs metadata.answer")
+        return self.answer
+
 
 @dataclass
 class EpisodeContext:

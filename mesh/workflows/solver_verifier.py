@@ -19,7 +19,6 @@ from deltamesh.mesh.workflows.answers import answers_match, extract_answer
 from deltamesh.mesh.workflows.base import (
     EpisodeContext,
     Task,
-    WorkflowError,
     WorkflowSpec,
     finalize_groups,
     render,
@@ -52,9 +51,7 @@ class SolverVerifierConfig:
 
 
 async def solver_verifier_episode(task: Task, ctx: EpisodeContext, config: SolverVerifierConfig) -> list[Trajectory]:
-    reference = task.answer
-    if reference is None:
-        raise WorkflowError(f"task {task.task_id}: the solver_verifier workflow needs metadata.answer")
+    reference = task.reference_answer("solver_verifier")
     started = time.perf_counter()
     solver_id, solver = ctx.engine_for("solver")
     verifier_id, verifier = ctx.engine_for("verifier")

@@ -18,7 +18,6 @@ from deltamesh.mesh.workflows.answers import answers_match, extract_answer
 from deltamesh.mesh.workflows.base import (
     EpisodeContext,
     Task,
-    WorkflowError,
     WorkflowSpec,
     finalize_groups,
     render,
@@ -51,9 +50,7 @@ def score(completion: str, reference: str, config: MathConfig) -> tuple[float, s
 
 
 async def math_episode(task: Task, ctx: EpisodeContext, config: MathConfig) -> list[Trajectory]:
-    reference = task.answer
-    if reference is None:
-        raise WorkflowError(f"task {task.task_id}: the math workflow needs metadata.answer")
+    reference = task.reference_answer("math")
     started = time.perf_counter()
     model_id, engine = ctx.engine_for("policy")
     prompt = engine.encode(render(config.prompt_template, prompt=str(task.prompt)))

@@ -12,7 +12,7 @@ import asyncio
 import json
 import sys
 
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 
 def say(event: dict) -> None:

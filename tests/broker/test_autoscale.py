@@ -17,7 +17,7 @@ from deltamesh.mesh.autoscale.launchers import CommandLauncher, LaunchError, Loc
 from deltamesh.mesh.autoscale.loop import Autoscaler, http_balance
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BalanceConfig, BrokerConfig
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 DELTAMESH = [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
 

@@ -11,7 +11,7 @@ import pytest
 
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BalanceConfig, BrokerConfig
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 
 def metric(text: str, name: str) -> float:

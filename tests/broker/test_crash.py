@@ -12,7 +12,8 @@ import pytest
 
 from deltamesh.gateway.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
-from deltamesh.trainer.data import BatchClient, Trajectory
+from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.data import Trajectory
 
 CLIENTS = 8
 ACKS_BEFORE_KILL = 40

@@ -30,7 +30,8 @@ from deltamesh.gateway.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.mesh.broker.sqlite_store import SCHEMA_VERSION, SqliteStore
-from deltamesh.trainer.data import Batch, BatchClient
+from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.data import Batch
 
 POLLER = Path(__file__).with_name("batch_poller.py")
 

@@ -16,7 +16,7 @@ import pytest
 
 from deltamesh.gateway.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 
 @pytest.fixture

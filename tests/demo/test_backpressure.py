@@ -20,7 +20,8 @@ from deltamesh.config import ConfigError, from_dict
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
-from deltamesh.trainer.data import BatchClient, Trajectory
+from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.data import Trajectory
 
 GROUP = 2
 

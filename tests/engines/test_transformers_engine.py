@@ -1,8 +1,8 @@
 """The in-process transformers engine: batched decoding, logprobs, and hot weight swaps in place.
 
 Tiny random-init models (character tokenizer, bf16 on the CPU) keep every test well under a second.
-A "next version" is the current bf16 weights with ~2% of words moved by one or two ulps, the way one
-RL optimizer step moves them.
+A "next version" (`rl_step`, from tests/conftest.py) is the current bf16 weights with ~2% of words
+moved by one or two ulps, the way one RL optimizer step moves them.
 """
 
 from __future__ import annotations
@@ -37,19 +37,6 @@ KEY = generate_key()
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
     return tiny_model_dir(TinyModelConfig(seed=21), path=tmp_path_factory.mktemp("engine") / "v0")
-
-
-def step(weights: dict[str, torch.Tensor], seed: int, share: float = 0.02) -> dict[str, torch.Tensor]:
-    """Move `share` of each tensor's bf16 words by +-1 or 2 ulps (what one optimizer step does)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, w in weights.items():
-        words = w.contiguous().view(-1).view(torch.int16).clone()
-        hit = torch.rand(words.shape, generator=g) < share
-        moves = torch.randint(1, 3, words.shape, generator=g, dtype=torch.int16)
-        signs = torch.where(torch.rand(words.shape, generator=g) < 0.5, -1, 1).to(torch.int16)
-        out[name] = torch.where(hit, words + moves * signs, words).view(torch.bfloat16).view(w.shape)
-    return out
 
 
 def version_dir(base_dir: Path, target: Path, weights: dict[str, torch.Tensor]) -> Path:
@@ -114,9 +101,9 @@ def test_seeded_sampling_repeats_and_stop_tokens_end_generation(base_dir):
     assert stopped.tokens == [first] and stopped.finish_reason == "stop"
 
 
-def test_in_place_delta_is_bit_identical_to_loading_the_new_version(base_dir, tmp_path):
+def test_in_place_delta_is_bit_identical_to_loading_the_new_version(base_dir, tmp_path, rl_step):
     v0 = read_weights(base_dir)
-    v1 = step(v0, seed=1)
+    v1 = rl_step(v0, seed=1)
     engine = engine_at(base_dir)
     enc = encode_delta(v0, v1, model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
     assert len(enc.pieces) > 1
@@ -132,9 +119,9 @@ def test_in_place_delta_is_bit_identical_to_loading_the_new_version(base_dir, tm
     assert swapped[0].tokens == loaded[0].tokens and swapped[0].versions == [1] * 6
 
 
-def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir):
+def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir, rl_step):
     v0 = read_weights(base_dir)
-    v1 = step(v0, seed=2, share=0.3)
+    v1 = rl_step(v0, seed=2, share=0.3)
     enc = encode_delta(v0, v1, model_id=MODEL, version=1, base_version=0, key=KEY)
     reference = engine_at(base_dir)
     engine = engine_at(base_dir)
@@ -157,28 +144,28 @@ def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir):
     assert straddled == 1
 
 
-def test_chain_of_deltas_then_full_snapshot(base_dir):
+def test_chain_of_deltas_then_full_snapshot(base_dir, rl_step):
     engine = engine_at(base_dir)
     weights = read_weights(base_dir)
     for v in (1, 2, 3):
-        new = step(weights, seed=10 + v)
+        new = rl_step(weights, seed=10 + v)
         enc = encode_delta(weights, new, model_id=MODEL, version=v, base_version=v - 1, key=KEY)
         asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
         weights = new
     assert engine.version == 3
     assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in weights}, weights)
-    fresh = step(weights, seed=99, share=0.5)
+    fresh = rl_step(weights, seed=99, share=0.5)
     full = encode_full(fresh, model_id=MODEL, version=10, key=KEY)
     asyncio.run(engine.apply_update(full.manifest, full.pieces))
     assert engine.version == 10 and engine.weights_hash == full.manifest.weights_hash
     assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in fresh}, fresh)
 
 
-def test_corrupt_piece_changes_nothing(base_dir):
+def test_corrupt_piece_changes_nothing(base_dir, rl_step):
     engine = engine_at(base_dir)
     before = snapshot(engine)
     v0 = read_weights(base_dir)
-    enc = encode_delta(v0, step(v0, seed=3), model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
+    enc = encode_delta(v0, rl_step(v0, seed=3), model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
     pieces = list(enc.pieces)
     pieces[-1] = pieces[-1][:-1] + bytes([pieces[-1][-1] ^ 1])
     with pytest.raises(CodecError):
@@ -189,11 +176,11 @@ def test_corrupt_piece_changes_nothing(base_dir):
     assert_bit_identical(snapshot(engine), before)
 
 
-def test_delta_for_another_base_or_model_is_refused(base_dir):
+def test_delta_for_another_base_or_model_is_refused(base_dir, rl_step):
     engine = engine_at(base_dir)
     before = snapshot(engine)
     v0 = read_weights(base_dir)
-    v1, v2 = step(v0, seed=4), step(step(v0, seed=4), seed=5)
+    v1, v2 = rl_step(v0, seed=4), rl_step(rl_step(v0, seed=4), seed=5)
     skip = encode_delta(v1, v2, model_id=MODEL, version=2, base_version=1, key=KEY)
     with pytest.raises(BaseMismatchError, match="from v1"):
         asyncio.run(engine.apply_update(skip.manifest, skip.pieces))
@@ -204,13 +191,13 @@ def test_delta_for_another_base_or_model_is_refused(base_dir):
     assert_bit_identical(snapshot(engine), before)
 
 
-def test_delta_for_other_weights_of_the_same_version_is_refused(base_dir):
+def test_delta_for_other_weights_of_the_same_version_is_refused(base_dir, rl_step):
     """Same version number, other weights: the base hash (computed from the live model) differs."""
     engine = engine_at(base_dir)
     assert engine.weights_hash is None  # its directory has no manifest
     before = snapshot(engine)
-    stranger = step(read_weights(base_dir), seed=6)  # a different "v0"
-    enc = encode_delta(stranger, step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY)
+    stranger = rl_step(read_weights(base_dir), seed=6)  # a different "v0"
+    enc = encode_delta(stranger, rl_step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY)
     with pytest.raises(BaseMismatchError, match="base v0"):
         asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
     assert engine.version == 0
@@ -219,23 +206,23 @@ def test_delta_for_other_weights_of_the_same_version_is_refused(base_dir):
     assert gen.versions == [0, 0]
 
 
-def test_failed_result_hash_rolls_every_written_word_back(base_dir):
+def test_failed_result_hash_rolls_every_written_word_back(base_dir, rl_step):
     """Below the base check: a delta written onto other weights fails its result hashes and the
     undo record restores the live tensors bit for bit."""
     engine = engine_at(base_dir)
     live = live_tensors(engine.model)
     before = snapshot(engine)
-    stranger = step(read_weights(base_dir), seed=6)
-    enc = encode_delta(stranger, step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY,
+    stranger = rl_step(read_weights(base_dir), seed=6)
+    enc = encode_delta(stranger, rl_step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY,
                        piece_bytes=512)
     with pytest.raises(CodecError, match="does not hash"):
         write_delta_in_place(live, decode_delta(enc.manifest, enc.pieces))
     assert_bit_identical(snapshot(engine), before)
 
 
-def test_load_version_from_a_synced_directory(base_dir, tmp_path):
+def test_load_version_from_a_synced_directory(base_dir, tmp_path, rl_step):
     v0 = read_weights(base_dir)
-    v5 = step(v0, seed=8)
+    v5 = rl_step(v0, seed=8)
     synced = tmp_path / "synced"
     full = encode_full(v5, model_id=MODEL, version=5, key=KEY)
     apply_to_dir(synced, [(full.manifest, full.pieces)])

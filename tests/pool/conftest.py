@@ -7,7 +7,6 @@ handed to test modules as one `PoolKit` fixture (test modules cannot import a co
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,17 +18,17 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import pytest
 import torch
-from aiohttp import web
 
 from deltamesh.delta import generate_key, read_weights, save_keypair
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
+from deltamesh.mesh.pool.status import serving
 from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
@@ -41,18 +40,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def next_version(weights: dict[str, torch.Tensor], seed: int, share: float = 0.02) -> dict[str, torch.Tensor]:
-    """The weights after one 'RL step': `share` of the bf16 words move by one or two ulps."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, w in weights.items():
-        words = w.contiguous().view(-1).view(torch.int16).clone()
-        hit = torch.rand(words.shape, generator=g) < share
-        moves = torch.randint(1, 3, words.shape, generator=g, dtype=torch.int16)
-        out[name] = torch.where(hit, words + moves, words).view(torch.bfloat16).view(w.shape)
-    return out
 
 
 def get_json(url: str, timeout: float = 10.0):
@@ -143,10 +130,11 @@ class PoolKit:
     public_key: Path
     private_key: object
     model_dir: Path
+    next_version: Callable[..., dict[str, torch.Tensor]]
+    """The weights after one RL step (the root conftest's `rl_step`)."""
     started: list[Service] = field(default_factory=list)
     model: str = MODEL
     token: str = TOKEN
-    next_version = staticmethod(next_version)
     get_json = staticmethod(get_json)
     post_json = staticmethod(post_json)
     wait_until = staticmethod(wait_until)
@@ -201,24 +189,12 @@ class PoolKit:
     @staticmethod
     def running_gateway(config: GatewayConfig):
         """A gateway in this process on a real loopback socket: `async with ... as url`."""
-        return _serving(create_app(config))
+        return serving(create_app(config), "127.0.0.1:0")
 
     @staticmethod
     def running_broker(config: BrokerConfig, db: Path):
         """A broker in this process on a real loopback socket: `async with ... as url`."""
-        return _serving(build_app(config, db))
-
-
-@contextlib.asynccontextmanager
-async def _serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+        return serving(build_app(config, db), "127.0.0.1:0")
 
 
 @pytest.fixture(scope="session")
@@ -227,10 +203,10 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def kit(tmp_path: Path, tiny_dir: Path) -> PoolKit:
+def kit(tmp_path: Path, tiny_dir: Path, rl_step) -> PoolKit:
     key = generate_key()
     public = save_keypair(key, tmp_path / "trainer.key")
-    k = PoolKit(tmp_path, public, key, tiny_dir)
+    k = PoolKit(tmp_path, public, key, tiny_dir, rl_step)
     yield k
     for service in reversed(k.started):
         service.kill()

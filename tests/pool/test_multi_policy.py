@@ -14,7 +14,7 @@ from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig
 from deltamesh.mesh.pool.pool import RolloutPool
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 
 def test_a_pool_serves_two_policies_each_following_its_own_weights(kit):

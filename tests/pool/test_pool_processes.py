@@ -15,7 +15,7 @@ import pytest
 from deltamesh.delta import dir_manifest
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 pytestmark = pytest.mark.slow
 

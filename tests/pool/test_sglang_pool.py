@@ -22,7 +22,7 @@ from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig
 from deltamesh.mesh.pool.pool import RolloutPool
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
-from deltamesh.trainer.data import BatchClient
+from deltamesh.trainer.batch_client import BatchClient
 
 STANDIN = Path(__file__).resolve().parent.parent / "engines" / "sglang_standin.py"
 

@@ -1,4 +1,4 @@
-"""Trainer test fixtures: the shared tiny-model helpers (loaded by path, as torchrun runs them too)."""
+"""Trainer test fixtures: the shared tiny-model helpers (loaded by path, as torchrun runs them too) and a trainer key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from deltamesh.delta import generate_key, save_keypair
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
@@ -23,6 +25,14 @@ def _load_worker() -> ModuleType:
 def tiny() -> ModuleType:
     """The helpers of fsdp_worker.py: tiny_model, fixed_batches, trainer_config, single_reference."""
     return _load_worker()
+
+
+@pytest.fixture
+def key_files(tmp_path: Path):
+    """A fresh trainer key: (private key, its file, the public key's file)."""
+    key = generate_key()
+    public = save_keypair(key, tmp_path / "trainer.key")
+    return key, tmp_path / "trainer.key", public
 
 
 @pytest.fixture(scope="module", autouse=True)

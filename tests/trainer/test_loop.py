@@ -1,40 +1,25 @@
-"""The trainer loop and `deltamesh train`: joining the gateway's weight stream, and real runs.
+"""The trainer loop and `deltamesh train`: its config, padding batches for ranks, and real runs.
 
-The first tests drive `start_stream` against a real gateway served in this process on a loopback
-socket, one test per state a restarted trainer can find the gateway in (empty, at its checkpoint,
-ahead of it, with an upload left half done, behind it, holding other weights, holding weights that
-do not fit). Then the loop's mesh client rides out a publish that fails (gateway unreachable) and a
-broker it cannot reach, and padding a batch for ranks leaves the step unchanged. The last two run
-everything as processes: a broker, an origin gateway, a pool following it and `deltamesh train`,
-killed with SIGKILL mid-run and restarted (its unacknowledged batch is served again); then two
-policies sharing one broker, one of them sharded over two torchrun ranks, the other stopped with
-SIGTERM.
+The config and padding tests run in this process. The last two run everything as processes: a
+broker, an origin gateway, a pool following it and `deltamesh train`, killed with SIGKILL mid-run and
+restarted (its unacknowledged batch is served again); then two policies sharing one broker, one of
+them sharded over two torchrun ranks, the other stopped with SIGTERM. The loop's start against a
+gateway and its publishing client are tested in test_publish.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib.util
 import signal
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
-from typing import AsyncIterator
 
 import pytest
 import torch
-from aiohttp import web
 
-from deltamesh.delta import dir_manifest, encode_delta, encode_full, generate_key, save_keypair
-from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.http import client_session, request_bytes, request_json
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.delta import dir_manifest
 from deltamesh.trainer.loop import pad_rows
-from deltamesh.trainer.mesh_client import MeshClient
-from deltamesh.trainer.publish import gateway_weights, start_stream
 from deltamesh.trainer.step import TrainState, build_optimizer, train_step
 
 
@@ -49,262 +34,6 @@ def _load(name: str) -> ModuleType:
 
 mesh = _load("loop_mesh")
 MODEL = "policy"
-
-
-# -- start_stream against an in-process gateway -------------------------------------------------------
-
-def weights_at(step: int, *, seed: int = 0, names: tuple[str, ...] = ("embed.weight", "mlp.weight")) -> dict:
-    """bf16 weights after `step` small updates: most words stay, some move by an ulp or so, like RL steps."""
-    g = torch.Generator().manual_seed(seed)
-    base = {n: torch.randn(64, 48, generator=g) for n in names}
-    for _ in range(step):
-        for t in base.values():
-            t += torch.randn(t.shape, generator=g) * 1e-3
-    return {n: t.to(torch.bfloat16) for n, t in base.items()}
-
-
-@pytest.fixture
-def key_files(tmp_path: Path):
-    key = generate_key()
-    public = save_keypair(key, tmp_path / "trainer.key")
-    return key, tmp_path / "trainer.key", public
-
-
-@contextlib.asynccontextmanager
-async def running_gateway(store: Path, public_key: Path) -> AsyncIterator[str]:
-    app = create_app(GatewayConfig(store=str(store), trusted_keys=[str(public_key)], piece_wait_s=0.5))
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-async def listing(url: str) -> dict[int, dict[str, dict]]:
-    async with client_session() as s:
-        answer = await request_json(s, "GET", f"{url}/v1/models/{MODEL}/versions")
-    out: dict[int, dict[str, dict]] = {}
-    for e in answer["versions"]:
-        out.setdefault(e["version"], {})[e["kind"]] = e
-    return out
-
-
-async def plan(url: str, frm: int | None, to: int) -> dict:
-    async with client_session() as s:
-        return await request_json(s, "GET", f"{url}/v1/models/{MODEL}/plan", params={"from": frm, "to": to})
-
-
-async def publish_run(url: str, key, steps: range, *, seed: int = 0, full_every: int = 0) -> None:
-    """A trainer that publishes weights_at(v) for v in `steps` and then crashes."""
-    publisher = Publisher(url, key, MODEL, full_every=full_every)
-    for v in steps:
-        await publisher.publish(weights_at(v, seed=seed), v)
-
-
-async def put_manifest_only(url: str, encoded) -> None:
-    """An upload cut off after the manifest: announced at the gateway, no pieces."""
-    m = encoded.manifest
-    async with client_session() as s:
-        await request_bytes(s, "PUT", f"{url}/v1/models/{MODEL}/versions/{m.version}/{m.kind}/manifest",
-                            data=encoded.manifest_bytes, headers={"Content-Type": "application/json"})
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)), n
-
-
-def run_with_gateway(tmp_path: Path, public: Path, scenario) -> None:
-    async def main() -> None:
-        async with running_gateway(tmp_path / "store", public) as url:
-            await scenario(url)
-
-    asyncio.run(main())
-
-
-def test_first_start_publishes_a_full_snapshot_and_a_restart_at_the_head_sends_nothing(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        first = Publisher(url, key, MODEL)
-        start = await start_stream(first, 0, weights_at(0), [key.public_key()])
-        assert (start.version, start.base_version) == (0, 0)
-        assert [m.kind for m in start.published.manifests] == ["full"]
-        await first.publish(weights_at(1), 1)
-        # A restart whose checkpoint is the gateway's head: nothing to send, the next version is a delta on it.
-        again = Publisher(url, key, MODEL)
-        start = await start_stream(again, 1, weights_at(1), [key.public_key()])
-        assert (start.version, start.base_version, start.published) == (1, 1, None)
-        published = await again.publish(weights_at(2), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
-        assert sorted(await listing(url)) == [0, 1, 2]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_restart_behind_the_gateway_continues_after_its_head_with_a_delta(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        await publish_run(url, key, range(0, 4))  # checkpointed at v1, published up to v3, crashed
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 1, weights_at(1), [key.public_key()])
-        assert (start.version, start.base_version, start.published) == (3, 3, None)
-        assert_same(dict(publisher.base[1]), weights_at(3))  # rebuilt from the chain 1 -> 3
-        trained = weights_at(2, seed=7)  # what the restarted trainer makes of its checkpoint
-        published = await publisher.publish(trained, 4)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 3)]
-        route = await plan(url, 3, 4)
-        assert [(s["version"], s["kind"]) for s in route["steps"]] == [(4, "delta")]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_an_upload_cut_off_by_the_crash_is_skipped_by_the_next_delta(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        await publish_run(url, key, range(0, 3))
-        lost = encode_delta(weights_at(2), weights_at(3), model_id=MODEL, version=3, base_version=2, key=key)
-        await put_manifest_only(url, lost)
-        assert not (await listing(url))[3]["delta"]["complete"]
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 2, weights_at(2), [key.public_key()])
-        assert (start.version, start.base_version, start.published) == (3, 2, None)
-        trained = weights_at(3, seed=5)
-        published = await publisher.publish(trained, 4)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 2)]
-        # A pool at v2 goes straight to v4; one at v1 follows 2 -> 4, never waiting on the broken v3.
-        assert [s["version"] for s in (await plan(url, 2, 4))["steps"]] == [4]
-        assert [s["version"] for s in (await plan(url, 1, 4))["steps"]] == [2, 4]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_a_lost_publish_is_republished_as_a_delta(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        await publish_run(url, key, range(0, 3))  # checkpoint says v3, its publish never reached the gateway
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 3, weights_at(3), [key.public_key()])
-        assert (start.version, start.base_version) == (3, 3)
-        assert [(m.version, m.kind, m.base_version) for m in start.published.manifests] == [(3, "delta", 2)]
-        versions = await listing(url)
-        assert versions[3]["delta"]["complete"] and "full" not in versions[3]
-        next_one = await publisher.publish(weights_at(4), 4)
-        assert [(m.kind, m.base_version) for m in next_one.manifests] == [("delta", 3)]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_gateway_holding_other_weights_becomes_the_base_of_the_next_delta(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        await publish_run(url, key, range(0, 2), seed=9)  # another run under the same model_id
-        publisher = Publisher(url, key, MODEL)
-        ours = weights_at(1)
-        start = await start_stream(publisher, 1, ours, [key.public_key()])
-        assert (start.version, start.base_version, start.published) == (1, 1, None)
-        assert_same(dict(publisher.base[1]), weights_at(1, seed=9))  # the gateway's v1, not ours
-        published = await publisher.publish(weights_at(2), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
-        # Pools that hold the gateway's v1 reach exactly the trainer's weights.
-        rebuilt = await gateway_weights(url, MODEL, 2, [key.public_key()], have=(1, weights_at(1, seed=9)))
-        assert_same(rebuilt, weights_at(2))
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_gateway_weights_that_do_not_fit_fall_back_to_a_full_snapshot(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        other = Publisher(url, key, MODEL)
-        await other.publish(weights_at(0, names=("other.weight",)), 0)
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
-        assert (start.version, start.base_version) == (1, 1)
-        assert "do not fit" in start.reason or "differ" in start.reason
-        assert [m.kind for m in start.published.manifests] == ["full"]
-        published = await publisher.publish(weights_at(1), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-def test_an_interrupted_first_full_snapshot_is_finished(tmp_path, key_files):
-    key, _, public = key_files
-
-    async def scenario(url: str) -> None:
-        await put_manifest_only(url, encode_full(weights_at(0), model_id=MODEL, version=0, key=key))
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
-        assert (start.version, start.base_version) == (0, 0)
-        assert (await listing(url))[0]["full"]["complete"]
-
-    run_with_gateway(tmp_path, public, scenario)
-
-
-@contextlib.contextmanager
-def gateway_in_thread(store: Path, public_key: Path):
-    """A real gateway on a loopback socket, served from a thread of its own (for blocking callers)."""
-    urls: list[str] = []
-    started, stop = threading.Event(), None
-
-    async def serve() -> None:
-        nonlocal stop
-        stop = asyncio.Event()
-        async with running_gateway(store, public_key) as url:
-            urls.append(url)
-            started.set()
-            await stop.wait()
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(30)
-    try:
-        yield urls[0]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
-        loop.close()
-
-
-def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp_path, key_files):
-    """An unreachable gateway for one publish and an unreachable broker throughout: the loop's client
-    logs them, tells the step log, and the next version is a delta on the last one that got through."""
-    key, _, public = key_files
-    outcomes = []
-    dead = f"http://127.0.0.1:{mesh.free_port()}"
-    with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, on_published=outcomes.append)
-        try:
-            assert client.start(0, weights_at(0), threading.Event()).published is not None
-            client.publish(weights_at(1), 1)
-            client.wait_published()
-            client.publisher.gateway = dead  # the link to the gateway breaks for one publish
-            client.publish(weights_at(2), 2)
-            client.wait_published()
-            client.publisher.gateway = url
-            client.publish(weights_at(3), 3)
-            client.wait_published()
-        finally:
-            client.close()
-        assert [(o.version, o.ok) for o in outcomes] == [(1, True), (2, False), (3, True)]
-        assert "unreachable" in outcomes[1].error
-        versions = asyncio.run(listing(url))
-        assert sorted(versions) == [0, 1, 3]
-        assert versions[3]["delta"]["base_version"] == 1
-        rebuilt = asyncio.run(gateway_weights(url, MODEL, 3, [key.public_key()], have=(1, weights_at(1))))
-        assert_same(rebuilt, weights_at(3))
 
 
 def test_one_config_file_holds_the_trainer_and_train_tables(tmp_path):
