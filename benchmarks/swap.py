@@ -50,7 +50,7 @@ from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.mesh.pool.status import serving
+from deltamesh.gateway.http import serving
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.trainer.models import char_tokenizer_dir, load_tokenizer, smollm2_adam_versions, smollm2_model_dir
 

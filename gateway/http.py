@@ -2,16 +2,18 @@
 
 Every client (publisher, puller, relay, pool agent, broker clients, trainer) talks through
 `client_session` and `request_json`/`request_bytes`; every server answers errors through
-`error_response` (JSON `{"error": reason}`) and is started with `serve`. The control plane is JSON;
-bulk data is raw bytes. Nothing here ever unpickles anything.
+`error_response` (JSON `{"error": reason}`) and is started with `serve` (or, inside a running
+loop, `serving`). The control plane is JSON; bulk data is raw bytes. Nothing here ever unpickles
+anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -179,6 +181,22 @@ def serve(app: web.Application, host: str, port: int) -> None:
         loop_factory = asyncio.new_event_loop
     web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None,
                 keepalive_timeout=KEEPALIVE_S)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, listen: str) -> AsyncIterator[str]:
+    """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL."""
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
+        yield f"http://{shown}:{bound_port}"
+    finally:
+        await runner.cleanup()
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

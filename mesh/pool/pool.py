@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from prometheus_client import CollectorRegistry
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.gateway.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
@@ -31,7 +31,7 @@ from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
 from deltamesh.mesh.pool.engines import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
-from deltamesh.mesh.pool.status import serving, status_app
+from deltamesh.mesh.pool.status import status_app
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker, WorkerSettings
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow

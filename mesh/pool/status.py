@@ -6,13 +6,12 @@ lease, what it has submitted), and the endpoint the gateway probes for the pool'
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from deltamesh.gateway.http import json_errors, parse_listen
+from deltamesh.gateway.http import json_errors
 
 
 def status_app(status: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> web.Application:
@@ -33,19 +32,3 @@ def status_app(status: Callable[[], dict[str, Any]], registry: CollectorRegistry
 
     app.add_routes(routes)
     return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application, listen: str) -> AsyncIterator[str]:
-    """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL."""
-    host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
-        yield f"http://{shown}:{bound_port}"
-    finally:
-        await runner.cleanup()

@@ -22,12 +22,12 @@ from typing import AsyncIterator, Callable
 
 import pytest
 import torch
-from aiohttp import web
 
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.http import serving
 from deltamesh.gateway.server import create_app
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
@@ -216,16 +216,8 @@ def spawn_pool(tmp_path: Path, trainer_key: TrainerKey) -> Callable[..., PoolPro
 @contextlib.asynccontextmanager
 async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
     """A gateway in this process on a real loopback socket; yields its base URL."""
-    app = create_app(config)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(create_app(config), "127.0.0.1:0") as url:
+        yield url
 
 
 def get_json(url: str, timeout: float = 10) -> dict:

@@ -17,7 +17,7 @@ from aiohttp import web
 from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.fetch import Fetcher
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.http import client_session, parse_range
+from deltamesh.gateway.http import client_session, parse_range, serving
 
 MODEL = "m"
 
@@ -54,15 +54,8 @@ async def piece_server(envelope: bytes, pieces: list[bytes], b: Behaviour):
     app = web.Application()
     app.router.add_get(f"/v1/models/{MODEL}/versions/{{v}}/{{kind}}/manifest", manifest)
     app.router.add_get(f"/v1/models/{MODEL}/versions/{{v}}/{{kind}}/pieces/{{i}}", piece)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app, "127.0.0.1:0") as url:
+        yield url
 
 
 def fetch_all(kit, pieces_n: int, piece_size: int, b: Behaviour, *, prefetch: int, connections: int):

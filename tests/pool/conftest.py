@@ -28,7 +28,7 @@ from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
-from deltamesh.mesh.pool.status import serving
+from deltamesh.gateway.http import serving
 from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
