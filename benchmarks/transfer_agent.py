@@ -52,6 +52,17 @@ class Progress:
             self.marks.append((round(time.time(), 4), self.done))
 
 
+async def warm_then_timed(warm_up, timed, t_go: float, idle_s: float) -> dict:
+    """Run `warm_up(t_go)` untimed, idle `idle_s`, then `timed(now)`: its result, with `t_start`
+    (where the scenario's clock starts) and the warm-up's duration."""
+    warm = await warm_up(t_go)
+    await asyncio.sleep(idle_s)
+    result = await timed(time.time())
+    result["t_start"] = result["t_go"]
+    result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
+    return result
+
+
 def add_sync_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready", required=True, help="file created once set up")
     p.add_argument("--go", required=True, help="file whose appearance starts the work")
@@ -163,12 +174,8 @@ def pull(args: argparse.Namespace) -> int:
             if args.warm_version is None:
                 return await pull_one(session, args.version, t_go)
             # Steady state: the previous version came over these same connections, then they idled.
-            warm = await pull_one(session, args.warm_version, t_go)
-            await asyncio.sleep(args.idle_s)
-            result = await pull_one(session, args.version, time.time())
-            result["t_start"] = result["t_go"]
-            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
-            return result
+            return await warm_then_timed(lambda t: pull_one(session, args.warm_version, t),
+                                         lambda t: pull_one(session, args.version, t), t_go, args.idle_s)
 
     write_json(args.out, asyncio.run(main()))
     return 0
@@ -285,12 +292,8 @@ def get(args: argparse.Namespace) -> int:
             t_go = ready_then_wait(args)
             if not args.warm:
                 return await fetch_once(session, t_go)
-            warm = await fetch_once(session, t_go)
-            await asyncio.sleep(args.idle_s)
-            result = await fetch_once(session, time.time())
-            result["t_start"] = result["t_go"]
-            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
-            return result
+            return await warm_then_timed(lambda t: fetch_once(session, t), lambda t: fetch_once(session, t),
+                                         t_go, args.idle_s)
 
     write_json(args.out, asyncio.run(main()))
     return 0

@@ -26,7 +26,7 @@ from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.http import HttpError, request_bytes
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
-from deltamesh.gateway.sources import Source, order_sources, pieces_url
+from deltamesh.gateway.sources import Source, order_sources, version_url
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +76,19 @@ class Fetcher:
         source; the next `pieces()` call of this version takes them (after checking them).
         """
         key = (model, version, kind)
-        self.discard_prefetch(key)
+        self._discard_prefetch(key)
         if prefetch > 0:
             self._early[key] = {i: asyncio.create_task(self._prefetch(model, version, kind, i)) for i in range(prefetch)}
         try:
             return await self._manifest(model, version, kind, accept)
         except BaseException:
-            self.discard_prefetch(key)
+            self._discard_prefetch(key)
             raise
 
-    def discard_prefetch(self, key: tuple[str, int, str] | None = None) -> None:
-        """Cancel prefetched pieces of one version (or of all) that no `pieces()` call took."""
-        for k in [key] if key is not None else list(self._early):
-            for task in self._early.pop(k, {}).values():
-                task.cancel()
+    def _discard_prefetch(self, key: tuple[str, int, str]) -> None:
+        """Cancel prefetched pieces of one version that no `pieces()` call took."""
+        for task in self._early.pop(key, {}).values():
+            task.cancel()
 
     async def _manifest(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]]):
         deadline = time.monotonic() + self.give_up_s
@@ -98,7 +97,7 @@ class Fetcher:
         attempt = 0
         while True:
             for source in order_sources(self.sources):
-                url = f"{source.url}/v1/models/{model}/versions/{version}/{kind}/manifest"
+                url = f"{version_url(source.url, model, version, kind)}/manifest"
                 if source.delay_s:
                     await asyncio.sleep(source.delay_s)
                 try:
@@ -123,19 +122,6 @@ class Fetcher:
     async def piece(self, manifest: Manifest, index: int) -> bytearray:
         """One verified piece, resuming across sources with Range requests."""
         part = _Partial(bytearray(manifest.pieces[index].length))
-        while True:
-            source = await self._fetch_all(manifest, index, part)
-            try:
-                manifest.check_piece(index, part.data)
-            except CorruptError as e:
-                part.filled = 0
-                self._fail(source, f"served a bad piece {index}: {e}")
-                continue
-            return part.data
-
-    async def _fetch_all(self, manifest: Manifest, index: int, part: _Partial) -> Source:
-        """Receive all of `part` (unverified), failing over between sources; returns the source that
-        sent its last bytes."""
         deadline = time.monotonic() + self.give_up_s
         pending_since: float | None = None
         attempt = 0
@@ -143,7 +129,13 @@ class Fetcher:
             for source in order_sources(self.sources):
                 outcome = await self._try(source, manifest, index, part)
                 if outcome == "done":
-                    return source
+                    try:
+                        manifest.check_piece(index, part.data)
+                    except CorruptError as e:
+                        part.filled = 0
+                        self._fail(source, f"served a bad piece {index}: {e}")
+                        continue
+                    return part.data
                 if outcome in ("pending", "missing"):
                     # Not there yet (not arrived, or the version not even announced there): wait for
                     # the preferred source, which is about to get it, unless it has kept us waiting
@@ -158,11 +150,18 @@ class Fetcher:
                                  f"({part.filled}/{len(part.data)} bytes)")
             await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
 
+    async def _received(self, source: Source, nbytes: int) -> None:
+        """Book bytes that just arrived: the source's bandwidth cap, then the progress hook."""
+        if source.limiter is not None:
+            await source.limiter.take(nbytes)
+        if self.on_bytes is not None:
+            self.on_bytes(nbytes)
+
     async def _prefetch(self, model: str, version: int, kind: str, index: int) -> bytes | None:
         """Piece `index` of a version whose manifest is not here yet, from the preferred source; None
         when it does not come in one go (the normal path then fetches it, with failover)."""
         source = order_sources(self.sources)[0]
-        url = f"{source.url}/v1/models/{model}/versions/{version}/{kind}/pieces/{index}"
+        url = f"{version_url(source.url, model, version, kind)}/pieces/{index}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
@@ -178,10 +177,7 @@ class Fetcher:
                     if size > PREFETCH_LIMIT:
                         return None
                     chunks.append(chunk)
-                    if source.limiter is not None:
-                        await source.limiter.take(len(chunk))
-                    if self.on_bytes is not None:
-                        self.on_bytes(len(chunk))
+                    await self._received(source, len(chunk))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None
         if self.monitor is not None and source.link is not None and size:
@@ -194,7 +190,7 @@ class Fetcher:
         headers = {PEER_HEADER: self.peer}
         if part.filled:
             headers["Range"] = f"bytes={part.filled}-"
-        url = f"{pieces_url(source.url, manifest)}/pieces/{index}"
+        url = f"{version_url(source.url, manifest.model_id, manifest.version, manifest.kind)}/pieces/{index}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
@@ -223,10 +219,7 @@ class Fetcher:
                         return "failed"
                     view[part.filled:part.filled + n] = chunk
                     part.filled += n
-                    if source.limiter is not None:
-                        await source.limiter.take(n)
-                    if self.on_bytes is not None:
-                        self.on_bytes(n)
+                    await self._received(source, n)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._fail(source, f"piece {index}: {type(e).__name__}: {e}")
             return "failed"
@@ -251,7 +244,7 @@ class Fetcher:
         `on_piece`. Pieces prefetched with the manifest (`manifest_bytes(prefetch=...)`) are taken
         first, checked like any other; a bad or missing one is fetched again the usual way."""
         early = self._early.pop((manifest.model_id, manifest.version, manifest.kind), {})
-        order = list(dict.fromkeys(indices))
+        order = list(indices)
         for i in set(early) - set(order):
             early.pop(i).cancel()
         queue: asyncio.Queue[int] = asyncio.Queue()

@@ -187,7 +187,7 @@ def serve(app: web.Application, host: str, port: int) -> None:
 async def serving(app: web.Application, listen: str) -> AsyncIterator[str]:
     """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL."""
     host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.links import Link
 
 
@@ -46,8 +45,9 @@ class Source:
         return self.bad_until <= now
 
 
-def pieces_url(base: str, manifest: Manifest) -> str:
-    return f"{base}/v1/models/{manifest.model_id}/versions/{manifest.version}/{manifest.kind}"
+def version_url(base: str, model: str, version: int, kind: str) -> str:
+    """Where a gateway at `base` serves one version: `/manifest` and `/pieces/{index}` below it."""
+    return f"{base}/v1/models/{model}/versions/{version}/{kind}"
 
 
 def order_sources(sources: Sequence[Source]) -> list[Source]:

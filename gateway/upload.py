@@ -15,6 +15,7 @@ import aiohttp
 
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.http import HttpError, request_bytes
+from deltamesh.gateway.sources import version_url
 
 
 async def upload_version(
@@ -29,7 +30,7 @@ async def upload_version(
     retries: int = 3,
 ) -> int:
     """Publish one (model, version, kind); returns the number of piece bytes sent."""
-    base = f"{gateway.rstrip('/')}/v1/models/{manifest.model_id}/versions/{manifest.version}/{manifest.kind}"
+    base = version_url(gateway.rstrip("/"), manifest.model_id, manifest.version, manifest.kind)
     # The envelope goes as the exact bytes that were signed; re-serializing could change them.
     raw = await request_bytes(session, "PUT", f"{base}/manifest", data=manifest_bytes,
                               headers={"Content-Type": "application/json"})
