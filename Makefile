@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py
 
 # The WAN emulator's correctness tests are part of the suite, so its system packages are set up here.
 test: $(STAMP)
-	bash benchmarks/wan/setup.sh $(PY)
+	bash benchmarks/wan/setup.sh
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(VENV)/bin/deltamesh demo
 
 bench: $(STAMP)
-	bash benchmarks/wan/setup.sh $(PY)
+	bash benchmarks/wan/setup.sh
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="parallel piece fetches over long links (relay gateways, pullers)")
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
                     help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
+    ap.add_argument("--congestion", choices=("cubic", "bbr"), default="cubic",
+                    help="hosts' TCP congestion control (default: Linux's own default, cubic)")
     ap.add_argument("--steps", type=int, help="training versions after the first (default 10; 4 with --quick)")
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
     ap.add_argument("--save", type=Path, help="results file to merge into (default .cache/transfer/results.json, "
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the transfer benchmark needs root (network namespaces); see benchmarks/wan/README.md", file=sys.stderr)
         return 2
     from transfer_payload import payload_manifest, prepare_payload
+    from transfer_mesh import congestion_allowed
     from transfer_scenarios import SCENARIOS, Settings
 
     names = [n for n in ORDER if n in (args.scenario or ORDER)]
@@ -81,24 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(payload=payload, payload_bytes=payload_bytes, piece_bytes=payload_bytes / pieces,
                         repeats=args.repeats or (1 if args.quick else 3),
                         rtt_scale=args.rtt_scale or (0.2 if args.quick else 1.0),
-                        connections=args.connections, tcp_buffers=args.tcp_buffers, verify=not args.no_verify,
+                        connections=args.connections, tcp_buffers=args.tcp_buffers,
+                        congestion=args.congestion, verify=not args.no_verify,
                         methods=frozenset(args.methods.split(",")) if args.methods else None,
                         pool_rtt_ms=args.pool_rtt_ms)
     started = time.time()
     scenarios = []
-    for name in names:
-        t0 = time.monotonic()
-        log.warning("scenario %s ...", name)
-        if name == "real_training":
-            from transfer_training import real_training
+    with congestion_allowed(args.congestion):
+        for name in names:
+            t0 = time.monotonic()
+            log.warning("scenario %s ...", name)
+            if name == "real_training":
+                from transfer_training import real_training
 
-            result = real_training(settings, steps=args.steps or (4 if args.quick else 10),
-                                   step_seconds=args.step_seconds)
-        else:
-            result = SCENARIOS[name](settings)
-        result["wall_seconds"] = round(time.monotonic() - t0, 1)
-        result["load_average"] = [round(x, 2) for x in os.getloadavg()]
-        scenarios.append(result)
+                result = real_training(settings, steps=args.steps or (4 if args.quick else 10),
+                                       step_seconds=args.step_seconds)
+            else:
+                result = SCENARIOS[name](settings)
+            result["wall_seconds"] = round(time.monotonic() - t0, 1)
+            result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+            scenarios.append(result)
     report = {"scenarios": scenarios, "quick": args.quick, "started": started,
               "payload_mb": payload_mb, "command": " ".join(["benchmarks/transfer.py", *(argv or sys.argv[1:])])}
     save(report, args.save or RESULTS / ("results-quick.json" if args.quick else "results.json"))

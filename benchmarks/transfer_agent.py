@@ -22,6 +22,9 @@ import urllib.request
 from pathlib import Path
 
 GO_POLL_S = 0.002
+AHEAD_WAIT_S = 60.0
+ARM_S = 1.0
+"""How long a puller asking ahead gives its requests to reach the gateway before the publish starts."""
 
 
 def write_json(path: str, value: dict) -> None:
@@ -118,6 +121,10 @@ def publish(args: argparse.Namespace) -> int:
     async def main() -> dict:
         async with client_session(connections=max(8, args.connections), timeout_s=None) as session:
             t_start = ready_then_wait(args)
+            if args.after:
+                while not os.path.exists(args.after):
+                    await asyncio.sleep(GO_POLL_S)
+                t_start = time.time()
             sent = await upload_version(session, args.gateway, manifest, envelope, pieces,
                                         connections=args.connections)
             return {"t_start": t_start, "t_done": time.time(), "bytes": sent}
@@ -131,6 +138,9 @@ def pull(args: argparse.Namespace) -> int:
 
     With `--after-complete` the fetch starts only once the gateway holds the whole version, as a
     store-and-forward relay would serve it; otherwise it starts the moment the version is announced.
+    With `--warm-version` it first fetches that version (untimed), idles, and then asks for
+    `--version` ahead, before it is published, as a relay that holds the head does (its requests
+    wait at the gateway); it creates `--armed` once they are there, for the publisher to start.
     """
     from deltamesh.delta import load_manifest, load_public_key
     from deltamesh.gateway.fetch import Fetcher
@@ -140,6 +150,27 @@ def pull(args: argparse.Namespace) -> int:
     keys = [load_public_key(args.trusted_key)]
     base = args.gateway.rstrip("/")
     model = args.model
+
+    async def fetch_version(session, version: int, wait_s: float = 0.0, on_asked=None) -> dict:
+        fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
+        progress = Progress()
+        fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
+        asked = asyncio.ensure_future(fetcher.manifest_bytes(model, version, args.kind, _accept(load_manifest, keys),
+                                                             prefetch=args.connections, wait_s=wait_s))
+        if on_asked is not None:
+            await on_asked()
+        manifest = await asked
+        t_manifest = time.time()
+        progress.total = manifest.payload_bytes
+        verified = 0
+
+        async def keep(index: int, data: bytearray) -> None:
+            nonlocal verified
+            verified += len(data)  # checked by the fetcher against the signed manifest
+
+        await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
+        return {"t_manifest": t_manifest, "t_done": time.time(), "bytes": verified, "pieces": len(manifest.pieces),
+                "progress": progress.marks}
 
     async def pull_one(session, version: int, t_go: float) -> dict:
         while True:  # long-poll until the version is announced
@@ -152,21 +183,16 @@ def pull(args: argparse.Namespace) -> int:
             while not await _complete_at(session, base, model, version, args.kind):
                 await asyncio.sleep(0.02)
         t_fetch = time.time()
-        fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
-        progress = Progress()
-        fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
-        manifest = await fetcher.manifest_bytes(model, version, args.kind, _accept(load_manifest, keys),
-                                                prefetch=args.connections)
-        progress.total = manifest.payload_bytes
-        verified = 0
+        return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, **await fetch_version(session, version)}
 
-        async def keep(index: int, data: bytearray) -> None:
-            nonlocal verified
-            verified += len(data)  # checked by the fetcher against the signed manifest
+    async def pull_ahead(session, version: int) -> dict:
+        async def arm() -> None:
+            await asyncio.sleep(ARM_S)
+            Path(args.armed).touch()
 
-        await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
-        return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, "t_done": time.time(),
-                "bytes": verified, "pieces": len(manifest.pieces), "progress": progress.marks}
+        t_asked = time.time()
+        result = await fetch_version(session, version, wait_s=AHEAD_WAIT_S, on_asked=arm)
+        return {"t_go": t_asked, "t_announced": result["t_manifest"], "t_fetch": result["t_manifest"], **result}
 
     async def main() -> dict:
         async with client_session(connections=2 * args.connections + 4, timeout_s=None) as session:
@@ -174,8 +200,11 @@ def pull(args: argparse.Namespace) -> int:
             if args.warm_version is None:
                 return await pull_one(session, args.version, t_go)
             # Steady state: the previous version came over these same connections, then they idled.
-            return await warm_then_timed(lambda t: pull_one(session, args.warm_version, t),
-                                         lambda t: pull_one(session, args.version, t), t_go, args.idle_s)
+            warm = await pull_one(session, args.warm_version, t_go)
+            await asyncio.sleep(args.idle_s)
+            result = await pull_ahead(session, args.version)
+            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
+            return result
 
     write_json(args.out, asyncio.run(main()))
     return 0
@@ -318,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, required=True)
     p.add_argument("--key", required=True, help="trainer private key (PEM)")
     p.add_argument("--connections", type=int, default=4)
+    p.add_argument("--after", help="start only once this file exists (a puller's --armed)")
     add_sync_args(p)
     p.set_defaults(run=publish)
 
@@ -342,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="bench")
     p.add_argument("--after-complete", action="store_true", help="start only once the gateway holds all of it")
     p.add_argument("--warm-version", type=int, default=None,
-                   help="first fetch this version over the same connections (untimed), then idle")
+                   help="first fetch this version over the same connections (untimed), idle, then ask ahead")
+    p.add_argument("--armed", help="with --warm-version: created once the requests for --version wait at the gateway")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
     add_sync_args(p)
     p.set_defaults(run=pull)

@@ -5,7 +5,8 @@
 ready/go files, the bytes a gateway or file server has sent, and the bytes that left a host's links.
 `route_through` lets a host reach a far host through a middle one by plain IP forwarding, with the
 middle host's link delays still applied to forwarded packets (the AstraFlow baseline's pools reach
-the trainer node that way). `set_tcp_buffers` chooses the hosts' TCP buffer limits.
+the trainer node that way). `set_tcp_buffers` chooses the hosts' TCP buffer limits and congestion
+control (`congestion_allowed` lets namespaces use one the machine does not allow them by default).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,14 +192,32 @@ def wire_tx_bytes(host: Host) -> int:
 # Every host keeps an idle connection's congestion window (Linux otherwise restarts slow start after
 # an idle RTO): what deltamesh's deployment notes ask of gateway and pool hosts on long links, and
 # what lets a connection kept open between versions resume at the rate it had. Set for every method.
-HOST_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "bbr"}
+HOST_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+CONGESTION_CONTROLS = ("cubic", "bbr")
+"""Linux's default congestion control first; every host of a run uses the one the run asks for."""
+_ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
-def set_tcp_buffers(wan: Wan, profile: str) -> None:
-    """The hosts' TCP buffer limits (`TCP_BUFFERS[profile]`) and `HOST_SYSCTLS`."""
-    settings = [f"{k}={v}" for k, v in {**TCP_BUFFERS[profile], **HOST_SYSCTLS}.items()]
+def set_tcp_buffers(wan: Wan, profile: str, congestion: str) -> None:
+    """The hosts' TCP buffer limits (`TCP_BUFFERS[profile]`), congestion control and `HOST_SYSCTLS`."""
+    cc = {"net.ipv4.tcp_congestion_control": congestion}
+    settings = [f"{k}={v}" for k, v in {**TCP_BUFFERS[profile], **HOST_SYSCTLS, **cc}.items()]
     for host in wan.hosts.values():
         host.run(["sysctl", "-q", "-w", *settings])
+
+
+@contextmanager
+def congestion_allowed(name: str) -> Iterator[None]:
+    """Let network namespaces choose congestion control `name` (Linux lets them pick only from the
+    machine's allowed list), and put the machine's list back afterwards."""
+    before = _ALLOWED_CC.read_text().split()
+    if name not in before:
+        _ALLOWED_CC.write_text(" ".join([*before, name]))
+    try:
+        yield
+    finally:
+        if name not in before:
+            _ALLOWED_CC.write_text(" ".join(before))
 
 
 def route_through(near: Host, middle: Host, far: Host) -> None:

@@ -23,7 +23,8 @@ def _link(link: dict) -> str:
 def print_network_scenario(s: dict) -> None:
     payload = next(iter(s["methods"].values()))["payload_bytes"]
     print(f"\n{s['name']}: {payload / MB:.0f} MB version over {_link(s['link'])}")
-    print(f"  TCP buffers {s['tcp_buffers']}, {s['connections']} parallel fetches on long links; "
+    print(f"  TCP buffers {s['tcp_buffers']}, congestion control {s.get('congestion', 'bbr')}, "
+          f"{s['connections']} parallel fetches on long links; "
           f"median of runs; load average {s.get('load_average', ['?'])[0]}")
     print(f"  {'method':<18} {'seconds':>8} {'util':>6} {'steady Mbit/s':>14} {'origin egress MB':>17} "
           f"{'x version':>10}  runs")

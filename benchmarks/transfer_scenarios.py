@@ -54,6 +54,7 @@ class Settings:
     connections: int = 16
     """Parallel piece fetches over long links (relay gateways and pullers); pools on a LAN use 4."""
     tcp_buffers: str = "linux"
+    congestion: str = "cubic"
     verify: bool = True
     work_root: Path | None = None
     pool_rtt_ms: float | None = None
@@ -147,22 +148,24 @@ class Scenario:
     def host(self, name: str) -> Host:
         return self.wan.hosts[name]
 
-    def publish(self, origin: Host, gateway: str, version: int, batch=None) -> None:
-        """Add the upload of `version` to `batch`, or (without one) upload it now and wait."""
+    def publish(self, origin: Host, gateway: str, version: int, batch=None, after: Path | None = None) -> None:
+        """Add the upload of `version` to `batch` (to start once `after` exists, if given), or (without
+        a batch) upload it now and wait."""
         own = batch is None
         batch = batch or self.mesh.batch()
         batch.add(origin, "publish", "publish", "--gateway", gateway, "--payload", str(self.settings.payload),
-                  "--version", str(version), "--key", str(self.mesh.private_key))
+                  "--version", str(version), "--key", str(self.mesh.private_key),
+                  *(["--after", str(after)] if after else []))
         if own:
             batch.start()
             batch.finish(600)
 
     def add_pull(self, batch, host: Host, gateway: str, version: int, *, connections: int, after_complete=False,
-                 warm_version: int | None = None):
+                 warm_version: int | None = None, armed: Path | None = None):
         args = ["--gateway", gateway, "--model", MODEL_ID, "--version", str(version),
                 "--trusted-key", str(self.mesh.public_key), "--connections", str(connections), "--name", host.name]
         if warm_version is not None:
-            args += ["--warm-version", str(warm_version)]
+            args += ["--warm-version", str(warm_version), "--armed", str(armed)]
         batch.add(host, f"pull-{host.name}", "pull", *args, *(["--after-complete"] if after_complete else []))
 
     def timed(self, batch, origin: Host, egress) -> tuple[float, dict, int, int]:
@@ -179,15 +182,18 @@ class Scenario:
 
 
 def long_link(settings: Settings) -> dict:
-    """Cold: the first version over fresh connections. Warm (`*_warm`): the steady state of a mesh
-    that gets a version every step, i.e. a version fetched over the connections the previous one
-    came over, after they idled (hosts run with `tcp_slow_start_after_idle=0`, see transfer_mesh)."""
+    """Cold: the first version over fresh connections, already published when the clock starts.
+    Warm (`*_warm`): the steady state of a mesh that gets a version every step, i.e. a version
+    fetched over the connections the previous one came over, after they idled (hosts run with
+    `tcp_slow_start_after_idle=0`, see transfer_mesh). deltamesh's warm puller holds the head, so
+    it asks for the next version ahead, as a relay does; its clock starts when the publish starts,
+    the baseline's when its GET is sent (its file is in place)."""
     with work_dir(settings) as work, Wan("txl") as wan:
         build_topology(wan, "long_link", settings.rtt_scale)
         run = Scenario(wan, settings, work)
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
-        set_tcp_buffers(wan, settings.tcp_buffers)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
         # Two full versions kept: a warm run publishes its warm-up version and the timed one up front.
         gateway = run.mesh.gateway(origin, "origin", extra=["--keep-fulls", "2"])
         files = run.mesh.file_server(origin, settings.payload / "version.bin")
@@ -200,15 +206,22 @@ def long_link(settings: Settings) -> dict:
                 if method.startswith("deltamesh"):
                     warm = run.next_version() if method.endswith("_warm") else None
                     version = run.next_version()
-                    for v in filter(None, (warm, version)):  # in place before the clock starts, like the baseline's file
-                        run.publish(origin, gateway, v)
-                    run.add_pull(batch, far, gateway, version, connections=settings.connections, warm_version=warm)
+                    armed = work / f"armed-{version}"
+                    if warm is None:  # in place before the clock starts, like the baseline's file
+                        run.publish(origin, gateway, version)
+                    else:  # published once the puller's requests for it wait at the gateway
+                        run.publish(origin, gateway, warm)
+                        run.publish(origin, gateway, version, batch, after=armed)
+                    run.add_pull(batch, far, gateway, version, connections=settings.connections, warm_version=warm,
+                                 armed=armed)
                     egress, name = (lambda: run.mesh.gateway_bytes_out(origin)), pull
                 else:
                     batch.add(far, "get", "get", "--url", files, *(["--warm"] if method.endswith("_warm") else []))
                     egress, name = (lambda: run.mesh.file_bytes_out(origin)), "get"
                 seconds, results, out, wire = run.timed(batch, origin, egress)
                 result = results[name]
+                if "publish" in results:  # deltamesh warm: from the start of the timed version's publish
+                    result["t_start"] = results["publish"]["t_start"]
                 if "t_start" in result:  # warm: only the second fetch counts, and only its bytes
                     seconds, out, wire = result["t_done"] - result["t_start"], out // 2, wire // 2
                 samples[method].append(Sample(seconds, out, wire, {"steady_mbit": steady_mbit(result)}))
@@ -238,7 +251,7 @@ def relay_chain(settings: Settings) -> dict:
         link["hops"] = [{"mbit": h.mbit_ab, "rtt_ms": h.rtt_ms} for h in hops]
         link["mbit"] = min(h.mbit_ab for h in hops)
         link["rtt_ms"] = sum(h.rtt_ms for h in hops)
-        set_tcp_buffers(wan, settings.tcp_buffers)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
         gateway = run.mesh.gateway(origin, "origin")
         relay = run.mesh.gateway(a, "regionA", [gateway], relay_connections=settings.connections)
         # A second origin gateway that regionA does not follow, so a direct pull is the only copy sent.
@@ -273,7 +286,7 @@ def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
         link = check_link(wan, origin, run.host("regionA"), settings)
-        set_tcp_buffers(wan, settings.tcp_buffers)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
         for pool in pools:
             route_through(pool, run.host(f"region{pool.name[4]}"), origin)
         gateway = run.mesh.gateway(origin, "origin")
@@ -325,6 +338,7 @@ def scenario_json(name: str, link: dict, samples: dict[str, list[Sample]], setti
         "name": name,
         "link": link,
         "tcp_buffers": settings.tcp_buffers,
+        "congestion": settings.congestion,
         "connections": settings.connections,
         "piece_bytes": round(settings.piece_bytes),
         "methods": {m: summarize(s, settings.payload_bytes, link["mbit"]) for m, s in samples.items() if s},

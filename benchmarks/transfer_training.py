@@ -46,7 +46,7 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
         run = Scenario(wan, settings, work)
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
-        set_tcp_buffers(wan, settings.tcp_buffers)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
         gateway = run.mesh.gateway(origin, "origin")
         relays = {r: run.mesh.gateway(run.host(r), r, [gateway], relay_connections=settings.connections)
                   for r in REGIONS}
@@ -72,6 +72,7 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
         version.update(stages.get(version["version"], {}))
     out["link"] = {"mbit": wan_link.mbit_ab, "rtt_ms": wan_link.rtt_ms}
     out["tcp_buffers"], out["connections"] = settings.tcp_buffers, settings.connections
+    out["congestion"] = settings.congestion
     out["origin_egress_bytes"] = egress
     out["published_bytes"] = sum(sum(v["published_bytes"].values()) for v in out["versions"])
     out["methods"]["deltamesh"]["origin_egress_bytes"] = egress

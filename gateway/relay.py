@@ -8,7 +8,8 @@ gateways) and then the missing pieces with several parallel connections. Every p
 before it is stored, and is served onwards from the moment it is stored, while the rest is still
 arriving. Pieces are fetched from the first healthy upstream and continue from another (with the
 bytes already received) when one dies or stalls. A piece found corrupted on this gateway's disk is
-dropped by the store and fetched again by the next pass.
+dropped by the store and fetched again by the next pass. Requests for the version after the
+upstream's head wait there for it (`?wait=`), so a new version flows the moment it is announced.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import uuid
 import aiohttp
 
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.fetch import Fetcher, FetchError, NotAnnounced
 from deltamesh.gateway.sources import RateLimiter, Source
 from deltamesh.gateway.http import HttpError, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 RESYNC_S = 10.0
 """A pass also runs this often without a trigger, to pick up anything a missed wake-up left behind."""
 FOLLOW_WAIT_S = 30.0
+ANTICIPATE_WAIT_S = 30.0
+"""How long one request for the next version waits upstream before it is asked again."""
 
 
 class Relay:
@@ -142,6 +145,8 @@ class Relay:
                 entry = self.store.get(model, v["version"], v["kind"])
                 if entry is None or not entry.complete:
                     wanted.append({"model": model, **v})
+            if listing:
+                self._anticipate(model, max(v["version"] for v in listing) + 1, "delta" if deltas else "full")
         for model in self.store.models():  # local leftovers: after a restart, or a dropped corrupt piece
             for e in self.store.entries(model):
                 if not e.complete:
@@ -152,6 +157,30 @@ class Relay:
                 task = asyncio.create_task(self._mirror(*key))
                 self._active[key] = task
                 task.add_done_callback(lambda _t, key=key: self._active.pop(key, None))
+
+    def _anticipate(self, model: str, version: int, kind: str) -> None:
+        """Keep requests for the version after the upstream's head waiting there, so that it starts
+        flowing here the moment it is announced upstream: half a round trip after, instead of the
+        two and a half that hearing of it, listing and asking for its manifest would take. Only the
+        kind the model's versions mostly come in is waited for (deltas, once there are any); any
+        other kind is mirrored the usual way."""
+        key = (model, version, kind)
+        if key in self._active or self.store.get(*key) is not None:
+            return
+
+        async def wait_for_it() -> None:
+            while True:
+                asked = time.monotonic()
+                try:
+                    await self._mirror(model, version, kind, wait_s=ANTICIPATE_WAIT_S)
+                    return
+                except NotAnnounced:
+                    if time.monotonic() - asked < ANTICIPATE_WAIT_S / 2:
+                        return  # answered at once: a newer version came first, this one is not coming
+
+        task = asyncio.create_task(wait_for_it())
+        self._active[key] = task
+        task.add_done_callback(lambda _t: self._active.pop(key, None))
 
     async def _upstream_versions(self, model: str) -> list[dict] | None:
         for source in self.sources:
@@ -169,15 +198,17 @@ class Relay:
                 source.bad_until = time.monotonic() + min(self.config.stall_timeout_s, 5.0)
         return None
 
-    async def _mirror(self, model: str, version: int, kind: str) -> None:
-        """Bring one version here: manifest first (which announces it), then the missing pieces."""
+    async def _mirror(self, model: str, version: int, kind: str, wait_s: float = 0.0) -> None:
+        """Bring one version here: manifest first (which announces it), then the missing pieces.
+        With `wait_s` the version may not be announced upstream yet (NotAnnounced if it was not)."""
         fetcher = self._fetcher
         t0 = time.monotonic()
         try:
             entry = self.store.get(model, version, kind)
             if entry is None:
                 entry = await fetcher.manifest_bytes(model, version, kind, self._accept_manifest,
-                                                     prefetch=self.config.relay_connections)
+                                                     prefetch=self.config.relay_connections, wait_s=wait_s)
+                t0 = time.monotonic()
             with self.store.using(entry):
                 missing = entry.missing
                 if not missing:
@@ -190,6 +221,8 @@ class Relay:
                 await fetcher.pieces(entry.manifest, missing, self.config.relay_connections, store_piece)
                 log.info("relay: %s v%d %s complete (%d pieces in %.2fs)",
                          model, version, kind, len(missing), time.monotonic() - t0)
+        except NotAnnounced:
+            raise
         except FetchError as e:
             log.warning("relay: %s v%d %s: %s; will retry", model, version, kind, e)
         except ConflictError as e:

@@ -3,7 +3,7 @@
 Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
 with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
 is announced but not yet here waits (bounded) for it, so consumers downstream see pieces the moment
-they land. Every path part is validated before it touches the store: model ids must match the
+they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. Every path part is validated before it touches the store: model ids must match the
 manifest's model id pattern, versions and piece indices are plain decimal integers, kinds are
 `delta` or `full`. See docs/api/gateway.md.
 """
@@ -179,10 +179,18 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         gw.store.lease([gw.store.get(model, s.version, s.kind) for s in p.steps], cfg.lease_s)
         return web.json_response(p.to_json())
 
+    async def announced(request: web.Request) -> StoredVersion:
+        """The version a GET names; with `wait=S`, one not announced yet is waited for (a follower
+        that holds the head asks for the next version before it exists, and gets it the moment it is)."""
+        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        if wait > 0 and gw.store.get(*_version_kind(request)) is None:
+            await gw.store.wait_version(*_version_kind(request), wait)
+        return _entry(gw, request)
+
     @routes.get(one + "/manifest")
     @guarded
     async def get_manifest(request: web.Request) -> web.Response:
-        entry = _entry(gw, request)
+        entry = await announced(request)
         gw.store.lease([entry], cfg.lease_s)
         return web.Response(body=entry.manifest_bytes, content_type="application/json")
 
@@ -236,8 +244,8 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get(one + "/pieces/{index}")
     @guarded
     async def get_piece(request: web.Request) -> web.StreamResponse:
+        entry = await announced(request)
         t0 = time.monotonic()
-        entry = _entry(gw, request)
         index = _index(request, entry)
         gw.store.lease([entry], cfg.lease_s)
         with gw.store.using(entry):

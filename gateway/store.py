@@ -189,6 +189,21 @@ class VersionStore:
                 return head
             await self.wait_change(self._epoch, left)
 
+    async def wait_version(self, model: str, version: int, kind: str, timeout: float) -> StoredVersion | None:
+        """Wait (up to `timeout`) until `version`'s `kind` is announced here; None if it was not, or if
+        a newer version of the model was announced first (then it is not coming: versions are published
+        in order, each kind of one version right after the other)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            entry = self.get(model, version, kind)
+            head = self.head(model)
+            if entry is not None or (head is not None and head > version):
+                return entry
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing:
+                return None
+            await self.wait_change(self._epoch, left)
+
     async def wait_piece(self, entry: StoredVersion, index: int, timeout: float) -> bool:
         if index in entry.present or self._closing:
             return index in entry.present

@@ -1,9 +1,10 @@
 """The one-way delay of one link direction: a user-space NFQUEUE consumer, run inside the
 receiving namespace as `python delayer.py --queue N --delay-ms D`. It takes only each packet's
-metadata (COPY_META: the payload stays in the kernel), keeps the packets in a FIFO (one delay
-per queue, so release order is arrival order and no heap is needed), and on each wake-up drains
-everything readable and accepts everything due, so a busy link costs a wake-up per batch, not
-per packet. It prints `ready` once bound and exits cleanly on SIGTERM or SIGINT.
+id (the payload stays in the kernel, and GSO packets stay whole: see nfqueue.py), keeps the ids in
+a FIFO with the time each is due (one delay per queue, so release order is arrival order and no
+heap is needed), and on each wake-up drains everything readable and accepts everything due with
+one batch verdict, so a busy link costs a system call per packet, not a Python callback and a
+verdict each. It prints `ready` once bound and exits cleanly on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import signal
 import sys
 import time
 
-from netfilterqueue import COPY_META, NetfilterQueue
+from nfqueue import Queue
 
 # The kernel holds every delayed packet in the queue: 400 Mbit/s x 150 ms one-way is ~5,000
 # full-size packets in flight; ACK-heavy or small-packet traffic needs several times that.
 DEFAULT_MAX_LEN = 262144
-# Room for the metadata messages the kernel sends while this process is busy releasing a batch.
+# Room for the notices the kernel sends while this process is busy releasing a batch.
 DEFAULT_SOCK_BYTES = 64 << 20
 REALTIME_PRIORITY = 10
 
@@ -46,32 +47,29 @@ def run(queue: int, delay_s: float, max_len: int) -> None:
         raise Stopped
 
     clock = time.monotonic
-    pending: collections.deque = collections.deque()
-    hold = pending.append
-
-    def on_packet(packet: object) -> None:
-        hold((clock() + delay_s, packet))
-
+    pending: collections.deque[tuple[float, int]] = collections.deque()
     _prefer_cpu()
-    nfq = NetfilterQueue()
-    nfq.bind(queue, on_packet, max_len=max_len, mode=COPY_META, sock_len=DEFAULT_SOCK_BYTES)
-    fd = nfq.get_fd()
+    nfq = Queue(queue, max_len, DEFAULT_SOCK_BYTES)
     try:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         print("ready", flush=True)
         while True:
             timeout = 0.5 if not pending else max(0.0, pending[0][0] - clock())
-            readable, _, _ = select.select([fd], [], [], timeout)
+            readable, _, _ = select.select([nfq], [], [], timeout)
             if readable:
-                nfq.run(block=False)
+                due = clock() + delay_s
+                pending.extend((due, i) for i in nfq.receive())
             now = clock()
+            last = None
             while pending and pending[0][0] <= now:
-                pending.popleft()[1].accept()
+                last = pending.popleft()[1]
+            if last is not None:
+                nfq.accept_upto(last)
     except Stopped:
         pass  # packets still held are dropped by the kernel when the queue goes away
     finally:
-        nfq.unbind()
+        nfq.close()
 
 
 def _prefer_cpu() -> None:

@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the WAN emulator needs, and returns at once when it is all there already:
 # Debian iptables, iproute2 and procps (namespaces, veths, tbf, the NFQUEUE rule, per-namespace
-# sysctls), libnetfilter-queue and a C toolchain (to build NetfilterQueue), and PyPI
-# NetfilterQueue (the `wan` extra in pyproject.toml) into the project's venv.
-# Usage: benchmarks/wan/setup.sh [PYTHON]   (PYTHON defaults to .venv/bin/python at the repo root)
+# sysctls). The delayer speaks NFQUEUE's netlink protocol itself (nfqueue.py): no library to build.
+# Usage: benchmarks/wan/setup.sh
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PY="${1:-$ROOT/.venv/bin/python}"
 
 have_debian() {
     command -v iptables >/dev/null && command -v ip >/dev/null && command -v tc >/dev/null \
-        && command -v sysctl >/dev/null \
-        && [ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] \
-        && command -v gcc >/dev/null && command -v pkg-config >/dev/null
+        && command -v sysctl >/dev/null
 }
 
 if ! have_debian; then
@@ -26,11 +20,7 @@ if ! have_debian; then
     APT=(apt-get -q -y -o DPkg::Lock::Timeout=300)
     "${APT[@]}" update >/dev/null
     "${APT[@]}" install --no-install-recommends \
-        iptables iproute2 procps libnetfilter-queue-dev libnfnetlink-dev gcc libc6-dev pkg-config >/dev/null
-fi
-
-if ! "$PY" -c "import netfilterqueue" 2>/dev/null; then
-    "$PY" -m pip install -q "NetfilterQueue>=1.1,<2"
+        iptables iproute2 procps >/dev/null
 fi
 
 # The NFQUEUE target and the tbf qdisc come from kernel modules; load them when the kernel has

@@ -1,5 +1,6 @@
 """The fetcher against a real HTTP server on loopback: pieces prefetched with the manifest, a bad
-prefetched piece, prefetches past the last piece.
+prefetched piece, prefetches past the last piece, the last pieces split into ranges; and against a
+real gateway, a version asked for before it is published.
 
 The server is a small aiohttp app (not a gateway) so a test can delay the manifest or corrupt a
 piece once, and see every request it got, in order.
@@ -12,12 +13,14 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import pytest
 from aiohttp import web
 
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.fetch import Fetcher
+from deltamesh.gateway.fetch import MIN_SPAN, Fetcher, NotAnnounced
 from deltamesh.gateway.sources import Source
 from deltamesh.gateway.http import client_session, parse_range, serving
+from deltamesh.gateway.upload import upload_version
 
 MODEL = "m"
 
@@ -109,3 +112,71 @@ def test_prefetching_past_the_last_piece_is_harmless(kit):
     pieces, got = fetch_all(kit, 2, 1500, b, prefetch=6, connections=6)
     assert got == dict(enumerate(pieces))
     assert [len(requests_for(b, i)) for i in range(6)] == [1, 1, 1, 1, 1, 1]  # 2..5 answered 404, once
+
+
+def _ranges(b: Behaviour, i: int, size: int) -> list[tuple[int, int]]:
+    """The byte ranges requested of piece `i`, as [start, end)."""
+    return sorted(parse_range(rng, size) or (0, size) for rng in requests_for(b, i))
+
+
+def test_the_last_pieces_are_split_over_idle_connections_without_asking_twice(kit):
+    size = 3 * MIN_SPAN  # 4 pieces, 8 connections: a piece per connection would leave half of them idle
+    b = Behaviour()
+    pieces, got = fetch_all(kit, 4, size, b, prefetch=0, connections=8)
+    assert got == dict(enumerate(pieces))
+    split = 0
+    for i in range(4):
+        ranges = _ranges(b, i, size)
+        covered = 0
+        for start, end in ranges:  # the ranges tile the piece: nothing asked for twice, nothing left out
+            assert start == covered, f"piece {i}: ranges {ranges}"
+            covered = end
+        assert covered == size
+        split += len(ranges) > 1
+    assert split >= 2, "no piece was split over the idle connections"
+
+
+def test_a_piece_assembled_from_bad_ranges_is_fetched_whole_again(kit):
+    size = 3 * MIN_SPAN
+    b = Behaviour(bad_once={0})
+    pieces, got = fetch_all(kit, 2, size, b, prefetch=0, connections=8)
+    assert got == dict(enumerate(pieces))
+    assert len(_ranges(b, 0, size)) > 2  # its ranges, then the whole piece once more
+    assert (0, size) in _ranges(b, 0, size)
+
+
+def test_a_version_asked_for_ahead_flows_once_published_and_a_skipped_one_is_not_waited_for(kit, tmp_path):
+    """Against a real gateway: the manifest and first pieces of v2 are asked for before v2 exists;
+    they arrive as it is published. Asking ahead for a version the publisher skipped ends at once."""
+    m2, raw2, p2 = kit.version(MODEL, 2, "full", pieces=4, piece_size=4000)
+
+    async def accept(raw: bytes):
+        return load_manifest(raw, [kit.key.key.public_key()])
+
+    async def main() -> None:
+        async with kit.running_gateway(kit.config(tmp_path)) as url, client_session(connections=16) as s:
+            m1, raw1, p1 = kit.version(MODEL, 1, "full", pieces=2, piece_size=4000)
+            await upload_version(s, url, m1, raw1, p1)
+            fetcher = Fetcher(s, [Source(url)], "test", stall_timeout_s=5, give_up_s=30)
+            ahead = asyncio.create_task(fetcher.manifest_bytes(MODEL, 2, "full", accept, prefetch=2, wait_s=20))
+            await asyncio.sleep(0.3)
+            assert not ahead.done()
+            await upload_version(s, url, m2, raw2, p2)
+            manifest = await asyncio.wait_for(ahead, 5)
+            got: dict[int, bytes] = {}
+
+            async def keep(i: int, data: bytearray) -> None:
+                got[i] = bytes(data)
+
+            await fetcher.pieces(manifest, range(4), 2, keep)
+            assert got == dict(enumerate(p2))
+            m4, raw4, p4 = kit.version(MODEL, 4, "full", pieces=1, piece_size=100)
+            skipped = asyncio.create_task(fetcher.manifest_bytes(MODEL, 3, "full", accept, prefetch=1, wait_s=20))
+            await asyncio.sleep(0.3)
+            await upload_version(s, url, m4, raw4, p4)
+            t0 = time.monotonic()
+            with pytest.raises(NotAnnounced):
+                await skipped
+            assert time.monotonic() - t0 < 2.0
+
+    asyncio.run(main())

@@ -80,6 +80,43 @@ def test_long_poll_wakes_at_once_and_pending_piece_is_served_when_it_lands(kit, 
     asyncio.run(main())
 
 
+def test_a_version_asked_for_ahead_is_answered_when_announced_and_refused_once_superseded(kit, tmp_path):
+    async def main():
+        async with kit.running_gateway(kit.config(tmp_path)) as url, client_session() as s:
+            m1, raw1, p1 = kit.version(MODEL, 1, "full")
+            await upload_version(s, url, m1, raw1, p1)
+            base2 = f"{url}/v1/models/{MODEL}/versions/2/delta"
+            # Not announced, not waited for: 404 at once, as before.
+            status, _ = await _status(s, "GET", f"{base2}/manifest")
+            assert status == 404
+            manifest = asyncio.create_task(request_bytes(s, "GET", f"{base2}/manifest", params={"wait": 20}))
+            piece = asyncio.create_task(request_bytes(s, "GET", f"{base2}/pieces/1", params={"wait": 20}))
+            full = asyncio.create_task(_status(s, "GET", f"{url}/v1/models/{MODEL}/versions/2/full/manifest",
+                                               params={"wait": 20}))
+            await asyncio.sleep(0.3)
+            assert not (manifest.done() or piece.done() or full.done())
+            m2, raw2, p2 = kit.version(MODEL, 2, "delta")
+            t0 = time.monotonic()
+            await request_bytes(s, "PUT", f"{base2}/manifest", data=raw2)
+            assert await manifest == raw2
+            assert time.monotonic() - t0 < 1.0
+            assert not piece.done()  # announced, but its piece 1 has not landed yet
+            await request_bytes(s, "PUT", f"{base2}/pieces/1", data=p2[1])
+            assert await piece == p2[1]
+            await asyncio.sleep(0.2)
+            assert not full.done()  # a full of v2 may still follow its delta
+            m3, raw3, _ = kit.version(MODEL, 3, "delta")
+            await request_bytes(s, "PUT", f"{url}/v1/models/{MODEL}/versions/3/delta/manifest", data=raw3)
+            status, body = await full  # v3 came first: no full of v2 is coming
+            assert status == 404 and "not in this gateway's store" in body["error"]
+            t0 = time.monotonic()  # waiting ends at `wait` when nothing comes
+            status, _ = await _status(s, "GET", f"{url}/v1/models/{MODEL}/versions/4/delta/manifest",
+                                      params={"wait": 0.5})
+            assert status == 404 and 0.4 < time.monotonic() - t0 < 3.0
+
+    asyncio.run(main())
+
+
 def test_pending_piece_times_out_with_503(kit, tmp_path):
     async def main():
         async with kit.running_gateway(kit.config(tmp_path, piece_wait_s=0.3)) as url, client_session() as s:
