@@ -5,7 +5,7 @@ One hop is simulated in small time steps: N parallel TCP connections, each fetch
 request (a request costs one RTT of idle before its data flows; a fresh connection one more RTT for
 its handshake), each sending at most min(cwnd, window) per RTT, the link's payload rate shared fairly
 among the busy ones. cwnd starts at 10 segments and grows by `growth` per RTT (slow start) until the
-link is full; from then on, as BBR does, each connection keeps twice its share of the bandwidth-delay
+link is full; from then on each connection keeps twice its share of the bandwidth-delay
 product, so it can take up the slack of connections idle between pieces. Once the transfer is in a
 steady state the rest is extrapolated at the steady rate. Hops compose with the rule of cut-through
 pipelining: a relay's downstream hop starts when the relay has the manifest and ends no earlier than
@@ -76,12 +76,13 @@ class Hop:
 
 @lru_cache(maxsize=4096)
 def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *, fresh: bool = True,
-          warm: bool = False) -> Hop:
+          warm: bool = False, ahead: bool = False) -> Hop:
     """Fetch `total` bytes in pieces of `piece` bytes over `connections` parallel connections.
 
     `fresh`: the connections are new (a handshake before the first request). `warm`: they have carried
-    data before and kept their sending rate (BBR keeps its bandwidth estimate over idle periods), so
-    they start at their share of the link instead of in slow start.
+    data before and kept their sending rate (an idle connection keeps its window), so they start at
+    their share of the link instead of in slow start. `ahead`: the first pieces were asked for before
+    the version existed, so they flow at once (their requests' round trip is already paid).
     """
     n_pieces = max(1, math.ceil(total / piece))
     sizes = [piece] * (n_pieces - 1) + [total - piece * (n_pieces - 1)]
@@ -94,7 +95,7 @@ def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *,
     # would finish their pieces in lockstep and all sit out the next request's RTT together.
     conns = [{"cwnd": cwnd, "slow": not warm, "left": 0.0, "ready": 0.0, "busy": False,
               "weight": 1.0 + 0.4 * ((i * 0.618034) % 1.0 - 0.5)} for i in range(count)]
-    start_delay = (2 if fresh else 1) * rtt
+    start_delay = 0.0 if ahead else (2 if fresh else 1) * rtt
     queue = list(reversed(sizes))
     for c in conns:
         c["left"], c["ready"], c["busy"] = queue.pop(), start_delay, True
@@ -154,15 +155,18 @@ class Path:
     connections: tuple[int, ...]
 
 
-def control_s(link: Link, relay: bool = True) -> float:
+def control_s(link: Link, relay: bool = True, ahead: bool = False) -> float:
     """Learning of a version and fetching its manifest: the long poll's answer (half an RTT), a relay's
-    listing of the upstream's versions (one RTT), the manifest (one RTT)."""
+    listing of the upstream's versions (one RTT), the manifest (one RTT). A relay that asked for the
+    version ahead gets its manifest (and first pieces) half an RTT after the upstream has it."""
+    if relay and ahead:
+        return 0.5 * link.rtt
     return (2.5 if relay else 1.5) * link.rtt
 
 
 def relay_path(total: float, piece: float, path: Path, tcp: Tcp, *, cut_through: bool = True,
                origin_ready_s: float = 0.0, poll_s: float = 0.0, first_hop_waits: bool = False,
-               warm: bool = False) -> float:
+               warm: bool = False, ahead: bool = False) -> float:
     """Seconds from the version's manifest at the origin until the path's last host holds all of it.
 
     Every hop but the last is a relay gateway; the last is a pool (or puller) fetching a plan.
@@ -171,13 +175,15 @@ def relay_path(total: float, piece: float, path: Path, tcp: Tcp, *, cut_through:
     piece's own trip. Store-and-forward: each relay's downstream hop starts `poll_s` after the relay
     holds everything; the first hop too only if `first_hop_waits` (else it follows the origin
     cut-through, as a deltamesh gateway pulling from a publishing origin does). `warm`: the hops'
-    connections have carried data before (see `fetch`).
+    connections have carried data before (see `fetch`). `ahead`: the relays hold their upstream's
+    head and ask for the next version before it exists (deltamesh's relays in a running mesh).
     """
     start, end = 0.0, origin_ready_s
     last = len(path.hops) - 1
     for index, (link, conns) in enumerate(zip(path.hops, path.connections)):
-        hop = fetch(total, piece, link, tcp, conns, fresh=not warm, warm=warm)
-        control = control_s(link, relay=index < last)
+        relay_ahead = ahead and index < last
+        hop = fetch(total, piece, link, tcp, conns, fresh=not (warm or relay_ahead), warm=warm, ahead=relay_ahead)
+        control = control_s(link, relay=index < last, ahead=relay_ahead)
         if cut_through or (index == 0 and not first_hop_waits):
             start += control
             last_piece = min(piece, total) / min(link.rate, tcp.window_at(link.rtt_ms) / max(link.rtt, 1e-4))

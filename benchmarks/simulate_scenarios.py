@@ -13,7 +13,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path, single_stream
+from simulate_model import Link, Path, Tcp, connections_for, control_s, fetch, relay_path, single_stream
 
 GB = 1e9
 HOST_SERVE_GBPS = 0.59
@@ -120,7 +120,8 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         chain = Path(hops, (conns,) * len(hops))
         direct = Path((Link(min(h.mbit for h in hops), sum(h.rtt_ms for h in hops)),), (conns,))
         for method, path, cut in (("deltamesh", chain, True), ("store_and_forward", chain, False), ("direct", direct, True)):
-            predicted = relay_path(total, piece, path, tcp, cut_through=cut, origin_ready_s=publish, poll_s=0.02)
+            predicted = relay_path(total, piece, path, tcp, cut_through=cut, origin_ready_s=publish, poll_s=0.02,
+                                   ahead=True)
             rows.append(Row("relay_chain", method, predicted, _seconds(s, method)))
     if "fan_out" in measured:
         s = measured["fan_out"]
@@ -129,7 +130,7 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         lan = Link(**s.get("pool_link", {"mbit": 1000, "rtt_ms": 2}))
         publish = s["methods"]["deltamesh"].get("publish_seconds", 0.0)
         path = Path((wan, lan), (conns, 4))
-        network = relay_path(total, piece, path, tcp, origin_ready_s=publish)
+        network = relay_path(total, piece, path, tcp, origin_ready_s=publish, ahead=True)
         regions = 3
         for method, pools, measured_s in (("one pool", 1, s.get("one_pool_seconds")),
                                           ("deltamesh", s["pools"], _seconds(s, "deltamesh"))):
@@ -149,9 +150,10 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
         if deltas:
             wan, conns = Link(s["link"]["mbit"], s["link"]["rtt_ms"]), s.get("connections", 16)
             # The delta's manifest reaches the origin as its publish (encode, then a small upload) ends;
-            # the relays' connections to the origin are long-lived (they poll it every few seconds).
+            # the relays have asked for it ahead over their long-lived connections to the origin.
             predicted = statistics.median(
-                v["publish_seconds"] + relay_path(v["delta_bytes"], 4 * 2**20, Path((wan,), (conns,)), tcp, warm=True)
+                v["publish_seconds"] + control_s(wan, ahead=True)
+                + fetch(v["delta_bytes"], 4 * 2**20, wan, tcp, conns, fresh=False, warm=True, ahead=True).seconds
                 for v in deltas)
             rows.append(Row("real_training", "delta to regions", predicted,
                             statistics.median(v["to_regions_seconds"] for v in deltas)))
@@ -236,7 +238,7 @@ def tree_seconds(total: float, mesh: Mesh, tcp: Tcp, *, cut_through: bool = True
         links = hops + (mesh.lan,)
         conns = tuple(connections_for(k, tcp) for k in links)
         worst = max(worst, relay_path(total, piece, Path(links, conns), tcp, cut_through=cut_through,
-                                      poll_s=poll_s, first_hop_waits=first_hop_waits))
+                                      poll_s=poll_s, first_hop_waits=first_hop_waits, ahead=cut_through))
     return worst
 
 

@@ -4,9 +4,10 @@ Both a relay (mirroring its upstreams) and a pool agent (pulling a plan) fetch p
 Each piece is fetched over its own request from the first healthy source; bytes already received
 are kept when a source dies or stalls, and the next source is asked only for the rest (HTTP Range),
 so a switch of source never refetches what arrived. The last pieces of a version are split into
-ranges over all connections, so they finish together (see `Fetcher.pieces`). A piece is accepted only when its length and
-xxh3-128 match the (signed) manifest; a source that serves a bad piece is penalised and the piece is
-fetched again. A piece a source has announced but not yet received (503) is simply asked for again.
+ranges over all connections, so they finish together (see `Fetcher.pieces`). A piece is accepted
+only when its length and xxh3-128 match the (signed) manifest; a source that serves a bad piece is
+penalised and the piece is fetched again. A piece a source has announced but not yet received (503)
+is simply asked for again.
 
 The manifest request can carry the first wave of piece requests with it (`prefetch`), so data
 flows one round trip after the version is known instead of two; those pieces are held unverified
@@ -173,6 +174,9 @@ class Fetcher:
                 return data
             except CorruptError as e:
                 self._fail(source, f"served a bad piece {index}: {e}")
+                if time.monotonic() > deadline:
+                    raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
+                                     f"no source served it intact within {self.give_up_s:.0f}s") from e
 
     async def _fill(self, manifest: Manifest, index: int, span: "_Span", deadline: float) -> Source:
         """Receive `span` of a piece into its buffer from the first source that has it, continuing

@@ -3,9 +3,10 @@
 Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
 with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
 is announced but not yet here waits (bounded) for it, so consumers downstream see pieces the moment
-they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. Every path part is validated before it touches the store: model ids must match the
-manifest's model id pattern, versions and piece indices are plain decimal integers, kinds are
-`delta` or `full`. See docs/api/gateway.md.
+they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too.
+Every path part is validated before it touches the store: model ids must match the manifest's model
+id pattern, versions and piece indices are plain decimal integers, kinds are `delta` or `full`. See
+docs/api/gateway.md.
 """
 
 from __future__ import annotations
