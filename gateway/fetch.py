@@ -109,6 +109,9 @@ class Fetcher:
             if wait_s > 0:
                 return await self._next_manifest(model, version, kind, accept, wait_s)
             return await self._manifest(model, version, kind, accept)
+        except NotAnnounced:
+            await self._settle_prefetch(key)
+            raise
         except BaseException:
             self._discard_prefetch(key)
             raise
@@ -117,6 +120,16 @@ class Fetcher:
         """Cancel prefetched pieces of one version that no `pieces()` call took."""
         for task in self._early.pop(key, {}).values():
             task.cancel()
+
+    async def _settle_prefetch(self, key: tuple[str, int, str]) -> None:
+        """Let the piece requests of a version that was not announced end on their own: their waits
+        end with the manifest's, within moments. Cancelling them would close their connections, and
+        the next version would then start on fresh ones, in slow start."""
+        tasks = list(self._early.pop(key, {}).values())
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=self.stall_timeout_s)
+            for task in late:
+                task.cancel()
 
     async def _next_manifest(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
                              wait_s: float):

@@ -29,19 +29,33 @@ MODEL = "m"
 class Behaviour:
     manifest_delay_s: float = 0.0
     bad_once: set[int] = field(default_factory=set)
+    unpublished: bool = False
+    """Answer every request 404 after its `wait` (a version asked for ahead that never comes)."""
+    peers: set = field(default_factory=set)
+    """The client ends (address, port) of every request: one per connection used."""
     log: list[tuple[float, str, str | None]] = field(default_factory=list)
     """(time, what, Range header) of every request; 'manifest-sent' when a manifest answer goes out."""
 
 
 @asynccontextmanager
 async def piece_server(envelope: bytes, pieces: list[bytes], b: Behaviour):
+    async def unpublished(request: web.Request, extra_s: float = 0.0) -> web.Response:
+        await asyncio.sleep(float(request.query.get("wait", 0)) + extra_s)
+        return web.json_response({"error": "not in this gateway's store"}, status=404)
+
     async def manifest(request: web.Request) -> web.Response:
+        b.peers.add(request.transport.get_extra_info("peername"))
+        if b.unpublished:
+            return await unpublished(request)
         b.log.append((time.monotonic(), "manifest", None))
         await asyncio.sleep(b.manifest_delay_s)
         b.log.append((time.monotonic(), "manifest-sent", None))
         return web.Response(body=envelope)
 
     async def piece(request: web.Request) -> web.StreamResponse:
+        b.peers.add(request.transport.get_extra_info("peername"))
+        if b.unpublished:  # its wait ends just after the manifest's
+            return await unpublished(request, 0.05)
         i = int(request.match_info["i"])
         header = request.headers.get("Range")
         b.log.append((time.monotonic(), f"piece {i}", header))
@@ -180,3 +194,24 @@ def test_a_version_asked_for_ahead_flows_once_published_and_a_skipped_one_is_not
             assert time.monotonic() - t0 < 2.0
 
     asyncio.run(main())
+
+
+def test_asking_again_after_a_wait_ran_out_reuses_the_connections(kit):
+    """A version asked for ahead that does not come within the wait: the piece requests end on their
+    own and their connections are kept, so asking again (and the version, when it comes) does not
+    start over on fresh connections in slow start."""
+    _, envelope, pieces = kit.version(MODEL, 1, "full", pieces=4, piece_size=1000)
+    b = Behaviour(unpublished=True)
+
+    async def accept(raw: bytes):
+        return load_manifest(raw, [kit.key.key.public_key()])
+
+    async def main() -> None:
+        async with piece_server(envelope, pieces, b) as url, client_session(connections=16) as s:
+            fetcher = Fetcher(s, [Source(url)], "test", stall_timeout_s=5, give_up_s=30)
+            for _ in range(3):
+                with pytest.raises(NotAnnounced):
+                    await fetcher.manifest_bytes(MODEL, 2, "full", accept, prefetch=4, wait_s=0.3)
+
+    asyncio.run(main())
+    assert len(b.peers) <= 5, f"{len(b.peers)} connections for 3 rounds of 5 requests"
