@@ -112,6 +112,10 @@ def emulated_rows(measured: dict[str, dict], tcp: Tcp) -> list[Row]:
                         s["methods"]["deltamesh"]["seconds"], fitted=True))
         rows.append(Row("long_link", "single_stream", single_stream(total, link, tcp),
                         _seconds(s, "single_stream"), fitted=True))
+        if _seconds(s, "deltamesh_warm"):  # asked for ahead over warm connections, from the publish's start
+            warm = fetch(total, s["piece_bytes"], link, tcp, s["connections"], fresh=False, warm=True, ahead=True)
+            rows.append(Row("long_link", "deltamesh_warm", control_s(link, ahead=True) + warm.seconds,
+                            _seconds(s, "deltamesh_warm")))
     if "relay_chain" in measured:
         s = measured["relay_chain"]
         hops = tuple(Link(h["mbit"], h["rtt_ms"]) for h in s["link"]["hops"])

@@ -69,6 +69,9 @@ def run(queue: int, delay_s: float, max_len: int) -> None:
     except Stopped:
         pass  # packets still held are dropped by the kernel when the queue goes away
     finally:
+        if nfq.lost:
+            print(f"delayer: queue {queue} overflowed its socket {nfq.lost} times; packets were dropped",
+                  file=sys.stderr)
         nfq.close()
 
 

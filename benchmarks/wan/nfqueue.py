@@ -30,6 +30,7 @@ _NLMSGHDR = struct.Struct("=IHHII")  # host order: length, type, flags, sequence
 _NFGENMSG = struct.Struct("!BBH")  # family, version, queue number
 _NLATTR = struct.Struct("=HH")  # host order: length, type
 RECV_BYTES = 65536
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 class NfqueueError(OSError):
@@ -46,10 +47,18 @@ class Queue:
 
     def __init__(self, number: int, max_len: int, sock_bytes: int):
         self.number = number
+        self.lost = 0
+        """Times the socket overflowed: each time, the kernel dropped the packets it could not report."""
         self._seq = 0
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sock_bytes)
+            # A notice the socket has no room for costs the packet: the kernel drops it. The limit
+            # for SO_RCVBUF (net.core.rmem_max, ~200 KiB by default) holds a few hundred notices, so
+            # bursts would lose packets; root may force a bigger buffer.
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, sock_bytes)
+            except PermissionError:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sock_bytes)
             self._sock.bind((0, 0))
             self._buf = bytearray(RECV_BYTES)
             self._command(_attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, socket.AF_INET)))
@@ -92,7 +101,8 @@ class Queue:
             except BlockingIOError:
                 return ids
             except OSError as e:
-                if e.errno == errno.ENOBUFS:  # notices lost: their packets go with the next batch verdict
+                if e.errno == errno.ENOBUFS:  # notices lost (the kernel has dropped their packets)
+                    self.lost += 1
                     continue
                 raise
             offset = 0

@@ -1,5 +1,5 @@
 """Fixtures for the WAN emulator's tests: the emulator package on sys.path, and a check that
-this machine can build namespaces (root, iproute2, iptables, NetfilterQueue from setup.sh)."""
+this machine can build namespaces (root, iproute2 and iptables from setup.sh)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,6 @@ def netns_ok() -> None:
         pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
     subprocess.run(["ip", "netns", "delete", probe], check=True)
     missing = [tool for tool in ("iptables", "tc") if shutil.which(tool) is None]
-    try:
-        import netfilterqueue  # noqa: F401
-    except ImportError:
-        missing.append("NetfilterQueue")
     if missing:
         pytest.fail(f"missing {', '.join(missing)}: run {SETUP}")
 

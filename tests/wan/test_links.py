@@ -89,3 +89,19 @@ def test_link_arguments_are_checked(prefix):
             wan.link(a, b, mbit=0, rtt_ms=1)
         with pytest.raises(WanError):
             a.addr_of(b)
+
+
+def test_a_queue_bound_by_a_delayer_cannot_be_bound_again(prefix):
+    """The delayer's NFQUEUE client reports the kernel's refusal (here: a second binder of a queue)
+    as an error naming the queue, instead of silently delaying nothing."""
+    with Wan(prefix) as wan:
+        a, b = wan.host("a"), wan.host("b")
+        wan.link(a, b, mbit=100, rtt_ms=20)  # a's delayer holds queue 0 of its namespace
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from nfqueue import Queue, NfqueueError\n"
+                "try:\n    Queue(0, 1024, 1 << 20)\nexcept NfqueueError as e:\n    print('refused', e)\n"
+                "else:\n    print('bound')\n"
+                "q = Queue(7, 1024, 1 << 20); q.close(); print('free queue bound and released')")
+        done = a.run([sys.executable, "-c", code, str(PROBE.parent)], check=False)
+    assert done.returncode == 0, done.stderr
+    assert "refused" in done.stdout and "NFQUEUE 0" in done.stdout, done.stdout
+    assert "free queue bound and released" in done.stdout
