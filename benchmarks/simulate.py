@@ -2,7 +2,7 @@
 can emulate, from a model calibrated on the emulated transfer runs.
 
 The model (simulate_model.py): links with a rate and an RTT; per hop, parallel TCP connections fetching
-pieces (slow start, a per-connection window, one idle RTT per piece request, BBR-like sharing);
+pieces (slow start, a per-connection window, one idle RTT per piece request, shared link);
 cut-through relays (a hop ends no earlier than one piece after its upstream) or store-and-forward
 relays (hops add up); codec costs from measured bytes per changed weight and speeds. It is calibrated
 on the `long_link` scenario of benchmarks/transfer.py (window from the single stream, per-piece

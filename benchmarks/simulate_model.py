@@ -116,7 +116,7 @@ def fetch(total: float, piece: float, link: Link, tcp: Tcp, connections: int, *,
                 c["slow"] = False
             if c["slow"]:
                 c["cwnd"] *= (tcp.growth if count == 1 else tcp.shared_growth) ** (dt / rtt)
-            else:  # BBR-like: twice the share of the path's bandwidth-delay product
+            else:  # twice the share of the path's bandwidth-delay product, to take up idle connections' slack
                 c["cwnd"] = max(c["cwnd"] if scale >= 1.0 else 0.0, 2 * rate / max(len(active), 1) * rtt)
             sent = d * scale * dt
             c["left"] -= sent

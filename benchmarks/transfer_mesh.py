@@ -193,8 +193,6 @@ def wire_tx_bytes(host: Host) -> int:
 # an idle RTO): what deltamesh's deployment notes ask of gateway and pool hosts on long links, and
 # what lets a connection kept open between versions resume at the rate it had. Set for every method.
 HOST_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
-CONGESTION_CONTROLS = ("cubic", "bbr")
-"""Linux's default congestion control first; every host of a run uses the one the run asks for."""
 _ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
