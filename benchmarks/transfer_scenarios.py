@@ -194,7 +194,7 @@ def long_link(settings: Settings) -> dict:
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
         set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
-        # Two full versions kept: a warm run publishes its warm-up version and the timed one up front.
+        # Two full versions kept: a warm run's warm-up version and its timed one.
         gateway = run.mesh.gateway(origin, "origin", extra=["--keep-fulls", "2"])
         files = run.mesh.file_server(origin, settings.payload / "version.bin")
         methods = ("deltamesh", "single_stream", "deltamesh_warm", "single_stream_warm")
