@@ -55,17 +55,6 @@ class Progress:
             self.marks.append((round(time.time(), 4), self.done))
 
 
-async def warm_then_timed(warm_up, timed, t_go: float, idle_s: float) -> dict:
-    """Run `warm_up(t_go)` untimed, idle `idle_s`, then `timed(now)`: its result, with `t_start`
-    (where the scenario's clock starts) and the warm-up's duration."""
-    warm = await warm_up(t_go)
-    await asyncio.sleep(idle_s)
-    result = await timed(time.time())
-    result["t_start"] = result["t_go"]
-    result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
-    return result
-
-
 def add_sync_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready", required=True, help="file created once set up")
     p.add_argument("--go", required=True, help="file whose appearance starts the work")
@@ -321,8 +310,12 @@ def get(args: argparse.Namespace) -> int:
             t_go = ready_then_wait(args)
             if not args.warm:
                 return await fetch_once(session, t_go)
-            return await warm_then_timed(lambda t: fetch_once(session, t), lambda t: fetch_once(session, t),
-                                         t_go, args.idle_s)
+            warm = await fetch_once(session, t_go)  # untimed; then idle, then the timed fetch
+            await asyncio.sleep(args.idle_s)
+            result = await fetch_once(session, time.time())
+            result["t_start"] = result["t_go"]
+            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
+            return result
 
     write_json(args.out, asyncio.run(main()))
     return 0

@@ -58,11 +58,10 @@ class _Span:
     data: bytearray
     start: int
     end: int
-    filled: int = -1
+    filled: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.filled < 0:
-            self.filled = self.start
+        self.filled = self.start
 
     @property
     def whole(self) -> bool:
@@ -191,7 +190,7 @@ class Fetcher:
                     raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
                                      f"no source served it intact within {self.give_up_s:.0f}s") from e
 
-    async def _fill(self, manifest: Manifest, index: int, span: "_Span", deadline: float) -> Source:
+    async def _fill(self, manifest: Manifest, index: int, span: _Span, deadline: float) -> Source:
         """Receive `span` of a piece into its buffer from the first source that has it, continuing
         from another source (with what arrived) when one fails; returns the source that finished it."""
         pending_since: float | None = None

@@ -184,8 +184,9 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         """The version a GET names; with `wait=S`, one not announced yet is waited for (a follower
         that holds the head asks for the next version before it exists, and gets it the moment it is)."""
         wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
-        if wait > 0 and gw.store.get(*_version_kind(request)) is None:
-            await gw.store.wait_version(*_version_kind(request), wait)
+        named = _version_kind(request)
+        if wait > 0 and gw.store.get(*named) is None:
+            await gw.store.wait_version(*named, wait)
         return _entry(gw, request)
 
     @routes.get(one + "/manifest")

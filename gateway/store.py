@@ -177,32 +177,34 @@ class VersionStore:
                 await asyncio.wait_for(self._changed.wait(), left)
         return self._epoch
 
+    async def _wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Wait until `ready()` holds after a change of the store (or `timeout`, or shutdown)."""
+        deadline = time.monotonic() + timeout
+        while not ready() and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await self.wait_change(self._epoch, left)
+
     async def wait_head(self, model: str, after: int | None, timeout: float) -> int | None:
         """Wait until `model`'s head is newer than `after` (or `timeout`); return the head."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def newer() -> bool:
             head = self.head(model)
-            if head is not None and (after is None or head > after):
-                return head
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closing:
-                return head
-            await self.wait_change(self._epoch, left)
+            return head is not None and (after is None or head > after)
+
+        await self._wait_until(newer, timeout)
+        return self.head(model)
 
     async def wait_version(self, model: str, version: int, kind: str, timeout: float) -> StoredVersion | None:
         """Wait (up to `timeout`) until `version`'s `kind` is announced here; None if it was not, or if
         a newer version of the model was announced first (then it is not coming: versions are published
         in order, each kind of one version right after the other)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            entry = self.get(model, version, kind)
+        def settled() -> bool:
             head = self.head(model)
-            if entry is not None or (head is not None and head > version):
-                return entry
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closing:
-                return None
-            await self.wait_change(self._epoch, left)
+            return self.get(model, version, kind) is not None or (head is not None and head > version)
+
+        await self._wait_until(settled, timeout)
+        return self.get(model, version, kind)
 
     async def wait_piece(self, entry: StoredVersion, index: int, timeout: float) -> bool:
         if index in entry.present or self._closing:
