@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from deltamesh.gateway.http import client_session, request_bytes
+from deltamesh.http import client_session, request_bytes
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 TOKENS = 2048
 GROUP = 8

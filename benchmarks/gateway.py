@@ -39,7 +39,7 @@ from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.fetch import Fetcher
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.http import client_session, request_json
+from deltamesh.http import client_session, request_json
 from deltamesh.gateway.upload import upload_version
 
 MODEL = "bench"

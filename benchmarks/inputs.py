@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamesh.trainer.models import smollm2_adam_run, smollm2_adam_versions, smollm2_state_dict, to_bf16
+from deltamesh.mesh.demo.models import smollm2_adam_run, smollm2_adam_versions, smollm2_state_dict, to_bf16
 
 Weights = dict[str, torch.Tensor]
 

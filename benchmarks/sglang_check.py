@@ -133,7 +133,7 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
     from deltamesh.delta import generate_key, read_weights
     from deltamesh.mesh.engines.base import EngineError, SamplingParams
     from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+    from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
     model_id = "sglang-check"
     key = generate_key()

@@ -50,9 +50,10 @@ from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.gateway.http import serving
+from deltamesh.http import serving
 from deltamesh.mesh.pool.weights import PolicyWeights
-from deltamesh.trainer.models import char_tokenizer_dir, load_tokenizer, smollm2_adam_versions, smollm2_model_dir
+from deltamesh.mesh.demo.models import char_tokenizer_dir, smollm2_adam_versions, smollm2_model_dir
+from deltamesh.trainer.models import load_tokenizer
 
 log = logging.getLogger("benchmarks.swap")
 

@@ -94,7 +94,7 @@ def publish(args: argparse.Namespace) -> int:
     import dataclasses
 
     from deltamesh.delta import Manifest, load_private_key
-    from deltamesh.gateway.http import client_session
+    from deltamesh.http import client_session
     from deltamesh.gateway.upload import upload_version
 
     folder = Path(args.payload)
@@ -134,7 +134,7 @@ def pull(args: argparse.Namespace) -> int:
     from deltamesh.delta import load_manifest, load_public_key
     from deltamesh.gateway.fetch import Fetcher
     from deltamesh.gateway.sources import Source
-    from deltamesh.gateway.http import client_session, request_json
+    from deltamesh.http import client_session, request_json
 
     keys = [load_public_key(args.trusted_key)]
     base = args.gateway.rstrip("/")
@@ -232,7 +232,7 @@ def _accept(load_manifest, keys):
 
 
 async def _complete_at(session, base: str, model: str, version: int, kind: str) -> bool:
-    from deltamesh.gateway.http import HttpError, request_json
+    from deltamesh.http import HttpError, request_json
 
     try:
         listing = await request_json(session, "GET", f"{base}/v1/models/{model}/versions", timeout_s=30)
@@ -253,7 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     """
     from aiohttp import web
 
-    from deltamesh.gateway.http import serve as serve_app
+    from deltamesh.http import serve as serve_app
 
     path = Path(args.file)
     size = path.stat().st_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltamesh.config import http_url
-from deltamesh.gateway.http import parse_listen
+from deltamesh.http import parse_listen
 
 
 @dataclass

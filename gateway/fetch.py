@@ -27,7 +27,7 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.http import HttpError, request_bytes
+from deltamesh.http import HttpError, request_bytes
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
 from deltamesh.gateway.sources import Source, order_sources, version_url
 

@@ -26,7 +26,7 @@ import torch
 from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, write_weights
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.gateway.upload import upload_version
 
 log = logging.getLogger(__name__)

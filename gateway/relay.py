@@ -25,7 +25,7 @@ import aiohttp
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError, NotAnnounced
 from deltamesh.gateway.sources import RateLimiter, Source
-from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.store import ConflictError, StoredVersion, VersionStore

@@ -11,7 +11,7 @@ import hmac
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deltamesh.gateway.http import error_response, read_json
+from deltamesh.http import error_response, read_json
 from deltamesh.gateway.registry import POOL_NAME_RE, RegistryError
 from deltamesh.gateway.service import Gateway
 

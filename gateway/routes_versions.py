@@ -19,7 +19,7 @@ from aiohttp import web
 
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import MODEL_ID_RE, load_manifest
-from deltamesh.gateway.http import JSON_LIMIT, error_response, parse_range, read_body
+from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
 from deltamesh.gateway.links import PEER_HEADER
 from deltamesh.gateway.plan import NoPlanError, make_plan
 from deltamesh.gateway.service import Gateway

@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.http import json_errors, parse_listen, serve
+from deltamesh.http import json_errors, parse_listen, serve
 from deltamesh.gateway.routes_control import add_control_routes
 from deltamesh.gateway.routes_versions import add_version_routes
 from deltamesh.gateway.service import Gateway

@@ -19,7 +19,7 @@ import aiohttp
 
 from deltamesh.delta.keys import load_public_key
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.http import client_session
+from deltamesh.http import client_session
 from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.registry import PoolRegistry

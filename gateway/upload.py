@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import aiohttp
 
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.http import HttpError, request_bytes
+from deltamesh.http import HttpError, request_bytes
 from deltamesh.gateway.sources import version_url
 
 

@@ -1,6 +1,6 @@
 """`BatchClient`, the trainer's side of the broker's batch API (see docs/api/broker.md).
 
-It reports versions and step timings, long-polls batches in the layout of `deltamesh.trainer.data`
+It reports versions and step timings, long-polls batches in the layout of `deltamesh.data`
 and acknowledges them, keeping the bookkeeping that makes delivery at-least-once across restarts.
 """
 
@@ -10,8 +10,8 @@ import json
 import time
 from typing import Any, Sequence
 
-from deltamesh.gateway.http import HttpError, client_session, request_bytes, request_json
-from deltamesh.trainer.data import Batch, decode_batch
+from deltamesh.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.data import Batch, decode_batch
 
 
 class BatchClient:

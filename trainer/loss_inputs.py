@@ -19,7 +19,7 @@ import torch
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors
 
 if TYPE_CHECKING:
-    from deltamesh.trainer.data import Batch
+    from deltamesh.data import Batch
 
 
 @dataclass

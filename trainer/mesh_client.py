@@ -25,10 +25,10 @@ import torch
 
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
-from deltamesh.gateway.http import HttpError
+from deltamesh.http import HttpError
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.trainer.data import Batch, DataFormatError
+from deltamesh.data import Batch, DataFormatError
 from deltamesh.trainer.publish import StreamStart, start_stream
 
 log = logging.getLogger(__name__)

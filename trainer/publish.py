@@ -35,7 +35,7 @@ from deltamesh.delta import Applier, CodecError, Manifest, load_manifest, weight
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.publisher import Published, Publisher
 

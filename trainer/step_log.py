@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from deltamesh.trainer.data import Batch
+from deltamesh.data import Batch
 from deltamesh.trainer.mesh_client import PublishOutcome
 
 log = logging.getLogger(__name__)

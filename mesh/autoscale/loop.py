@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from deltamesh.gateway.http import HttpError, request_json
+from deltamesh.http import HttpError, request_json
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import Launcher, LaunchError
 from deltamesh.mesh.broker.balance import target_gpus

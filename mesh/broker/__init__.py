@@ -1,6 +1,6 @@
 """The central dataflow broker: rollout tasks out to pools in every region, trajectories in, data
 policies applied, and training batches out to each trainer. Pools and trainers never know about each
-other; they meet only here, at the data interface defined in `deltamesh.trainer.data`.
+other; they meet only here, at the data interface defined in `deltamesh.data`.
 
 `server.build_app` is the HTTP service (`deltamesh broker`; API in docs/api/broker.md), `service.Broker`
 the logic behind it, `delivery.BatchDelivery` its batches out to trainers (at least once, held until

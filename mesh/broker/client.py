@@ -1,7 +1,7 @@
 """The rollout pools' client of the broker: lease tasks, submit trajectories.
 
 A pool leases tasks (`lease`), generates `n_samples` trajectories per task with the lease's id as
-their group id, and submits them (`submit`) in the binary layout of `deltamesh.trainer.data`. A
+their group id, and submits them (`submit`) in the binary layout of `deltamesh.data`. A
 submission is acknowledged only once it is durable, and resubmitting the same trajectory ids is
 harmless, so on a 503 or a lost connection a pool simply submits again (`retries`).
 """
@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from deltamesh.gateway.http import HttpError, client_session, request_bytes, request_json
-from deltamesh.trainer.data import TRAJECTORIES_CONTENT_TYPE, Trajectory, encode_trajectories
+from deltamesh.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, Trajectory, encode_trajectories
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.policies import REPLAY_SELECTORS, BatchPlan, BatchPolicy, resolve
 from deltamesh.mesh.broker.runner import StoreRunner
 from deltamesh.mesh.broker.store import BrokerStore, Delivery, GroupKey
-from deltamesh.trainer.data import encode_batch
+from deltamesh.data import encode_batch
 
 log = logging.getLogger(__name__)
 

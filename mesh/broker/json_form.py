@@ -1,7 +1,7 @@
 """The JSON form of a trajectory submission, for clients that cannot build the binary layout.
 
 `{"trajectories": [{<header fields>, "tokens": [...], "logprobs": [...], "loss_mask": [...],
-"versions": [...]}]}`: the same fields as the binary layout of `deltamesh.trainer.data`, arrays as
+"versions": [...]}]}`: the same fields as the binary layout of `deltamesh.data`, arrays as
 JSON lists. The lists are typed and range-checked here, then checked as a whole submission by the
 same `build_trajectories` the binary form goes through.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from deltamesh.trainer.data import ARRAY_FIELDS, DataFormatError, Trajectory, build_trajectories
+from deltamesh.data import ARRAY_FIELDS, DataFormatError, Trajectory, build_trajectories
 
 
 def _json_array(item: dict[str, Any], key: str, dtype: type, kinds: str, index: int) -> np.ndarray:

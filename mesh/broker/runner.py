@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
 from deltamesh.mesh.broker.store import BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

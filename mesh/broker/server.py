@@ -17,14 +17,14 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from deltamesh.gateway.http import error_response, json_errors, read_body, read_json
+from deltamesh.http import error_response, json_errors, read_body, read_json
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
 from deltamesh.mesh.broker.sqlite_store import SqliteStore
 from deltamesh.mesh.broker.store import BrokerStore, StoreConflict, StoreUnavailable
 from deltamesh.mesh.broker.json_form import trajectories_from_json
-from deltamesh.trainer.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
+from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from deltamesh.mesh.broker.policies import filter_chain
 from deltamesh.mesh.broker.runner import StoreRunner
 from deltamesh.mesh.broker.store import BrokerStore, IngestResult, StoreUnavailable
 from deltamesh.mesh.broker.tasks import TaskScheduler, read_dataset
-from deltamesh.trainer.data import DataFormatError, Trajectory
+from deltamesh.data import DataFormatError, Trajectory
 
 log = logging.getLogger(__name__)
 

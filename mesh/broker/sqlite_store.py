@@ -33,7 +33,7 @@ from deltamesh.mesh.broker.store import (
     Delivery, GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot, StoreUnavailable,
     TaskRecord,
 )
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 SCHEMA_VERSION = "2"
 _UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,

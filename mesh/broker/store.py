@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 GroupKey = tuple[str, str]
 """(model_id, group_id): a group is the samples of one prompt for one model."""

@@ -32,7 +32,7 @@ def run_broker(args: argparse.Namespace) -> int:
     import logging
 
     from deltamesh.config import ConfigError, load_config
-    from deltamesh.gateway.http import parse_listen, serve
+    from deltamesh.http import parse_listen, serve
     from deltamesh.mesh.broker.config import BrokerConfig
     from deltamesh.mesh.broker.server import build_app
     from deltamesh.mesh.broker.store import StoreUnavailable
@@ -55,7 +55,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     import signal
 
     from deltamesh.config import ConfigError, load_config
-    from deltamesh.gateway.http import client_session
+    from deltamesh.http import client_session
     from deltamesh.mesh.autoscale.config import AutoscaleConfig
     from deltamesh.mesh.autoscale.launchers import CommandLauncher, Launcher, LocalLauncher
     from deltamesh.mesh.autoscale.loop import Autoscaler, http_balance

@@ -30,7 +30,7 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
     p.add_argument("--lr", type=float, help="learning rate (default: the model's recipe; codec tour: 5e-6)")
     p.add_argument("--pools", type=int, help="run only the topology's first N pools")
     p.add_argument("--full-every", type=int, help="also publish a full snapshot every N versions (default 10)")
-    p.add_argument("--topology", metavar="FILE", help="TOML file with a [topology] table (see mesh/topology.py)")
+    p.add_argument("--topology", metavar="FILE", help="TOML file with a [topology] table (see mesh/demo/topology.py)")
     p.add_argument("--config", metavar="FILE", help="TOML file with a [demo] table")
     p.add_argument("--run-dir", help="where logs, stores and the report go (default runs/demo-<timestamp>)")
     p.add_argument("--plain", action="store_true", help="log progress lines instead of the live view")
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deltamesh.config import ConfigError, load_config, to_dict
     from deltamesh.mesh.demo.config import DemoConfig
-    from deltamesh.mesh.topology import load_topology
+    from deltamesh.mesh.demo.topology import load_topology
 
     console = Console()
     if args.codec_tour:

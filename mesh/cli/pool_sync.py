@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from deltamesh.gateway.config import PoolSyncConfig
-    from deltamesh.gateway.http import HttpError
-    from deltamesh.gateway.puller import SyncError, WeightSync
+    from deltamesh.http import HttpError
+    from deltamesh.gateway.weight_sync import SyncError, WeightSync
 
     log = logging.getLogger(__name__)
     try:

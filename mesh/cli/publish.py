@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
-    from deltamesh.gateway.http import HttpError
+    from deltamesh.http import HttpError
     from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
 
     log = logging.getLogger(__name__)

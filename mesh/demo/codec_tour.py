@@ -20,7 +20,7 @@ def codec_tour(console, *, lr: float = 5e-6, batch: int = 2, seq_len: int = 128)
     from rich.table import Table
 
     from deltamesh.delta import CodecError, apply, encode_delta, encode_full, generate_key, load_manifest
-    from deltamesh.trainer import models
+    from deltamesh.mesh.demo import models
 
     facts: dict[str, Any] = {"lr": lr}
     with console.status("loading SmolLM2-135M-Instruct (fills the cache on the first run)"):

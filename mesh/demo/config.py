@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from deltamesh.mesh.topology import Topology, default_topology
+from deltamesh.mesh.demo.topology import Topology, default_topology
 
 
 @dataclass(frozen=True)

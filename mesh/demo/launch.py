@@ -20,7 +20,7 @@ import tomli_w
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
-from deltamesh.mesh.topology import GatewaySpec
+from deltamesh.mesh.demo.topology import GatewaySpec
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 
 
@@ -59,7 +59,7 @@ class MeshPlan:
 
 def model_dir(model: str) -> Path:
     """The model's bf16 Hugging Face directory (built into the cache on first use)."""
-    from deltamesh.trainer import models
+    from deltamesh.mesh.demo import models
 
     return models.tiny_model_dir() if model == "tiny" else models.smollm2_model_dir()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from deltamesh.gateway.http import HttpError, request_json
+from deltamesh.http import HttpError, request_json
 from deltamesh.mesh.demo.launch import MeshPlan
 from deltamesh.mesh.demo.state import LinkReading, MeshState, PoolReading
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import aiohttp
 
-from deltamesh.gateway.http import HttpError, request_json
+from deltamesh.http import HttpError, request_json
 
 log = logging.getLogger(__name__)
 

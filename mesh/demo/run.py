@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.live import Live
 
-from deltamesh.gateway.http import client_session
+from deltamesh.http import client_session
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from deltamesh.config import http_url
 from deltamesh.delta import Manifest, dir_manifest
-from deltamesh.gateway.http import HttpError, client_session, request_json
+from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sglang_server import launch_server, stop_server, wait_healthy

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import aiohttp
 
-from deltamesh.gateway.http import HttpError, request_bytes
+from deltamesh.http import HttpError, request_bytes
 from deltamesh.mesh.engines.base import EngineError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from deltamesh.config import http_url
 from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.http import parse_listen
+from deltamesh.http import parse_listen
 
 
 @dataclass

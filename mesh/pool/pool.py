@@ -23,12 +23,12 @@ from typing import Any, Mapping, Sequence
 from prometheus_client import CollectorRegistry
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.http import HttpError, client_session, request_json, serving
+from deltamesh.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
-from deltamesh.mesh.pool.engines import open_engine
+from deltamesh.mesh.pool.engine_setup import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.pool.status import status_app

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
-from deltamesh.gateway.http import HttpError
+from deltamesh.http import HttpError
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.weights import PolicyWeights
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from deltamesh.gateway.http import json_errors
+from deltamesh.http import json_errors
 
 
 def status_app(status: Callable[[], dict[str, Any]], registry: CollectorRegistry) -> web.Application:

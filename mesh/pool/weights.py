@@ -1,6 +1,6 @@
 """The pool's weight-sync loop for one policy: keep its engine and its synced directory at the head.
 
-`PolicyWeights` drives the gateway puller (`deltamesh.gateway.puller.WeightSync`: register,
+`PolicyWeights` drives the gateway puller (`deltamesh.gateway.weight_sync.WeightSync`: register,
 long-poll the head, fetch a plan's verified manifests and pieces, apply them to the directory
 atomically, heartbeat) and brings every new version into the engine:
 
@@ -29,8 +29,8 @@ from typing import Sequence
 
 from deltamesh.delta import CodecError, Manifest, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.http import HttpError
-from deltamesh.gateway.puller import Step, SyncError, WeightSync
+from deltamesh.http import HttpError
+from deltamesh.gateway.weight_sync import Step, SyncError, WeightSync
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
 

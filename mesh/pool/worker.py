@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from deltamesh.gateway.http import HttpError
+from deltamesh.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient, TaskLease
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate

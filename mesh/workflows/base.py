@@ -3,7 +3,7 @@
 A `Task` is what a pool leased from the broker (its lease id is the group id). An episode may call
 the engines of several model_ids; it finds them through `EpisodeContext`, which maps each of the
 workflow's roles ("policy", "solver", "verifier", ...) to a model_id and each model_id to its engine.
-It returns `deltamesh.trainer.data.Trajectory` records, the broker's submission format, built with
+It returns `deltamesh.data.Trajectory` records, the broker's submission format, built with
 `trajectory_from_generation` and closed with `finalize_groups` so that each (model_id, group_id)
 group states its true size: a multi-turn workflow may emit a different number of trajectories per
 model than the task's n_samples.
@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 
 class WorkflowError(ValueError):

@@ -24,7 +24,7 @@ from deltamesh.mesh.workflows.base import (
     render,
     trajectory_from_generation,
 )
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 
 @dataclass

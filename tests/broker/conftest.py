@@ -20,7 +20,7 @@ from aiohttp import web
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import BROKER_KEY, build_app
 from deltamesh.mesh.broker.service import Broker
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 DELTAMESH = [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
 

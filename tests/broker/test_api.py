@@ -15,7 +15,7 @@ import pytest
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.trainer.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
+from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
 
 
 async def post(url: str, data: bytes, content_type: str) -> tuple[int, dict]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from deltamesh.gateway.http import client_session
+from deltamesh.http import client_session
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import CommandLauncher, LaunchError, LocalLauncher
 from deltamesh.mesh.autoscale.loop import Autoscaler, http_balance

@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from deltamesh.gateway.http import HttpError
+from deltamesh.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 CLIENTS = 8
 ACKS_BEFORE_KILL = 40

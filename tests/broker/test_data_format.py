@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load, save
 
 from deltamesh.mesh.broker.json_form import trajectories_from_json
-from deltamesh.trainer.data import (
+from deltamesh.data import (
     DataFormatError, decode_batch, decode_trajectories, encode_batch, encode_trajectories,
 )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltamesh.gateway.http import HttpError
+from deltamesh.http import HttpError
 from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.trainer.batch_client import BatchClient
 

@@ -21,7 +21,7 @@ from deltamesh.mesh.broker.client import PoolClient
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.trainer.data import Trajectory
+from deltamesh.data import Trajectory
 
 GROUP = 2
 

@@ -7,7 +7,7 @@ import pytest
 from deltamesh.config import ConfigError, from_dict
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.mesh.demo.config import DemoConfig
-from deltamesh.mesh.topology import Topology, default_topology, load_topology
+from deltamesh.mesh.demo.topology import Topology, default_topology, load_topology
 
 
 def test_the_default_is_an_origin_and_two_remote_regions_one_relaying_through_the_other():

@@ -23,7 +23,7 @@ import pytest
 
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 STANDIN_PATH = Path(__file__).with_name("sglang_standin.py")
 _spec = importlib.util.spec_from_file_location("sglang_standin", STANDIN_PATH)

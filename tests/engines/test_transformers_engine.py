@@ -28,7 +28,7 @@ from deltamesh.delta import (
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.hotswap import decode_delta, live_tensors, write_delta_in_place
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 MODEL = "tiny"
 KEY = generate_key()

@@ -27,7 +27,7 @@ from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.http import serving
+from deltamesh.http import serving
 from deltamesh.gateway.server import create_app
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]

@@ -19,7 +19,7 @@ from aiohttp import web
 from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.fetch import MIN_SPAN, Fetcher, NotAnnounced
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.http import client_session, parse_range, serving
+from deltamesh.http import client_session, parse_range, serving
 from deltamesh.gateway.upload import upload_version
 
 MODEL = "m"

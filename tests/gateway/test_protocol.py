@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from deltamesh.delta.keys import generate_key
-from deltamesh.gateway.http import bearer, client_session, request_bytes, request_json
+from deltamesh.http import bearer, client_session, request_bytes, request_json
 from deltamesh.gateway.upload import upload_version
 
 MODEL = "tiny-1"

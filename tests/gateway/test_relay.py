@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from deltamesh.gateway.http import client_session, request_bytes, request_json
+from deltamesh.http import client_session, request_bytes, request_json
 from deltamesh.gateway.upload import upload_version
 
 MODEL = "relay-m"

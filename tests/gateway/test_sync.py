@@ -10,9 +10,9 @@ from aiohttp import ClientSession, web
 
 from deltamesh.delta import dir_manifest, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.http import request_json
+from deltamesh.http import request_json
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.puller import WeightSync
+from deltamesh.gateway.weight_sync import WeightSync
 
 MODEL = "tiny"
 PIECE = 4096

@@ -28,8 +28,8 @@ from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
-from deltamesh.gateway.http import serving
-from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+from deltamesh.http import serving
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"

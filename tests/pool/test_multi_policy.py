@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 
-from deltamesh.gateway.http import client_session, request_json
+from deltamesh.http import client_session, request_json
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig

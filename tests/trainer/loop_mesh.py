@@ -200,7 +200,7 @@ def make_trajectories(model: torch.nn.Module, model_id: str, groups: int, *, ver
                       rewards: Sequence[float] = (0.0, 1.0), group_size: int = GROUP) -> list:
     """`groups` groups of `group_size` trajectories: random prompt and response tokens, behaviour
     logprobs from `model`, rewards drawn from `rewards`, generated tokens tagged with `version`."""
-    from deltamesh.trainer.data import Trajectory
+    from deltamesh.data import Trajectory
     from deltamesh.trainer.step import sequence_logprobs
 
     rng = np.random.default_rng(seed)

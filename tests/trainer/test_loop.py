@@ -81,7 +81,8 @@ BATCH = 2 * mesh.GROUP  # two groups per step
 @pytest.fixture(scope="module")
 def tiny_lm():
     """The tiny model's directory and the model itself (fp32), to score made-up trajectories."""
-    from deltamesh.trainer.models import load_causal_lm, tiny_model_dir
+    from deltamesh.mesh.demo.models import tiny_model_dir
+    from deltamesh.trainer.models import load_causal_lm
 
     path = tiny_model_dir()
     return path, load_causal_lm(path, dtype=torch.float32)

@@ -17,10 +17,10 @@ import torch
 
 from deltamesh.delta import encode_delta, encode_full
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.http import client_session, request_bytes, request_json
+from deltamesh.http import client_session, request_bytes, request_json
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
-from deltamesh.gateway.http import serving
+from deltamesh.http import serving
 from deltamesh.trainer.mesh_client import MeshClient
 from deltamesh.trainer.publish import gateway_weights, start_stream
 

@@ -166,7 +166,7 @@ def test_bad_trainer_config_is_an_error(tmp_path: Path, text, needle):
 def test_broker_batches_become_loss_inputs():
     import numpy as np
 
-    from deltamesh.trainer.data import Trajectory, decode_batch, encode_batch
+    from deltamesh.data import Trajectory, decode_batch, encode_batch
     from deltamesh.trainer.loss_inputs import inputs_from_batch
 
     def traj(i: int, group: str, n: int, reward: float) -> Trajectory:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.trainer.models import TinyModelConfig, tiny_model_dir
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 
 @pytest.fixture(scope="session")

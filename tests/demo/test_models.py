@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from deltamesh.trainer import models
+from deltamesh.mesh.demo import models
+from deltamesh.trainer.models import load_causal_lm
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_tiny_model_is_seeded_and_loads_offline(private_cache, tmp_path):
     assert weights(a) == weights(b)
     assert weights(a) != weights(c)
 
-    model = models.load_causal_lm(a)
+    model = load_causal_lm(a)
     tok = models.load_tokenizer(a)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.dtype == torch.bfloat16
@@ -59,7 +60,7 @@ def test_tiny_model_default_path_is_cached(private_cache):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert models.tiny_model_dir(config) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert type(models.load_causal_lm(first)).__name__ == "LlamaForCausalLM"
+    assert type(load_causal_lm(first)).__name__ == "LlamaForCausalLM"
 
 
 @pytest.mark.parametrize("bad", [
@@ -91,7 +92,7 @@ def test_adam_step_moves_every_weight_by_about_lr(private_cache):
     config = models.TinyModelConfig(num_hidden_layers=1)
     path = models.tiny_model_dir(config)
     hf_config = json.loads((path / "config.json").read_text())
-    master = {k: v.float() for k, v in models.untied_state_dict(models.load_causal_lm(path)).items()}
+    master = {k: v.float() for k, v in models.untied_state_dict(load_causal_lm(path)).items()}
     tok = models.load_tokenizer(path)
     tokens = models.token_batch(tok, models.english_text(), batch=2, seq_len=32)
     grads = models.lm_gradients(hf_config, master, tokens)
@@ -107,7 +108,7 @@ def test_adam_step_moves_every_weight_by_about_lr(private_cache):
 def test_adam_run_returns_the_last_steps_delta(private_cache):
     path = models.tiny_model_dir(models.TinyModelConfig(num_hidden_layers=1))
     hf_config = json.loads((path / "config.json").read_text())
-    master = {k: v.float() for k, v in models.untied_state_dict(models.load_causal_lm(path)).items()}
+    master = {k: v.float() for k, v in models.untied_state_dict(load_causal_lm(path)).items()}
     tok = models.load_tokenizer(path)
     batches = [models.token_batch(tok, models.english_text(), batch=2, seq_len=32, offset=2 * i) for i in range(3)]
     before, after = models.adam_run(hf_config, master, batches, lr=1e-3)
@@ -144,7 +145,7 @@ def test_missing_model_package_is_a_clear_error(monkeypatch):
 @pytest.mark.slow
 def test_smollm2_model_dir_holds_the_real_pretrained_model():
     path = models.smollm2_model_dir()
-    model = models.load_causal_lm(path)
+    model = load_causal_lm(path)
     tok = models.load_tokenizer(path)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == 134_515_008

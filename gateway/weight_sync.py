@@ -30,7 +30,7 @@ from deltamesh.delta import CodecError, CorruptError, Manifest, apply_to_dir, di
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.http import HttpError, bearer, client_session, request_json
+from deltamesh.http import HttpError, bearer, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
 
