@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from deltamesh.http import client_session, request_bytes
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Trajectory
 
@@ -100,7 +100,7 @@ def as_json(trajectories: list[Trajectory]) -> bytes:
 async def pool_client(url: str, pool: int, groups: int, per_submission: int, use_json: bool) -> None:
     rng = np.random.default_rng(pool)
     templates = [make_group(pool, i, rng) for i in range(per_submission)]  # token data reused, ids fresh
-    async with PoolClient(url, pool=f"pool{pool}") as client, client_session() as session:
+    async with BrokerClient(url, pool=f"pool{pool}") as client, client_session() as session:
         for start in range(0, groups, per_submission):
             batch = []
             for k in range(min(per_submission, groups - start)):

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
+from deltamesh.gateway_client import PEER_HEADER  # noqa: F401 - re-exported for the gateway's modules
+
 log = logging.getLogger(__name__)
 
-PEER_HEADER = "X-Deltamesh-Peer"
-"""Clients name themselves as `pool/NAME` or `gateway/REGION` so served bytes are put on their link."""
 ROLES = ("upstream", "downstream", "pool")
 RTT_WINDOW = 120
 TRANSFER_WINDOW_S = 60.0

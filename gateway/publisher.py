@@ -26,7 +26,8 @@ import torch
 from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, write_weights
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
-from deltamesh.http import HttpError, client_session, request_json
+from deltamesh.gateway_client import GatewayClient
+from deltamesh.http import HttpError, client_session
 from deltamesh.gateway.upload import upload_version
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Publisher:
 
     async def gateway_head(self) -> int | None:
         async with client_session(timeout_s=30.0) as s:
-            return (await request_json(s, "GET", f"{self.gateway}/v1/models/{self.model_id}/head"))["head"]
+            return await GatewayClient(self.gateway, s, peer=f"trainer/{self.model_id}").head(self.model_id)
 
     async def publish(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> Published:
         """Publish `weights` as `version` (default: one after the base, or after the gateway's head).

@@ -1,17 +1,18 @@
 """`BatchClient`, the trainer's side of the broker's batch API (see docs/api/broker.md).
 
 It reports versions and step timings, long-polls batches in the layout of `deltamesh.data`
-and acknowledges them, keeping the bookkeeping that makes delivery at-least-once across restarts.
+and acknowledges them through the base layer's `BrokerClient`, keeping the bookkeeping that makes
+delivery at-least-once across restarts.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Sequence
 
-from deltamesh.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.broker_client import BrokerClient
 from deltamesh.data import Batch, decode_batch
+from deltamesh.http import HttpError
 
 
 class BatchClient:
@@ -31,11 +32,9 @@ class BatchClient:
     """
 
     def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True):
-        self.base = broker_url.rstrip("/")
         self.model_id = model_id
         self.auto_ack = auto_ack
-        self._model_url = f"{self.base}/v1/models/{model_id}"
-        self._session = client_session(timeout_s=None, connections=4)
+        self._broker = BrokerClient(broker_url, connections=4, timeout_s=None)
         self._last_call: float | None = None
         self._wait_s = 0.0
         self._last_step: tuple[float, float] = (0.0, 0.0)
@@ -49,7 +48,7 @@ class BatchClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._session.close()
+        await self._broker.close()
 
     @property
     def held(self) -> list[str]:
@@ -63,13 +62,11 @@ class BatchClient:
 
     async def report_version(self, version: int) -> dict[str, Any]:
         """Tell the broker this trainer now holds `version` (registers the model_id if the broker allows)."""
-        return await request_json(self._session, "POST", f"{self._model_url}/version", body={"version": version},
-                                  timeout_s=30)
+        return await self._broker.report_version(self.model_id, version)
 
     async def report_step(self, wait_s: float, step_s: float) -> dict[str, Any]:
         """One training step's timings: seconds spent waiting for its batch and the whole step's length."""
-        return await request_json(self._session, "POST", f"{self._model_url}/steps",
-                                  body={"wait_s": wait_s, "step_s": step_s}, timeout_s=30)
+        return await self._broker.report_step(self.model_id, wait_s, step_s)
 
     async def next_batch(self, size: int, *, version: int | None = None, timeout_s: float = 30.0) -> Batch | None:
         """Wait up to `timeout_s` for a batch of (at most, whole groups) `size` samples; None on timeout.
@@ -84,9 +81,7 @@ class BatchClient:
             self._mark_acked(self._held)
         sent = list(self._acks)
         body = {"size": size, "version": version, "timeout_s": timeout_s, "ack": sent, "held": list(self._held)}
-        data = await request_bytes(self._session, "POST", f"{self._model_url}/batch",
-                                   data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                                   timeout_s=timeout_s + 30)
+        data = await self._broker.poll_batch(self.model_id, body, timeout_s=timeout_s + 30)
         self._confirmed(sent)
         self._wait_s = time.monotonic() - start
         if not data:
@@ -108,8 +103,7 @@ class BatchClient:
         if not sent:
             return {"acked": [], "already_acked": [], "requeued": []}
         try:
-            answer = await request_json(self._session, "POST", f"{self._model_url}/acks", body={"batch_ids": sent},
-                                        timeout_s=30)
+            answer = await self._broker.ack_batches(self.model_id, sent)
         except HttpError as e:
             if 400 <= e.status < 500:
                 self._confirmed(sent)

@@ -35,7 +35,8 @@ from deltamesh.delta import Applier, CodecError, Manifest, load_manifest, weight
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
-from deltamesh.http import HttpError, client_session, request_json
+from deltamesh.gateway_client import GatewayClient
+from deltamesh.http import HttpError, client_session
 from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.publisher import Published, Publisher
 
@@ -61,7 +62,7 @@ async def model_versions(gateway: str, model_id: str) -> dict[str, Any] | None:
     """The gateway's listing of a model's versions (`GET .../versions`), or None if it has none."""
     async with client_session(timeout_s=30.0) as s:
         try:
-            return await request_json(s, "GET", f"{gateway.rstrip('/')}/v1/models/{model_id}/versions")
+            return await GatewayClient(gateway, s, peer=f"trainer/{model_id}").versions(model_id)
         except HttpError as e:
             if e.status == 404:
                 return None
@@ -152,12 +153,11 @@ async def gateway_weights(
     short delta chain); without, a full snapshot route. Every manifest is checked against
     `trusted_keys` and every result tensor against its hash, so the weights are bit-exact.
     """
-    url = gateway.rstrip("/")
     async with client_session(connections=2 * connections + 4, timeout_s=None) as session:
+        client = GatewayClient(gateway, session, peer=f"trainer/{model_id}")
         params = {"from": None if have is None else have[0], "to": version}
-        plan = Plan.from_json(await request_json(session, "GET", f"{url}/v1/models/{model_id}/plan",
-                                                 params=params, timeout_s=30.0))
-        fetcher = Fetcher(session, [Source(url)], f"trainer/{model_id}", give_up_s=give_up_s)
+        plan = Plan.from_json(await client.plan(model_id, params))
+        fetcher = Fetcher(session, [Source(client.base)], f"trainer/{model_id}", give_up_s=give_up_s)
         weights: Mapping[str, torch.Tensor] | None = None if have is None else have[1]
         for step in plan.steps:
             manifest = await fetcher.manifest_bytes(model_id, step.version, step.kind,

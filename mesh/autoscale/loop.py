@@ -17,9 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-import aiohttp
-
-from deltamesh.http import HttpError, request_json
+from deltamesh.http import HttpError
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import Launcher, LaunchError
 from deltamesh.mesh.broker.balance import target_gpus
@@ -27,13 +25,6 @@ from deltamesh.mesh.broker.balance import target_gpus
 log = logging.getLogger(__name__)
 
 BalanceSource = Callable[[], Awaitable[dict[str, Any]]]
-
-
-def http_balance(session: aiohttp.ClientSession, broker_url: str) -> BalanceSource:
-    """The broker's report read over HTTP (`GET /v1/balance`)."""
-    async def fetch() -> dict[str, Any]:
-        return await request_json(session, "GET", f"{broker_url.rstrip('/')}/v1/balance", timeout_s=30)
-    return fetch
 
 
 @dataclass

@@ -8,5 +8,5 @@ acknowledged), `runner.StoreRunner` its store thread with group commit, `sqlite_
 the embedded durable store behind the narrow `store.BrokerStore` interface, `tasks` the dataset and
 leases, `policies`/`curators` the plug-in data policies, `balance` the wait-fraction report that
 drives the autoscaler (`deltamesh.mesh.autoscale`), `json_form` the JSON submission form, and
-`client.PoolClient` the pools' client.
+the pools and trainers reach it through `deltamesh.broker_client.BrokerClient`.
 """

@@ -55,10 +55,10 @@ def run_autoscale(args: argparse.Namespace) -> int:
     import signal
 
     from deltamesh.config import ConfigError, load_config
-    from deltamesh.http import client_session
+    from deltamesh.broker_client import BrokerClient
     from deltamesh.mesh.autoscale.config import AutoscaleConfig
     from deltamesh.mesh.autoscale.launchers import CommandLauncher, Launcher, LocalLauncher
-    from deltamesh.mesh.autoscale.loop import Autoscaler, http_balance
+    from deltamesh.mesh.autoscale.loop import Autoscaler
 
     overrides = {"broker": args.broker, "launcher": args.launcher, "interval_s": args.interval_s}
     try:
@@ -77,9 +77,9 @@ def run_autoscale(args: argparse.Namespace) -> int:
             launcher = LocalLauncher(config.command, broker=config.broker, stop_grace_s=config.stop_grace_s)
         else:
             launcher = CommandLauncher(config.command, initial=config.initial_pools, timeout_s=config.command_timeout_s)
-        async with client_session(timeout_s=60) as session:
+        async with BrokerClient(config.broker, timeout_s=60) as broker:
             try:
-                await Autoscaler(config, launcher, http_balance(session, config.broker)).run(stop)
+                await Autoscaler(config, launcher, broker.balance).run(stop)
             finally:
                 await launcher.close()
 

@@ -95,20 +95,19 @@ def run(args: argparse.Namespace) -> int:
     import json
     import logging
     import time
-    import urllib.request
 
     from rich.console import Console
     from rich.live import Live
 
-    url = f"{args.gateway.rstrip('/')}/v1/links"
+    from deltamesh.gateway_client import GatewayClient, call_once
+    from deltamesh.http import HttpError
 
     def fetch() -> dict:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.loads(r.read())
+        return call_once(args.gateway, GatewayClient.links)
 
     try:
         answer = fetch()
-    except (OSError, ValueError) as e:
+    except HttpError as e:
         logging.getLogger(__name__).error("cannot read links from %s: %s", args.gateway, e)
         return 1
     if args.json:
@@ -125,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.interval)
                 try:
                     live.update(links_table(fetch(), console), refresh=True)
-                except (OSError, ValueError) as e:
+                except HttpError as e:
                     live.console.print(f"[red]{e}[/]")
     except KeyboardInterrupt:
         return 0

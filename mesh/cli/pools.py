@@ -33,14 +33,15 @@ def pools_table(answer: dict):
 def run(args: argparse.Namespace) -> int:
     import json
     import logging
-    import urllib.request
 
     from rich.console import Console
 
+    from deltamesh.gateway_client import GatewayClient, call_once
+    from deltamesh.http import HttpError
+
     try:
-        with urllib.request.urlopen(f"{args.gateway.rstrip('/')}/v1/pools", timeout=10) as r:
-            answer = json.loads(r.read())
-    except (OSError, ValueError) as e:
+        answer = call_once(args.gateway, GatewayClient.pools)
+    except HttpError as e:
         logging.getLogger(__name__).error("cannot read pools from %s: %s", args.gateway, e)
         return 1
     if args.json:

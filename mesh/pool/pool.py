@@ -23,8 +23,9 @@ from typing import Any, Mapping, Sequence
 from prometheus_client import CollectorRegistry
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.http import HttpError, client_session, request_json, serving
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.gateway_client import GatewayClient
+from deltamesh.http import HttpError, client_session, serving
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
@@ -65,7 +66,7 @@ async def gateway_info(gateways: Sequence[str], stop: asyncio.Event, retry_s: fl
         while not stop.is_set():
             for url in gateways:
                 try:
-                    return await request_json(session, "GET", f"{url}/v1/models")
+                    return await GatewayClient(url, session).models()
                 except HttpError as e:
                     log.warning("gateway %s: %s", url, e)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -142,7 +143,7 @@ class RolloutPool:
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, ignore_eos=s.ignore_eos)
             ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region)
-            client = PoolClient(cfg.broker, pool=cfg.name, region=self.region, gpus=cfg.gpus)
+            client = BrokerClient(cfg.broker, pool=cfg.name, region=self.region, gpus=cfg.gpus)
             stack.push_async_callback(client.close)
             self.gate = LeaseGate(self.weights, client.status, max_staleness=cfg.max_staleness,
                                   refresh_s=cfg.broker_refresh_s, metrics=self.metrics)

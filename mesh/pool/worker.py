@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from deltamesh.http import HttpError
-from deltamesh.mesh.broker.client import PoolClient, TaskLease
+from deltamesh.broker_client import BrokerClient, TaskLease
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
@@ -66,7 +66,7 @@ class WorkerSettings:
 
 
 class RolloutWorker:
-    def __init__(self, client: PoolClient, workflow: Workflow, ctx: EpisodeContext, gate: LeaseGate,
+    def __init__(self, client: BrokerClient, workflow: Workflow, ctx: EpisodeContext, gate: LeaseGate,
                  settings: WorkerSettings, *, metrics: PoolMetrics | None = None) -> None:
         self.client = client
         self.workflow = workflow

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
@@ -30,7 +30,7 @@ def stored(db: Path) -> int:
 
 def test_submission_is_idempotent(serve_broker, make_group, tmp_path):
     async def scenario():
-        async with serve_broker() as (url, broker), PoolClient(url, pool="p1", region="eu") as pool:
+        async with serve_broker() as (url, broker), BrokerClient(url, pool="p1", region="eu") as pool:
             first = make_group("g", [1.0, 0.0, 1.0, 0.0])
             assert (await pool.submit(first[:2])).accepted == 2
             again = await pool.submit(first[:3])  # two duplicates and one new
@@ -65,7 +65,7 @@ def test_malformed_submissions_get_400_and_store_nothing(serve_broker, tmp_path,
 
 def test_wrongly_typed_and_conflicting_submissions_store_nothing(serve_broker, make_group, tmp_path):
     async def scenario():
-        async with serve_broker() as (url, broker), PoolClient(url, pool="p") as pool:
+        async with serve_broker() as (url, broker), BrokerClient(url, pool="p") as pool:
             bad = make_group("g", [1.0, 0.0])
             bad[1].reward = float("nan")
             code, answer = await post(f"{url}/v1/trajectories", encode_trajectories(bad), TRAJECTORIES_CONTENT_TYPE)
@@ -120,7 +120,7 @@ def test_unknown_model_is_404_and_registration(serve_broker, make_group, tmp_pat
                     with pytest.raises(Exception, match="404"):
                         await call
         async with serve_broker(BrokerConfig(models=["m"]), db=tmp_path / "b2.db") as (url, broker):
-            async with BatchClient(url, "newcomer") as trainer, PoolClient(url, pool="p") as pool:
+            async with BatchClient(url, "newcomer") as trainer, BrokerClient(url, pool="p") as pool:
                 assert (await trainer.report_version(3))["version"] == 3
                 assert (await pool.submit(make_group("c", [1.0], model_id="newcomer"))).accepted == 1
                 with pytest.raises(Exception, match="409"):
@@ -136,7 +136,7 @@ def test_unknown_model_is_404_and_registration(serve_broker, make_group, tmp_pat
 def test_two_models_are_served_independently(serve_broker, make_group):
     async def scenario():
         async with serve_broker(BrokerConfig(models=["solver", "verifier"])) as (url, broker), \
-                PoolClient(url, pool="p") as pool, BatchClient(url, "solver") as solver, \
+                BrokerClient(url, pool="p") as pool, BatchClient(url, "solver") as solver, \
                 BatchClient(url, "verifier") as verifier:
             for i in range(3):
                 await pool.submit(make_group(f"s{i}", [1.0, 0.0], model_id="solver")
@@ -153,7 +153,7 @@ def test_two_models_are_served_independently(serve_broker, make_group):
 
 def test_long_poll_times_out_then_wakes_on_data(serve_broker, make_group):
     async def scenario():
-        async with serve_broker() as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker() as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m") as trainer:
             assert await trainer.next_batch(4, timeout_s=0.2) is None
             waiting = asyncio.create_task(trainer.next_batch(4, timeout_s=10))
@@ -170,7 +170,7 @@ def test_staleness_bound_drops_old_groups(serve_broker, make_group, tmp_path):
     config = BrokerConfig(models=["m"], policies=PoliciesConfig(max_staleness=2))
 
     async def scenario():
-        async with serve_broker(config) as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker(config) as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m") as trainer:
             for v in range(6):
                 await pool.submit(make_group(f"v{v}", [1.0, 0.0], version=v))
@@ -194,7 +194,7 @@ def test_zero_adv_drops_uniform_groups(serve_broker, make_group):
     config = BrokerConfig(models=["m"], policies=PoliciesConfig(filters=["zero_adv"]))
 
     async def scenario():
-        async with serve_broker(config) as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker(config) as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m") as trainer:
             await pool.submit(make_group("same1", [1.0, 1.0]) + make_group("mixed1", [1.0, 0.0])
                               + make_group("same0", [0.0, 0.0]) + make_group("mixed2", [0.5, 0.0]))
@@ -218,7 +218,7 @@ def test_replay_fraction_and_flags(serve_broker, make_group):
     config = BrokerConfig(models=["m"], policies=PoliciesConfig(replay=ReplayConfig(fraction=0.5, selector="latest")))
 
     async def scenario():
-        async with serve_broker(config) as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker(config) as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m") as trainer:
             await pool.submit([t for i in range(8) for t in make_group(f"g{i}", [1.0, 0.0])])
             first = await trainer.next_batch(8, timeout_s=5)

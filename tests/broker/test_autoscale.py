@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from deltamesh.http import client_session
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import CommandLauncher, LaunchError, LocalLauncher
-from deltamesh.mesh.autoscale.loop import Autoscaler, http_balance
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.mesh.autoscale.loop import Autoscaler
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BalanceConfig, BrokerConfig
 from deltamesh.trainer.batch_client import BatchClient
 
@@ -87,9 +86,9 @@ def test_autoscaler_acts_on_the_report_within_bounds_and_cooldown(serve_broker, 
 
     async def scenario():
         async with serve_broker(BrokerConfig(models=["m"], balance=BalanceConfig(window_steps=1))) as (url, broker), \
-                BatchClient(url, "m") as trainer, client_session() as session:
+                BatchClient(url, "m") as trainer, BrokerClient(url) as reader:
             launcher = CommandLauncher(config.command, initial=config.initial_pools)
-            scaler = Autoscaler(config, launcher, http_balance(session, url), clock=lambda: now[0])
+            scaler = Autoscaler(config, launcher, reader.balance, clock=lambda: now[0])
             assert (await scaler.step()).reason == "balanced"  # no steps yet: hold
             await trainer.report_step(wait_s=5.0, step_s=10.0)  # w = 0.5: 2 pools -> ceil(2 / 0.5) = 4
             decision = await scaler.step()
@@ -99,7 +98,7 @@ def test_autoscaler_acts_on_the_report_within_bounds_and_cooldown(serve_broker, 
             decision = await scaler.step()  # 4 -> 8 wanted, clamped to max_pools
             assert (decision.wanted, decision.target_gpus, launcher.current()) == (6, 8, 6)
             now[0] += 61
-            async with PoolClient(url, pool="p") as pool:
+            async with BrokerClient(url, pool="p") as pool:
                 await pool.submit([t for i in range(20) for t in make_group(f"g{i}", [1.0, 0.0, 1.0, 0.0, 1.0])])
             assert len(await trainer.next_batch(10, timeout_s=5)) == 10
             await trainer.report_step(wait_s=0.0, step_s=10.0)  # fed, 100 made for 10 used: ceil(6*0.1*1.1) = 1

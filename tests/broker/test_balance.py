@@ -9,7 +9,7 @@ import math
 import aiohttp
 import pytest
 
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BalanceConfig, BrokerConfig
 from deltamesh.trainer.batch_client import BatchClient
 
@@ -34,8 +34,8 @@ def test_balance_report_follows_a_scripted_schedule(serve_broker, make_group):
                 (2, 1, 0.7, 10.0), (2, 1, 0.7, 10.0)]  # in between the thresholds
 
     async def scenario():
-        async with serve_broker(config) as (url, broker), PoolClient(url, pool="a", gpus=3) as a, \
-                PoolClient(url, pool="b", gpus=1) as b, BatchClient(url, "m") as trainer, aiohttp.ClientSession() as s:
+        async with serve_broker(config) as (url, broker), BrokerClient(url, pool="a", gpus=3) as a, \
+                BrokerClient(url, pool="b", gpus=1) as b, BatchClient(url, "m") as trainer, aiohttp.ClientSession() as s:
             await a.lease(1)
             await b.lease(1)
             n = 0

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from deltamesh.http import HttpError
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Trajectory
 
@@ -31,7 +31,7 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
     unacked: list[list[Trajectory]] = []  # each submission in flight when the broker died
 
     async def client(i: int) -> None:
-        async with PoolClient(broker.url, pool=f"pool{i}") as pool:
+        async with BrokerClient(broker.url, pool=f"pool{i}") as pool:
             for n in range(100_000):
                 trajs = (make_group(f"c{i}-{n}a", [1.0, 0.0, 1.0, 0.0], tokens=256)
                          + make_group(f"c{i}-{n}b", [0.0, 0.0, 1.0, 1.0], tokens=256))
@@ -43,7 +43,7 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
                 acked.append(trajs)
 
     async def before_kill() -> list[dict]:
-        async with PoolClient(broker.url, pool="holder") as holder, BatchClient(broker.url, "m") as trainer:
+        async with BrokerClient(broker.url, pool="holder") as holder, BatchClient(broker.url, "m") as trainer:
             leases = await holder.lease(3)
             await holder.submit(make_group(leases[0].group_id, [1.0, 0.0, 0.0, 1.0], task_id=leases[0].task_id))
             await holder.submit(make_group("early", [1.0, 0.0, 1.0, 0.0]))
@@ -69,7 +69,7 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
     assert status["tasks"]["cursor"] == {"epoch": 0, "position": 3}
 
     async def after_restart() -> None:
-        async with PoolClient(broker.url, pool="again") as pool, BatchClient(broker.url, "m") as trainer:
+        async with BrokerClient(broker.url, pool="again") as pool, BatchClient(broker.url, "m") as trainer:
             for trajs in acked[:10]:  # everything acknowledged is already there
                 assert (await pool.submit(trajs)).duplicates == len(trajs)
             batch = await trainer.next_batch(8, timeout_s=5)

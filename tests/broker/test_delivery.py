@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 
 from deltamesh.http import HttpError
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.mesh.broker.sqlite_store import SCHEMA_VERSION, SqliteStore
 from deltamesh.trainer.batch_client import BatchClient
@@ -101,7 +101,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 
 def submit(url: str, trajectories: list) -> None:
     async def go() -> None:
-        async with PoolClient(url, pool="p") as pool:
+        async with BrokerClient(url, pool="p") as pool:
             await pool.submit(trajectories)
 
     asyncio.run(go())
@@ -232,7 +232,7 @@ def test_acknowledged_batches_are_never_served_again_across_broker_restarts(brok
 
 def test_acks_are_idempotent_and_an_unknown_batch_id_is_404(serve_broker, make_group):
     async def scenario() -> None:
-        async with serve_broker() as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker() as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m", auto_ack=False) as trainer, aiohttp.ClientSession() as s:
             await pool.submit(make_group("g0", [1.0, 0.0]) + make_group("g1", [0.0, 1.0]))
             batch = await trainer.next_batch(2, timeout_s=5)
@@ -267,7 +267,7 @@ def test_a_group_joins_replay_only_once_its_batch_is_acknowledged(serve_broker, 
     config = BrokerConfig(models=["m"], policies=PoliciesConfig(replay=ReplayConfig(fraction=0.5)))
 
     async def scenario() -> None:
-        async with serve_broker(config) as (url, broker), PoolClient(url, pool="p") as pool, \
+        async with serve_broker(config) as (url, broker), BrokerClient(url, pool="p") as pool, \
                 BatchClient(url, "m", auto_ack=False) as trainer:
             await pool.submit([t for i in range(8) for t in make_group(f"g{i}", [1.0, 0.0])])
             first = await trainer.next_batch(4, timeout_s=5)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deltamesh.http import HttpError
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.trainer.batch_client import BatchClient
 
 
@@ -53,7 +53,7 @@ def test_disk_full_gives_503_and_recovers(broker_process, make_group, small_disk
     broker.start()
 
     async def scenario() -> None:
-        async with PoolClient(broker.url, pool="p") as pool, BatchClient(broker.url, "m") as trainer:
+        async with BrokerClient(broker.url, pool="p") as pool, BatchClient(broker.url, "m") as trainer:
             before = make_group("before", [1.0, 0.0, 1.0, 0.0], tokens=2048)
             assert (await pool.submit(before)).accepted == 4
             filler = fill(small_disk / "filler")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BrokerConfig, CuratorConfig, TasksConfig
 from deltamesh.mesh.broker.tasks import DatasetError, read_dataset
 
@@ -41,7 +41,7 @@ def test_read_dataset_keeps_extra_fields_and_names_bad_lines(tmp_path):
 def test_leases_walk_the_dataset_over_epochs(serve_broker, tmp_path):
     async def scenario():
         async with serve_broker(config(tmp_path, 3, epochs=2, n_samples=4)) as (url, broker), \
-                PoolClient(url, pool="p", region="eu", gpus=2) as pool:
+                BrokerClient(url, pool="p", region="eu", gpus=2) as pool:
             leases = await pool.lease(4)
             assert [(le.task_id, le.epoch) for le in leases] == [("q0", 0), ("q1", 0), ("q2", 0), ("q0", 1)]
             first = leases[0]
@@ -61,7 +61,7 @@ def test_a_lease_is_done_when_every_model_has_its_group(serve_broker, make_group
     cfg.models = ["solver", "verifier"]
 
     async def scenario():
-        async with serve_broker(cfg) as (url, broker), PoolClient(url, pool="p") as pool:
+        async with serve_broker(cfg) as (url, broker), BrokerClient(url, pool="p") as pool:
             lease = (await pool.lease(1))[0]
             assert lease.model_ids == ["solver", "verifier"]
             await pool.submit(make_group(lease.group_id, [1.0, 0.0], model_id="solver", task_id=lease.task_id))
@@ -79,7 +79,7 @@ def test_a_lease_is_done_when_every_model_has_its_group(serve_broker, make_group
 def test_expired_leases_are_issued_again(serve_broker, make_group, tmp_path):
     async def scenario():
         async with serve_broker(config(tmp_path, 2, lease_timeout_s=0.3)) as (url, broker), \
-                PoolClient(url, pool="slow") as slow, PoolClient(url, pool="other") as other:
+                BrokerClient(url, pool="slow") as slow, BrokerClient(url, pool="other") as other:
             stuck, late = await slow.lease(2)
             await asyncio.sleep(0.8)  # both deadlines pass; the expiry loop runs every 0.075 s
             assert {le["state"] for le in broker.leases()} == {"expired"}
@@ -99,8 +99,8 @@ def test_expired_leases_are_issued_again(serve_broker, make_group, tmp_path):
 def test_faster_pools_get_more_tasks(serve_broker, make_group, tmp_path):
     async def scenario():
         cfg = config(tmp_path, 40, max_inflight_per_pool=2, n_samples=2)
-        async with serve_broker(cfg) as (url, broker), PoolClient(url, pool="fast") as fast, \
-                PoolClient(url, pool="slow") as slow:
+        async with serve_broker(cfg) as (url, broker), BrokerClient(url, pool="fast") as fast, \
+                BrokerClient(url, pool="slow") as slow:
             held = await slow.lease(2)
             for _ in range(10):  # the fast pool returns its groups at once; the slow one still holds its two
                 for le in await fast.lease(2):
@@ -116,7 +116,7 @@ def test_filter_solved_curator_skips_solved_prompts_next_epoch(serve_broker, mak
     cfg = config(tmp_path, 3, epochs=2, n_samples=2, curator=CuratorConfig(name="filter_solved", history=1))
 
     async def scenario():
-        async with serve_broker(cfg) as (url, broker), PoolClient(url, pool="p") as pool:
+        async with serve_broker(cfg) as (url, broker), BrokerClient(url, pool="p") as pool:
             for le in await pool.lease(3):
                 rewards = [1.0, 1.0] if le.task_id == "q1" else [1.0, 0.0]
                 await pool.submit(make_group(le.group_id, rewards, task_id=le.task_id))

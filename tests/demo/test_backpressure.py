@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from deltamesh.config import ConfigError, from_dict
-from deltamesh.mesh.broker.client import PoolClient
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.trainer.batch_client import BatchClient
@@ -55,7 +55,7 @@ def answers(lease) -> list[Trajectory]:
 
 def test_no_leases_beyond_the_bound_until_a_trainer_takes_a_batch(tmp_path):
     async def scenario() -> None:
-        async with broker(tmp_path, cap=3) as url, PoolClient(url, pool="p") as pool, BatchClient(url, "m") as trainer:
+        async with broker(tmp_path, cap=3) as url, BrokerClient(url, pool="p") as pool, BatchClient(url, "m") as trainer:
             first = await pool.lease(max_tasks=5)
             assert len(first) == 3  # the bound caps even a single request
             assert await pool.lease(max_tasks=5) == []
@@ -72,7 +72,7 @@ def test_no_leases_beyond_the_bound_until_a_trainer_takes_a_batch(tmp_path):
 
 def test_without_a_bound_pools_lease_freely(tmp_path):
     async def scenario() -> None:
-        async with broker(tmp_path, cap=None) as url, PoolClient(url, pool="p") as pool:
+        async with broker(tmp_path, cap=None) as url, BrokerClient(url, pool="p") as pool:
             assert len(await pool.lease(max_tasks=8)) == 8
             assert len(await pool.lease(max_tasks=8)) == 8
 

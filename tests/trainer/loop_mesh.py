@@ -225,10 +225,10 @@ def make_trajectories(model: torch.nn.Module, model_id: str, groups: int, *, ver
 
 def submit(broker: str, trajectories: list) -> None:
     """Hand trajectories to the broker through the rollout pools' client."""
-    from deltamesh.mesh.broker.client import PoolClient
+    from deltamesh.broker_client import BrokerClient
 
     async def main() -> None:
-        async with PoolClient(broker, pool="loop-test", region="local") as client:
+        async with BrokerClient(broker, pool="loop-test", region="local") as client:
             result = await client.submit(trajectories)
             assert result.accepted == len(trajectories), result
 

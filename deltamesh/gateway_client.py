@@ -1,0 +1,103 @@
+"""`GatewayClient`: the one place that knows a gateway's `/v1/` URLs (see docs/api/gateway.md).
+
+Publishers, relays, pools, the trainer, the CLI and the demo all reach a gateway through it: it
+builds every path, sends JSON with the project's one HTTP helper (`deltamesh.http`) and hands back
+the decoded answer, raising `HttpError` with the gateway's reason on failure. Bulk transfers
+(manifests and pieces) stay with the fetcher, which asks `version_url` where a version lives. It
+holds no state beyond the base URL, the session it was given and the headers every call carries
+(the caller's peer name, a pool's token), so one is cheap to make per call site.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
+
+import aiohttp
+
+from deltamesh.http import bearer, client_session, request_json
+
+T = TypeVar("T")
+
+PEER_HEADER = "X-Deltamesh-Peer"
+"""Names the caller (`pool/NAME`, `gateway/REGION`, `trainer/MODEL`) so a gateway can attribute links."""
+
+
+def version_url(base: str, model: str, version: int, kind: str) -> str:
+    """Where a gateway at `base` serves one version: `/manifest` and `/pieces/{index}` below it."""
+    return f"{base.rstrip('/')}/v1/models/{model}/versions/{version}/{kind}"
+
+
+class GatewayClient:
+    """JSON calls to one gateway at `base` over `session`, as `peer` and, for pool routes, with `token`."""
+
+    def __init__(self, base: str, session: aiohttp.ClientSession, *, peer: str | None = None,
+                 token: str | None = None, timeout_s: float | None = 30.0) -> None:
+        self.base = base.rstrip("/")
+        self.session = session
+        self.timeout_s = timeout_s
+        self._headers = {PEER_HEADER: peer} if peer else {}
+        self._token = token
+
+    def url(self, path: str) -> str:
+        return f"{self.base}{path}"
+
+    def version_url(self, model: str, version: int, kind: str) -> str:
+        return version_url(self.base, model, version, kind)
+
+    async def _call(self, method: str, path: str, *, params: Mapping[str, Any] | None = None, body: Any = None,
+                    auth: bool = False, timeout_s: float | None = None) -> Any:
+        headers = dict(self._headers)
+        if auth and self._token is not None:
+            headers.update(bearer(self._token))
+        return await request_json(self.session, method, self.url(path), params=params, body=body, headers=headers,
+                                  timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+    # -- models and versions ---------------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        """`{"region", "models": {model: {...}}}`: what the gateway serves."""
+        return await self._call("GET", "/v1/models")
+
+    async def head(self, model: str, *, after: int | None = None, wait_s: float = 0.0) -> int | None:
+        """The newest version of `model`; with `after`, waits up to `wait_s` for one newer than it."""
+        answer = await self._call("GET", f"/v1/models/{model}/head", params={"after": after, "wait": wait_s},
+                                  timeout_s=None if self.timeout_s is None else self.timeout_s + wait_s)
+        return answer["head"]
+
+    async def heads(self, params: Mapping[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Every model's head (`GET /v1/heads`), long-polled as `params` say."""
+        return await self._call("GET", "/v1/heads", params=params, timeout_s=timeout_s)
+
+    async def versions(self, model: str) -> dict[str, Any]:
+        """The listing of `model`'s versions: `{"head", "versions": [...]}`."""
+        return await self._call("GET", f"/v1/models/{model}/versions")
+
+    async def plan(self, model: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """A transfer plan (`from`, `to`, `since_full`, `full_every`, ...), as JSON for `Plan.from_json`."""
+        return await self._call("GET", f"/v1/models/{model}/plan", params=params)
+
+    # -- pools, gateways, links ------------------------------------------------------------------------
+    async def register_pool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", "/v1/pools", body=dict(body), auth=True)
+
+    async def heartbeat(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"/v1/pools/{name}/heartbeat", body=dict(body), auth=True)
+
+    async def pools(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/pools")
+
+    async def links(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/links")
+
+    async def announce(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Tell an upstream gateway that a downstream one follows it (`POST /v1/gateways`)."""
+        return await self._call("POST", "/v1/gateways", body=dict(body))
+
+
+def call_once(base: str, call: Callable[[GatewayClient], Awaitable[T]], *, timeout_s: float = 10.0) -> T:
+    """One call from synchronous code (the CLI's tables): a session is opened and closed around it.
+    Raises `HttpError`."""
+    async def run() -> T:
+        async with client_session(connections=2, timeout_s=timeout_s) as session:
+            return await call(GatewayClient(base, session, timeout_s=timeout_s))
+    return asyncio.run(run())
