@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deltamesh.trainer.safetensors_bytes import DataFormatError, load_tensors, safetensors_buffer
+from deltamesh.safetensors_bytes import DataFormatError, load_tensors, safetensors_buffer
 
 TRAJECTORIES_FORMAT = "deltamesh.trajectories/1"
 BATCH_FORMAT = "deltamesh.batch/1"

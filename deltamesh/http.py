@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
+
+from deltamesh.tls import TlsSettings, client_context
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +49,19 @@ def client_session(
     timeout_s: float | None = 300.0,
     connect_timeout_s: float = 10.0,
     headers: Mapping[str, str] | None = None,
+    tls: TlsSettings | None = None,
 ) -> aiohttp.ClientSession:
     """A client session with a bounded pool of connections kept open between requests (`KEEPALIVE_S`)
     and sane timeouts.
 
     `timeout_s` bounds a whole request (None for long transfers and long polls that set their own).
+    `https://` peers are verified against `tls.ca` (the system store without it), and `tls.cert` is
+    presented to servers that ask for a client certificate.
     """
+    ssl_context = client_context(tls) if tls is not None else True
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections, keepalive_timeout=KEEPALIVE_S),
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections, keepalive_timeout=KEEPALIVE_S,
+                                       ssl=ssl_context),
         timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s),
         headers=dict(headers or {}),
         raise_for_status=False,
@@ -107,6 +115,11 @@ async def request_bytes(
             if resp.status >= 300:
                 raise HttpError(resp.status, _reason(raw, resp.reason), url)
             return raw
+    except aiohttp.ServerDisconnectedError as e:
+        # Under TLS 1.3 a server that refuses the client's certificate (or its lack of one) can only
+        # close the connection after the handshake: say what that most likely means.
+        hint = "; the server may require a client certificate from its CA (tls cert/key)" if url.startswith("https") else ""
+        raise HttpError(0, f"{type(e).__name__}: {e}{hint}", url) from e
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise HttpError(0, f"{type(e).__name__}: {e}", url) from e
 
@@ -171,8 +184,9 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def serve(app: web.Application, host: str, port: int) -> None:
-    """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown."""
+def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None) -> None:
+    """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown; HTTPS with
+    `ssl_context` (`deltamesh.tls.server_context`)."""
     try:
         import uvloop
 
@@ -180,21 +194,23 @@ def serve(app: web.Application, host: str, port: int) -> None:
     except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
         loop_factory = asyncio.new_event_loop
     web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None,
-                keepalive_timeout=KEEPALIVE_S)
+                keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context)
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, listen: str) -> AsyncIterator[str]:
-    """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL."""
+async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLContext | None = None
+                  ) -> AsyncIterator[str]:
+    """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL
+    (`https://` with `ssl_context`)."""
     host, port = parse_listen(listen)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
-        yield f"http://{shown}:{bound_port}"
+        yield f"{'https' if ssl_context is not None else 'http'}://{shown}:{bound_port}"
     finally:
         await runner.cleanup()
 
