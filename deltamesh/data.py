@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from deltamesh.peer_json import parse_json
 from deltamesh.safetensors_bytes import DataFormatError, load_tensors, safetensors_buffer
 
 TRAJECTORIES_FORMAT = "deltamesh.trajectories/1"
@@ -184,7 +185,7 @@ def decode_trajectories(data: bytes, *, max_trajectories: int, max_tokens: int) 
     """Parse and check a binary submission; raise DataFormatError with the reason if anything is off."""
     arrays, meta = load_tensors(data, _TRAJECTORY_DTYPES, TRAJECTORIES_FORMAT)
     try:
-        headers = json.loads(meta.get("trajectories", ""))
+        headers = parse_json(meta.get("trajectories", ""))
     except ValueError as e:
         raise DataFormatError(f"__metadata__.trajectories is not JSON: {e}") from e
     if not isinstance(headers, list) or not 1 <= len(headers) <= max_trajectories:
@@ -270,7 +271,7 @@ def decode_batch(data: bytes) -> Batch:
     """Parse batch bytes from the broker; DataFormatError if they do not follow the layout."""
     arrays, meta = load_tensors(data, _BATCH_DTYPES, BATCH_FORMAT)
     try:
-        groups, samples, version = json.loads(meta["groups"]), json.loads(meta["samples"]), int(meta["version"])
+        groups, samples, version = parse_json(meta["groups"]), parse_json(meta["samples"]), int(meta["version"])
         model_id, batch_id = meta["model_id"], meta["batch_id"]
     except (KeyError, ValueError) as e:
         raise DataFormatError(f"batch __metadata__ is incomplete: {e}") from e

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
+from deltamesh.peer_json import parse_json
 from deltamesh.tls import TlsSettings, client_context
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
     """Decode a request's JSON body or raise an HTTP 400/413 carrying the reason."""
     raw = await read_body(request, limit=limit)
     try:
-        return json.loads(raw)
+        return parse_json(raw)
     except ValueError as e:
         raise web.HTTPBadRequest(text=json.dumps({"error": f"malformed JSON: {e}"}), content_type="application/json")
 

@@ -15,6 +15,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 
+from deltamesh.peer_json import parse_json
+
 
 class DataFormatError(ValueError):
     """A trajectory submission or batch that does not follow the documented layout; says why."""
@@ -28,7 +30,7 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
     if n > len(data) - 8:
         raise DataFormatError("safetensors header is longer than the body")
     try:
-        header = json.loads(data[8:8 + n])
+        header = parse_json(data[8:8 + n])
     except ValueError as e:
         raise DataFormatError(f"safetensors header is not JSON: {e}") from e
     meta = header.get("__metadata__") if isinstance(header, dict) else None

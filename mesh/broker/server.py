@@ -8,7 +8,6 @@ store unavailable), always as `{"error": reason}`. Endpoints are documented in d
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from deltamesh.http import error_response, json_errors, read_body, read_json
+from deltamesh.http import error_response, json_errors, parse_json, read_body, read_json
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
@@ -119,7 +118,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
             trajectories = decode_trajectories(raw, **limits)
         elif request.content_type == "application/json":
             try:
-                body = json.loads(raw)
+                body = parse_json(raw)
             except ValueError as e:
                 raise DataFormatError(f"malformed JSON: {e}") from e
             trajectories = trajectories_from_json(body, **limits)

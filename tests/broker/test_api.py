@@ -52,6 +52,8 @@ def test_submission_is_idempotent(serve_broker, make_group, tmp_path):
     (b'{"trajectories": [{"id": 3}]}', "application/json", 400, "tokens must be a list"),
     (b"\x00" * 64, TRAJECTORIES_CONTENT_TYPE, 400, "safetensors"),
     (b"plain", "text/plain", 400, "Content-Type must be"),
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nested deeper"),
+    (b'{"trajectories": ' + b"[" * 70 + b"]" * 70 + b"}", "application/json", 400, "nested deeper"),
 ])
 def test_malformed_submissions_get_400_and_store_nothing(serve_broker, tmp_path, body, content_type, status, reason):
     async def scenario():
@@ -253,3 +255,19 @@ def test_step_reports_and_status_endpoints(serve_broker, make_group):
                         assert r.status == 400 and reason in (await r.json())["error"]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("depth", [70, 100_000])
+def test_deeply_nested_json_is_a_400_on_every_json_route(serve_broker, depth):
+    body = b'{"pool": "p", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+    async def scenario():
+        async with serve_broker() as (url, broker):
+            before = broker.status()
+            for path in ("/v1/leases", "/v1/models/m/version", "/v1/models/m/batch"):
+                code, answer = await post(f"{url}{path}", body, "application/json")
+                assert code == 400 and "nested deeper than 64" in answer["error"], (path, answer)
+            assert broker.leases() == [] and broker.status() == before
+
+    asyncio.run(scenario())
+
