@@ -2,8 +2,9 @@
 and step timings and long-poll batches, operators read status, the balance report and /metrics.
 
 Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
-conflicting data, 404 unknown model or batch id, 409 version going backwards, 413 body too large, 503
-store unavailable), always as `{"error": reason}`. Endpoints are documented in docs/api/broker.md.
+conflicting data, 404 unknown model or batch id, 409 version going backwards or a trajectory id
+reused with other content, 413 body too large, 503 store unavailable), always as `{"error": reason}`.
+Endpoints are documented in docs/api/broker.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
 from deltamesh.mesh.broker.sqlite_store import SqliteStore
-from deltamesh.mesh.broker.store import BrokerStore, StoreConflict, StoreUnavailable
+from deltamesh.mesh.broker.store import BrokerStore, IdConflict, StoreConflict, StoreUnavailable
 from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 
@@ -66,6 +67,8 @@ def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Calla
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             return await fn(request)
+        except IdConflict as e:
+            resp = error_response(409, str(e))
         except (DataFormatError, StoreConflict) as e:
             resp = error_response(400, str(e))
         except (UnknownModel, UnknownBatch) as e:

@@ -30,12 +30,12 @@ import numpy as np
 import zstandard
 
 from deltamesh.mesh.broker.store import (
-    Delivery, GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot, StoreUnavailable,
-    TaskRecord,
+    Delivery, GroupKey, GroupSummary, GroupVerdict, IdConflict, IngestResult, Lease, StoreConflict, StoreSnapshot,
+    StoreUnavailable, TaskRecord, content_digest,
 )
 from deltamesh.data import Trajectory
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 _UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
                 sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY}
 _ID_CHUNK = 500  # ids per IN (...) query, well under SQLite's variable limit
@@ -58,7 +58,8 @@ CREATE INDEX IF NOT EXISTS groups_state ON groups(state, seq);
 CREATE INDEX IF NOT EXISTS groups_group ON groups(group_id);
 CREATE TABLE IF NOT EXISTS trajectories(id TEXT PRIMARY KEY, model_id TEXT NOT NULL, group_id TEXT NOT NULL,
     task_id TEXT NOT NULL, reward REAL NOT NULL, min_version INTEGER NOT NULL, max_version INTEGER NOT NULL,
-    n_tokens INTEGER NOT NULL, pool TEXT NOT NULL, region TEXT NOT NULL, meta TEXT NOT NULL, payload BLOB);
+    n_tokens INTEGER NOT NULL, pool TEXT NOT NULL, region TEXT NOT NULL, meta TEXT NOT NULL, payload BLOB,
+    digest TEXT);
 CREATE INDEX IF NOT EXISTS trajectories_group ON trajectories(model_id, group_id);
 CREATE TABLE IF NOT EXISTS batches(batch_no INTEGER PRIMARY KEY, batch_id TEXT UNIQUE NOT NULL,
     model_id TEXT NOT NULL, version INTEGER NOT NULL, served_at REAL NOT NULL, n_groups INTEGER NOT NULL,
@@ -67,6 +68,8 @@ CREATE TABLE IF NOT EXISTS batches(batch_no INTEGER PRIMARY KEY, batch_id TEXT U
 _UPGRADES = {  # from schema -> statements that bring it to the next one
     "1": ["ALTER TABLE batches ADD COLUMN state TEXT NOT NULL DEFAULT 'acked'",
           "ALTER TABLE batches ADD COLUMN settled_at REAL"],
+    # Rows from before have no content digest: a reused id among them still counts as a duplicate.
+    "2": ["ALTER TABLE trajectories ADD COLUMN digest TEXT"],
 }
 
 
@@ -235,16 +238,22 @@ class SqliteStore:
     def _ingest_one(self, trajectories: Sequence[Trajectory], verdict: GroupVerdict) -> IngestResult:
         db = self._db
         ids = [t.id for t in trajectories]
-        existing: set[str] = set()
+        digests = {t.id: content_digest(t) for t in trajectories}
+        existing: dict[str, str | None] = {}
         for i in range(0, len(ids), _ID_CHUNK):
             chunk = ids[i:i + _ID_CHUNK]
-            existing.update(r[0] for r in db.execute(
-                f"SELECT id FROM trajectories WHERE id IN ({','.join('?' * len(chunk))})", chunk))
+            existing.update(db.execute(
+                f"SELECT id, digest FROM trajectories WHERE id IN ({','.join('?' * len(chunk))})", chunk))
+        reused = [i for i, d in existing.items() if d is not None and d != digests[i]]
+        if reused:
+            raise IdConflict(f"trajectory id {reused[0]!r} was submitted before with other content "
+                             f"({len(reused)} such ids); ids must name one trajectory")
         new = [t for t in trajectories if t.id not in existing]
         db.executemany(
-            "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [(t.id, t.model_id, t.group_id, t.task_id, t.reward, t.min_version, t.max_version, len(t.tokens), t.pool,
-              t.region, json.dumps({"timings": t.timings, "metadata": t.metadata}), pack_payload(t, self._compressor))
+              t.region, json.dumps({"timings": t.timings, "metadata": t.metadata}), pack_payload(t, self._compressor),
+              digests[t.id])
              for t in new])
         result = IngestResult(accepted=len(new), duplicates=len(existing),
                               accepted_by_model=dict(Counter(t.model_id for t in new)))

@@ -10,10 +10,14 @@ them from one worker thread, never from its event loop.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from deltamesh.data import Trajectory
+from deltamesh.delta.hashing import digest
 
 GroupKey = tuple[str, str]
 """(model_id, group_id): a group is the samples of one prompt for one model."""
@@ -25,6 +29,19 @@ class StoreUnavailable(Exception):
 
 class StoreConflict(Exception):
     """A submission contradicts what is stored (e.g. more samples than its group's size). HTTP 400."""
+
+
+class IdConflict(StoreConflict):
+    """A trajectory id already stored with other content: ids are idempotency keys, never reused. HTTP 409."""
+
+
+def content_digest(t: Trajectory) -> str:
+    """What a trajectory id stands for: everything a trainer uses of it (not where or when it was made),
+    so a resubmission of the same trajectory is a duplicate and anything else under its id a conflict."""
+    head = json.dumps([t.model_id, t.group_id, t.task_id, t.group_size, float(t.reward).hex()]).encode()
+    arrays = (np.ascontiguousarray(t.tokens, "<i4"), np.ascontiguousarray(t.logprobs, "<f4"),
+              np.ascontiguousarray(t.versions, "<i4"), np.ascontiguousarray(t.loss_mask, "u1"))
+    return digest(b"".join([head, *(a.tobytes() for a in arrays)]))
 
 
 @dataclass

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from deltamesh.broker_client import BrokerClient
+from deltamesh.http import HttpError
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
@@ -44,6 +45,25 @@ def test_submission_is_idempotent(serve_broker, make_group, tmp_path):
 
     asyncio.run(scenario())
     assert stored(tmp_path / "broker.db") == 4
+
+
+def test_an_id_reused_with_other_content_is_a_conflict(serve_broker, make_group, tmp_path):
+    async def scenario():
+        async with serve_broker() as (url, broker), BrokerClient(url, pool="p1") as pool:
+            group = make_group("g", [1.0, 0.0, 1.0, 0.0])
+            assert (await pool.submit(group[:2])).accepted == 2
+            before = broker.status()
+            forged = make_group("g", [0.5, 0.0, 1.0, 0.0])[:1]  # same id as group[0], another reward
+            forged[0].pool = "p1"
+            with pytest.raises(HttpError) as e:
+                await pool.submit(forged + group[2:3])
+            assert e.value.status == 409 and "submitted before with other content" in e.value.reason
+            assert broker.status() == before  # the whole submission was refused: group[2] not taken either
+            retry = await pool.submit(group[:3])  # the real retry is still a plain duplicate
+            assert (retry.accepted, retry.duplicates) == (1, 2)
+
+    asyncio.run(scenario())
+    assert stored(tmp_path / "broker.db") == 3
 
 
 @pytest.mark.parametrize("body, content_type, status, reason", [

@@ -286,8 +286,11 @@ def test_a_group_joins_replay_only_once_its_batch_is_acknowledged(serve_broker, 
 def test_a_store_from_before_acknowledgements_is_upgraded_with_its_batches_acknowledged(tmp_path):
     db = tmp_path / "old.db"
     SqliteStore(db).close()
-    conn = sqlite3.connect(db, isolation_level=None)  # make it a schema 1 store: batches had no state
+    conn = sqlite3.connect(db, isolation_level=None)  # make it a schema 1 store: batches had no state,
     conn.executescript("ALTER TABLE batches DROP COLUMN state; ALTER TABLE batches DROP COLUMN settled_at; "
+                       "ALTER TABLE trajectories DROP COLUMN digest; "  # trajectories no content digest
+                       "INSERT INTO trajectories(id, model_id, group_id, task_id, reward, min_version, max_version, "
+                       "n_tokens, pool, region, meta) VALUES ('t', 'm', 'g', 'task', 1.0, 0, 0, 0, 'p', '', '{}'); "
                        "INSERT INTO batches(batch_id, model_id, version, served_at, n_groups) "
                        "VALUES ('b', 'm', 0, 0, 1); UPDATE meta SET value='1' WHERE key='schema';")
     conn.close()
@@ -298,4 +301,5 @@ def test_a_store_from_before_acknowledgements_is_upgraded_with_its_batches_ackno
         store.close()
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone() == (SCHEMA_VERSION,)
+    assert conn.execute("SELECT id, digest FROM trajectories").fetchall() == [("t", None)]  # old rows: no digest
     conn.close()
