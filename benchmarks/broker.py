@@ -12,9 +12,12 @@ Configurations, side by side in one run:
   - deltamesh: binary submissions, group commit, fsync durability (the default)
   - deltamesh, process durability: acks survive a killed broker but not power loss
   - deltamesh, JSON submissions: the same broker fed token lists as JSON
+  - deltamesh over TLS with tokens: the default configuration as it runs on the open internet (HTTPS,
+    every pool and the trainer authenticated by its own token)
   - baseline, commit per submission: group commit switched off (max_commit_trajectories = one submission)
 `--json` prints the default configuration's figures as one JSON object:
-{"ingest_traj_per_s": x, "batch_latency_ms_p50": x, "batch_latency_ms_p99": x}.
+{"ingest_traj_per_s": x, "batch_latency_ms_p50": x, "batch_latency_ms_p99": x}, plus
+"ingest_traj_per_s_tls_auth" when the comparison configurations run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import ssl
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +41,10 @@ import numpy as np
 from deltamesh.http import client_session, request_bytes
 from deltamesh.broker_client import BrokerClient
 from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.certs import issue, make_ca
 from deltamesh.data import Trajectory
+from deltamesh.tls import TlsSettings
+from deltamesh.tokens import TokenSpec, add_token
 
 TOKENS = 2048
 GROUP = 8
@@ -53,22 +61,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_broker(workdir: Path, config: str) -> tuple[subprocess.Popen, str]:
+@dataclass
+class Access:
+    """How clients reach the broker: its URL, TLS settings and one token per caller name."""
+
+    url: str
+    tls: TlsSettings | None = None
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def pool(self, pool: int) -> BrokerClient:
+        return BrokerClient(self.url, token=self.tokens.get(f"pool{pool}", ""), tls=self.tls, pool=f"pool{pool}")
+
+    def trainer(self) -> BatchClient:
+        return BatchClient(self.url, "bench", token=self.tokens.get("trainer", ""), tls=self.tls)
+
+
+def secure(workdir: Path, pool_ids: list[int]) -> tuple[list[str], Access]:
+    """A CA, a server certificate and a tokens file with a token per pool and one for the trainer."""
+    ca = make_ca(workdir / "ca")
+    server = issue(ca, workdir, "broker/bench", hosts=["127.0.0.1"])
+    tokens_file = workdir / "tokens.toml"
+    tokens = {f"pool{p}": add_token(tokens_file, TokenSpec(f"pool{p}", "pool")) for p in pool_ids}
+    tokens["trainer"] = add_token(tokens_file, TokenSpec("trainer", "trainer"))
+    flags = ["--tokens-file", str(tokens_file), "--tls-cert", str(server.cert), "--tls-key", str(server.key)]
+    return flags, Access("", TlsSettings(ca=str(ca.cert)), tokens)
+
+
+def start_broker(workdir: Path, config: str, secured: bool) -> tuple[subprocess.Popen, Access]:
     port = free_port()
     cfg = workdir / "broker.toml"
     cfg.write_text("[broker]\nmodels = [\"bench\"]\n" + config)
+    flags, access = secure(workdir, [*range(100), *range(1000, 1000 + POOLS)]) if secured else (["--anonymous"],
+                                                                                                  Access(""))
     log = open(workdir / "broker.log", "w")
-    proc = subprocess.Popen([*DELTAMESH, "--log-level", "WARNING", "broker",
+    proc = subprocess.Popen([*DELTAMESH, "--log-level", "WARNING", "broker", *flags,
                              "--listen", f"127.0.0.1:{port}", "--db", str(workdir / "broker.db"), "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    access.url = f"{'https' if secured else 'http'}://127.0.0.1:{port}"
+    context = ssl.create_default_context(cafile=access.tls.ca) if secured else None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"broker exited: {(workdir / 'broker.log').read_text()[-2000:]}")
         try:
-            urllib.request.urlopen(f"{url}/v1/status", timeout=1).read()
-            return proc, url
+            urllib.request.urlopen(f"{access.url}/healthz", timeout=1, context=context).read()
+            return proc, access
         except OSError:
             time.sleep(0.1)
     proc.kill()
@@ -97,10 +134,11 @@ def as_json(trajectories: list[Trajectory]) -> bytes:
          "loss_mask": t.loss_mask.tolist(), "versions": t.versions.tolist()} for t in trajectories]}).encode()
 
 
-async def pool_client(url: str, pool: int, groups: int, per_submission: int, use_json: bool) -> None:
+async def pool_client(access: Access, pool: int, groups: int, per_submission: int, use_json: bool) -> None:
     rng = np.random.default_rng(pool)
     templates = [make_group(pool, i, rng) for i in range(per_submission)]  # token data reused, ids fresh
-    async with BrokerClient(url, pool=f"pool{pool}") as client, client_session() as session:
+    url = access.url
+    async with access.pool(pool) as client, client_session() as session:
         for start in range(0, groups, per_submission):
             batch = []
             for k in range(min(per_submission, groups - start)):
@@ -114,9 +152,9 @@ async def pool_client(url: str, pool: int, groups: int, per_submission: int, use
                 await client.submit(batch)
 
 
-async def trainer(url: str, stop: asyncio.Event, latencies: list[float] | None, batches: int | None) -> int:
+async def trainer(access: Access, stop: asyncio.Event, latencies: list[float] | None, batches: int | None) -> int:
     served = 0
-    async with BatchClient(url, "bench") as client:
+    async with access.trainer() as client:
         while not stop.is_set() and (batches is None or served < batches):
             start = time.perf_counter()
             batch = await client.next_batch(BATCH, timeout_s=1.0)
@@ -134,16 +172,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_config(url: str, pid: int, groups_per_pool: int, per_submission: int, use_json: bool,
+async def run_config(access: Access, pid: int, groups_per_pool: int, per_submission: int, use_json: bool,
                      latency_batches: int, rounds: int) -> dict[str, float]:
     """Ingest in `rounds` equal rounds (median rate reported), then time ready batches."""
     rates, cpu_per_traj = [], []
     per_round = max(1, groups_per_pool // rounds)
     for r in range(rounds):
         stop = asyncio.Event()
-        consumer = asyncio.create_task(trainer(url, stop, None, None))
+        consumer = asyncio.create_task(trainer(access, stop, None, None))
         start, cpu = time.perf_counter(), cpu_seconds(pid)
-        await asyncio.gather(*(pool_client(url, 10 * r + p, per_round, per_submission, use_json)
+        await asyncio.gather(*(pool_client(access, 10 * r + p, per_round, per_submission, use_json)
                                for p in range(POOLS)))
         elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
         stop.set()
@@ -152,10 +190,10 @@ async def run_config(url: str, pid: int, groups_per_pool: int, per_submission: i
         rates.append(trajectories / elapsed)
         cpu_per_traj.append(cpu / trajectories)
     # Ready batches: fill the buffer first (not timed), then time each request.
-    await asyncio.gather(*(pool_client(url, 1000 + p, latency_batches * BATCH // GROUP // POOLS, per_submission, False)
+    await asyncio.gather(*(pool_client(access, 1000 + p, latency_batches * BATCH // GROUP // POOLS, per_submission, False)
                            for p in range(POOLS)))
     latencies: list[float] = []
-    await trainer(url, asyncio.Event(), latencies, latency_batches)
+    await trainer(access, asyncio.Event(), latencies, latency_batches)
     latencies.sort()
     return {"ingest_traj_per_s": round(statistics.median(rates), 1),
             "batch_latency_ms_p50": round(statistics.median(latencies), 2),
@@ -163,11 +201,12 @@ async def run_config(url: str, pid: int, groups_per_pool: int, per_submission: i
             "broker_cpu_us_per_traj": round(statistics.median(cpu_per_traj) * 1e6, 1)}
 
 
-CONFIGS = [
-    ("deltamesh (binary, group commit, fsync)", "", False),
-    ("deltamesh, durability=process", 'durability = "process"\n', False),
-    ("deltamesh, JSON submissions", "", True),
-    ("baseline: commit per submission", "max_commit_trajectories = 1\n", False),
+CONFIGS = [  # name, [broker] settings, JSON submissions, TLS and tokens
+    ("deltamesh (binary, group commit, fsync)", "", False, False),
+    ("deltamesh, durability=process", 'durability = "process"\n', False, False),
+    ("deltamesh, JSON submissions", "", True, False),
+    ("deltamesh over TLS with tokens", "", False, True),
+    ("baseline: commit per submission", "max_commit_trajectories = 1\n", False, False),
 ]
 
 
@@ -182,12 +221,12 @@ def main() -> int:
     args = parser.parse_args()
     results = []
     load_before = os.getloadavg()[0]
-    for name, config, use_json in CONFIGS[:1] if args.only_default else CONFIGS:
+    for name, config, use_json, secured in CONFIGS[:1] if args.only_default else CONFIGS:
         with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
-            proc, url = start_broker(Path(tmp), config)
+            proc, access = start_broker(Path(tmp), config, secured)
             try:
                 groups = args.groups_per_pool // (4 if use_json else 1)  # JSON is slow; keep the run short
-                figures = asyncio.run(run_config(url, proc.pid, groups, args.per_submission, use_json,
+                figures = asyncio.run(run_config(access, proc.pid, groups, args.per_submission, use_json,
                                                  args.latency_batches, args.rounds))
             finally:
                 proc.terminate()
@@ -195,7 +234,9 @@ def main() -> int:
         results.append((name, figures))
     if args.json:
         keys = ("ingest_traj_per_s", "batch_latency_ms_p50", "batch_latency_ms_p99")
-        print(json.dumps({k: results[0][1][k] for k in keys}))
+        out = {k: results[0][1][k] for k in keys}
+        out.update({"ingest_traj_per_s_tls_auth": f["ingest_traj_per_s"] for n, f in results if "TLS" in n})
+        print(json.dumps(out))
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -6,6 +6,10 @@ the same run, the baselines:
 * serving: N pullers each fetch a whole version (every piece verified by the puller, 2 connections
   each) from the origin gateway; the baseline is a plain aiohttp static file server (sendfile, no
   hashing) serving the same piece files.
+* serving over TLS: the same pullers against a second origin gateway serving the same version over
+  mTLS (certificates from `deltamesh.certs`, ECDSA P-256; each puller presents a `pool/` client
+  certificate, which is also its credential), measured in the same repeats, interleaved with the
+  plain runs; `tls_ratio` is TLS over plain throughput.
 * relay hop: seconds from the start of a publish until a puller has the whole version bit-exact,
   pulling directly from the origin (`direct`), through the relay as soon as the relay announces the
   version (`cut_through`), or through the relay only once the relay holds the whole version, as a
@@ -13,9 +17,10 @@ the same run, the baselines:
   difference to `direct`.
 
 Versions are random bytes in pieces of 4 MiB (gateways never decode pieces, so the codec does not
-matter here). Each figure is the median of --repeats runs. `--json` prints
-{"serve_gbps": {"<N>": x}, "baseline_static_gbps": {"<N>": x},
- "relay_hop_seconds": {"cut_through": x, "store_and_forward": x, "direct": x}}.
+matter here). Each figure is the median of --repeats runs. The plain gateways run `--anonymous`.
+`--json` prints {"serve_gbps": {"<N>": x}, "serve_tls_gbps": {"<N>": x}, "tls_ratio": {"<N>": x},
+"baseline_static_gbps": {"<N>": x}, "relay_hop_seconds": {"cut_through": x, "store_and_forward": x,
+"direct": x}}.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deltamesh.certs import issue, make_ca
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
@@ -41,6 +47,7 @@ from deltamesh.gateway.fetch import Fetcher
 from deltamesh.gateway.sources import Source
 from deltamesh.http import client_session, request_json
 from deltamesh.gateway.upload import upload_version
+from deltamesh.tls import TlsSettings, client_context
 
 MODEL = "bench"
 PIECE = 4 * 1024 * 1024
@@ -59,13 +66,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz") -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None) -> None:
     deadline = time.monotonic() + 60
+    context = client_context(tls) if tls is not None else None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + path, timeout=1):
+            with urllib.request.urlopen(url + path, timeout=1, context=context):
                 return
         except urllib.error.HTTPError:
             return  # it answers
@@ -108,16 +116,22 @@ async def pull_static(url: str, files: list[str], connections: int, session) -> 
     return time.perf_counter() - t0
 
 
-async def serve_throughput(origin: str, static: str, manifest: Manifest, files: list[str], n: int) -> tuple[float, float]:
+async def serve_throughput(urls: dict[str, str], tls: TlsSettings, manifest: Manifest, files: list[str],
+                           n: int) -> tuple[float, float, float]:
+    """GB/s of N pullers from the plain gateway, the static server and the TLS gateway, one after the other."""
     total = manifest.payload_bytes * n
-    async with client_session(connections=4 * n, timeout_s=None) as s:
+    async with client_session(connections=4 * n, timeout_s=None) as s, \
+            client_session(connections=4 * n, timeout_s=None, tls=tls) as secure:
         t0 = time.perf_counter()
-        await asyncio.gather(*(pull(origin, manifest, 2, s) for _ in range(n)))
+        await asyncio.gather(*(pull(urls["origin"], manifest, 2, s) for _ in range(n)))
         gw = total / (time.perf_counter() - t0) / 1e9
         t0 = time.perf_counter()
-        await asyncio.gather(*(pull_static(static, files, 2, s) for _ in range(n)))
+        await asyncio.gather(*(pull_static(urls["static"], files, 2, s) for _ in range(n)))
         st = total / (time.perf_counter() - t0) / 1e9
-    return gw, st
+        t0 = time.perf_counter()
+        await asyncio.gather(*(pull(urls["origin_tls"], manifest, 2, secure) for _ in range(n)))
+        secured = total / (time.perf_counter() - t0) / 1e9
+    return gw, st, secured
 
 
 async def relay_hop(origin: str, relay: str, key, version: int, pieces: list[bytes], mode: str) -> float:
@@ -158,14 +172,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         key = generate_key()
         pub = save_keypair(key, Path(tmp) / "trainer.key")
+        ca = make_ca(Path(tmp) / "pki")
+        server = issue(ca, Path(tmp) / "pki", "gateway/origin-tls", hosts=["127.0.0.1"])
+        puller = issue(ca, Path(tmp) / "pki", "pool/bench")
+        trainer = issue(ca, Path(tmp) / "pki", "trainer/bench")
+        tls = {"pool": TlsSettings(cert=str(puller.cert), key=str(puller.key), ca=str(ca.cert)),
+               "trainer": TlsSettings(cert=str(trainer.cert), key=str(trainer.key), ca=str(ca.cert))}
         try:
             urls = {}
-            for region, ups in (("origin", []), ("relay", ["origin"])):
+            for region, ups in (("origin", []), ("relay", ["origin"]), ("origin_tls", [])):
                 port = free_port()
-                urls[region] = f"http://127.0.0.1:{port}"
-                cmd = [deltamesh, "--log-level", "WARNING", "gateway", "--region", region,
+                secure = region == "origin_tls"
+                urls[region] = f"{'https' if secure else 'http'}://127.0.0.1:{port}"
+                cmd = [deltamesh, "--log-level", "WARNING", "gateway", "--region", region.replace("_", "-"),
                        "--listen", f"127.0.0.1:{port}", "--store", f"{tmp}/{region}", "--trusted-key", str(pub),
                        "--keep-fulls", "2", "--relay-connections", "4"]
+                # mTLS identifies every caller by its certificate; the plain gateways take anyone.
+                cmd += (["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--client-ca", str(ca.cert)]
+                        if secure else ["--anonymous"])
                 for u in ups:
                     cmd += ["--upstream", urls[u]]
                 procs.append(subprocess.Popen(cmd, start_new_session=True))
@@ -175,9 +199,9 @@ def main() -> int:
             Path(static_dir).mkdir(parents=True, exist_ok=True)
             procs.append(subprocess.Popen([sys.executable, "-c", STATIC_SERVER, static_dir, str(static_port)],
                                           start_new_session=True))
-            for proc, name in zip(procs, ("origin", "relay", "static")):
-                wait_healthy(urls[name], proc, "/healthz" if name != "static" else "/")
-            results = asyncio.run(run_all(urls, key, pieces, counts, args.repeats))
+            for proc, name in zip(procs, ("origin", "relay", "origin_tls", "static")):
+                wait_healthy(urls[name], proc, "/healthz" if name != "static" else "/", tls["pool"])
+            results = asyncio.run(run_all(urls, tls, key, pieces, counts, args.repeats))
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -195,16 +219,21 @@ def main() -> int:
     return 0
 
 
-async def run_all(urls: dict[str, str], key, pieces: list[bytes], counts: list[int], repeats: int) -> dict:
+async def run_all(urls: dict[str, str], tls: dict[str, TlsSettings], key, pieces: list[bytes], counts: list[int],
+                  repeats: int) -> dict:
     manifest, raw = make_version(key, 1, pieces)
     async with client_session(timeout_s=None) as s:
         await upload_version(s, urls["origin"], manifest, raw, pieces, connections=4)
+    async with client_session(timeout_s=None, tls=tls["trainer"]) as s:
+        await upload_version(s, urls["origin_tls"], manifest, raw, pieces, connections=4)
     files = [str(i) for i in range(len(pieces))]
-    serve, static = {}, {}
+    serve, static, secure, ratio = {}, {}, {}, {}
     for n in counts:
-        runs = [await serve_throughput(urls["origin"], urls["static"], manifest, files, n) for _ in range(repeats)]
+        runs = [await serve_throughput(urls, tls["pool"], manifest, files, n) for _ in range(repeats)]
         serve[str(n)] = round(statistics.median(r[0] for r in runs), 3)
         static[str(n)] = round(statistics.median(r[1] for r in runs), 3)
+        secure[str(n)] = round(statistics.median(r[2] for r in runs), 3)
+        ratio[str(n)] = round(statistics.median(r[2] for r in runs) / statistics.median(r[0] for r in runs), 2)
     hop: dict[str, list[float]] = {"direct": [], "cut_through": [], "store_and_forward": []}
     version = 2
     for _ in range(repeats):
@@ -213,6 +242,8 @@ async def run_all(urls: dict[str, str], key, pieces: list[bytes], counts: list[i
             version += 1
     return {
         "serve_gbps": serve,
+        "serve_tls_gbps": secure,
+        "tls_ratio": ratio,
         "baseline_static_gbps": static,
         "relay_hop_seconds": {mode: round(statistics.median(v), 3) for mode, v in hop.items()},
     }
@@ -220,9 +251,10 @@ async def run_all(urls: dict[str, str], key, pieces: list[bytes], counts: list[i
 
 def print_table(r: dict) -> None:
     print(f"Gateway serving a {r['version_mb']} MB version on loopback (median of runs)")
-    print(f"{'pullers':>8} {'deltamesh GB/s':>15} {'static server GB/s':>19}")
+    print(f"{'pullers':>8} {'deltamesh GB/s':>15} {'over mTLS GB/s':>15} {'TLS/plain':>10} {'static server GB/s':>19}")
     for n, v in r["serve_gbps"].items():
-        print(f"{n:>8} {v:>15.3f} {r['baseline_static_gbps'][n]:>19.3f}")
+        print(f"{n:>8} {v:>15.3f} {r['serve_tls_gbps'][n]:>15.3f} {r['tls_ratio'][n]:>10.2f} "
+              f"{r['baseline_static_gbps'][n]:>19.3f}")
     hop = r["relay_hop_seconds"]
     print(f"\nPublish-to-pulled seconds for a {r['version_mb']} MB version")
     print(f"{'path':>20} {'seconds':>9} {'added by hop':>13}")

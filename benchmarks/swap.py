@@ -7,11 +7,12 @@ clock starts when the publisher has uploaded the whole version and stops when th
 the swap is done and every later decode step, starting with the next, uses the new weights. The time
 until the engine has actually returned its first token from the new version is reported too
 (`*_first_token_seconds`): it adds the decode step that was running and any slowdown of generation
-while the synced directory is being written. Two ways side by side, in one run, on the same versions:
+while the synced directory is being written; `*_round_seconds` runs until the pool's round is over
+(the synced directory written too). Two ways side by side, in one run, on the same versions:
 
-- in place: the plan's verified pieces are decoded and written into the live model (a delta changes
-  only its changed words; a full snapshot is decoded off to the side and copied in); the synced
-  directory is written afterwards.
+- in place: the plan's verified pieces are decoded once and written into the live model (a delta
+  changes only its changed words; a full snapshot is decoded off to the side and copied in); the
+  same decoded version is then applied to the synced directory.
 - reload: the version is applied to the synced directory first (atomic, fsynced), then the engine
   reloads the whole model from it (`load_version`: read, hash-check, copy in), which is what an
   engine without hot swap does.
@@ -20,7 +21,8 @@ Each is measured for a delta (one step later) and a full snapshot (a version pub
 snapshot only, so the plan must take it). Models: SmolLM2-135M-Instruct (real weights, one real
 Adam step) and a synthetic model with Qwen3-0.6B's shapes (1.19 GB of seeded random bf16 weights,
 1% of words moving per version). Medians of `--repeats` runs. Prints a table, or with --json one
-object `{"cases": [{"model", "kind", "in_place_seconds", "reload_seconds", ...}]}`.
+object `{"cases": [{"model", "kind", "in_place_seconds", "reload_seconds", ...}]}`. `--kinds` and
+`--ways` measure a subset (`swap_compare.py` times only the in-place delta, against an older checkout).
 
     .venv/bin/python benchmarks/swap.py [--quick] [--json] [--repeats N] [--no-synthetic]
 """
@@ -39,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-6, help="Adam learning rate of SmolLM2's real step")
     p.add_argument("--no-smollm2", action="store_true", help="skip SmolLM2-135M")
     p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="which kinds of version to time")
+    p.add_argument("--ways", nargs="+", choices=list(MODES), default=list(MODES), help="which ways in to time")
     p.add_argument("--verbose", action="store_true", help="show the services' own logs")
     p.add_argument("--workdir", help="where model copies, gateway store and synced directories go (default: a temp dir)")
     args = p.parse_args(argv)
@@ -190,29 +195,32 @@ class Trainer:
         return published.version, published.manifests[0].payload_bytes
 
 
-async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[dict]:
+async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: Sequence[str] = KINDS,
+                        ways: Sequence[str] = tuple(MODES)) -> list[dict]:
     key = generate_key()
     public = save_keypair(key, workdir / "trainer.key")
-    config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], pool_tokens=[TOKEN],
+    config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], anonymous=True,
                            keep_fulls=1, keep_deltas=4)
-    served_after: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
-    first_token: dict[tuple[str, str], list[float]] = {(k, m): [] for k in KINDS for m in MODES}
-    payload: dict[str, list[int]] = {k: [] for k in KINDS}
+    cells = [(k, m) for k in kinds for m in ways]
+    served_after: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    first_token: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    round_over: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    payload: dict[str, list[int]] = {k: [] for k in kinds}
     async with serving(create_app(config), "127.0.0.1:0") as url, contextlib.AsyncExitStack() as stack:
         trainer = Trainer(url, key, model)
         await trainer.start()
         pools = {}
-        for mode, hot_swap in MODES.items():
+        for mode in ways:
             engine = await asyncio.to_thread(
                 TransformersEngine, TransformersEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
             stack.push_async_callback(engine.close)
             sync = PoolSyncConfig(gateways=[url], token=TOKEN, name=f"bench-{mode}", dir=str(workdir / mode),
                                   trusted_keys=[str(public)], model=model.name, connections=4, give_up_s=600)
-            pools[mode] = await stack.enter_async_context(PolicyWeights(engine, sync, hot_swap=hot_swap))
+            pools[mode] = await stack.enter_async_context(PolicyWeights(engine, sync, hot_swap=MODES[mode]))
         # The ways take turns version by version, so that both see the same background load over time;
         # before each measured version both catch up, off the clock, with the old weights republished.
         for rep in range(repeats):
-            for kind in KINDS:
+            for kind in kinds:
                 for mode, weights in pools.items():
                     await trainer.back_to_old()
                     for each in pools.values():
@@ -222,6 +230,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
                         version, nbytes = await trainer.publish_new(kind)
                         available = time.time()
                         await weights.sync_round()  # returns once the directory is written too
+                        over = time.time() - available
                         if engine.version != version or weights.status.last_error:
                             raise RuntimeError(f"{model.name} {kind} {mode}: engine at v{engine.version}, "
                                                f"wanted v{version}; {weights.status.last_error}")
@@ -229,21 +238,23 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path) -> list[
                         first = await generating.first_token_of(version) - available
                     served_after[(kind, mode)].append(served)
                     first_token[(kind, mode)].append(first)
+                    round_over[(kind, mode)].append(over)
                     payload[kind].append(nbytes)
-                    log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s (%d payload bytes)",
-                             model.name, kind, mode, version, served, first, nbytes)
+                    log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s, round over after "
+                             "%.3f s (%d payload bytes)", model.name, kind, mode, version, served, first, over, nbytes)
     gc.collect()
     cases = []
-    for kind in KINDS:
-        in_place, reload = served_after[(kind, "in_place")], served_after[(kind, "reload")]
-        cases.append({
-            "model": model.name, "kind": kind, "in_place_seconds": statistics.median(in_place),
-            "reload_seconds": statistics.median(reload),
-            "in_place_first_token_seconds": statistics.median(first_token[(kind, "in_place")]),
-            "reload_first_token_seconds": statistics.median(first_token[(kind, "reload")]),
-            "model_bytes": model.model_bytes, "payload_bytes": int(statistics.median(payload[kind])),
-            "runs": len(in_place), "in_place_runs": in_place, "reload_runs": reload, "note": model.note,
-        })
+    for kind in kinds:
+        case = {"model": model.name, "kind": kind, "model_bytes": model.model_bytes,
+                "payload_bytes": int(statistics.median(payload[kind])), "runs": repeats, "note": model.note}
+        for mode in ways:
+            case.update({
+                f"{mode}_seconds": statistics.median(served_after[(kind, mode)]),
+                f"{mode}_first_token_seconds": statistics.median(first_token[(kind, mode)]),
+                f"{mode}_round_seconds": statistics.median(round_over[(kind, mode)]),
+                f"{mode}_runs": served_after[(kind, mode)], f"{mode}_round_runs": round_over[(kind, mode)],
+            })
+        cases.append(case)
     return cases
 
 
@@ -253,15 +264,20 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    def cell(c: dict, key: str, fmt: str = "{:.3f}") -> str:
+        return fmt.format(c[key]) if key in c else "-"
+
     table = Table(title="version available at the gateway -> engine serving it (median s)")
     for col in ("model", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
-                "first token: in place s", "reload s"):
+                "first token: in place s", "reload s", "round over: in place s", "reload s"):
         table.add_column(col, justify="left" if col in ("model", "kind") else "right")
     for c in result["cases"]:
+        ratio = (f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x"
+                 if "reload_seconds" in c and "in_place_seconds" in c else "-")
         table.add_row(c["model"], f"{c['model_bytes'] / 1e6:.0f}", c["kind"], f"{c['payload_bytes'] / 1e6:.1f}",
-                      f"{c['in_place_seconds']:.3f}", f"{c['reload_seconds']:.3f}",
-                      f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x",
-                      f"{c['in_place_first_token_seconds']:.3f}", f"{c['reload_first_token_seconds']:.3f}")
+                      cell(c, "in_place_seconds"), cell(c, "reload_seconds"), ratio,
+                      cell(c, "in_place_first_token_seconds"), cell(c, "reload_first_token_seconds"),
+                      cell(c, "in_place_round_seconds"), cell(c, "reload_round_seconds"))
     console = Console(width=160)
     console.print(table)
     console.print(f"{result['repeats']} runs per cell; {result['threads']} torch threads; "
@@ -286,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             model = build()
             workdir = root / f"case{i}"
             workdir.mkdir()
-            result["cases"] += asyncio.run(measure_model(model, args.repeats, workdir))
+            result["cases"] += asyncio.run(measure_model(model, args.repeats, workdir, args.kinds, args.ways))
             del model
             gc.collect()
     if args.save:

@@ -138,8 +138,8 @@ class Mesh:
         url = url_of(host, port)
         args = [DELTAMESH, "gateway", "--region", region, "--listen", f"0.0.0.0:{port}",
                 "--store", str(self.work / f"store-{region}"), "--trusted-key", str(self.public_key),
-                "--advertise", url, "--pool-token", POOL_TOKEN, "--relay-connections", str(relay_connections),
-                "--keep-fulls", "1", "--probe-interval", "2", *extra]
+                "--advertise", url, "--anonymous", "--relay-connections", str(relay_connections),
+                "--keep-fulls", "1", "--probe-interval-s", "2", *extra]
         for up in upstreams:
             args += ["--upstream", up]
         self.spawn_logged(host, f"gateway-{region}", args)

@@ -56,7 +56,7 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
             run.mesh.spawn_logged(pool, f"sync-{pool.name}", [
                 DELTAMESH, "pool", "sync", "--gateway", relays[f"region{pool.name[4]}"], "--token", POOL_TOKEN,
                 "--name", pool.name, "--dir", str(dirs[pool.name]), "--trusted-key", str(run.mesh.public_key),
-                "--model", MODEL_ID, "--connections", "4", "--heartbeat", "1"])
+                "--model", MODEL_ID, "--connections", "4", "--heartbeat-s", "1"])
         batch = run.mesh.batch()
         batch.add(origin, "publish", "publish-steps", "--gateway", gateway, "--steps-dir", str(folder),
                   "--count", str(steps + 1), "--model", MODEL_ID, "--key", str(run.mesh.private_key),

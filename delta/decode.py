@@ -1,13 +1,13 @@
-"""Decoding a piece into tensor updates, and writing an update into live words (CPU or GPU).
+"""Decoding a piece into tensor updates, and the word-level writes of one update (CPU or any device).
 
 `decode_piece` verifies the piece against the manifest, then turns each of its segments into a
 `TensorUpdate`: for a delta segment, where the changed words are (flat positions, and ranks among
 the base's small words that are resolved against the base when applied) and what they become (key
-differences, or literal new words); for a full segment, the new words of an element range. An
-update writes only those words, in place, into a 1-D word view of a tensor holding the base, which
-is how engines hot-swap weights without a second copy of the model. Every count and range is
-validated before use (see piece.py), so corrupt input raises `CorruptError` and never writes out of
-bounds.
+differences, or literal new words); for a full segment, the new words of an element range. Updates
+are immutable: one decoded version can be applied to several targets (decoded.py). The whole-version
+applier with rollback is apply.py; the methods here are its per-update building blocks, in numpy for
+CPU words and in torch ops for words on any device. Every count and range is validated before use
+(see piece.py), so corrupt input raises `CorruptError` and never writes out of bounds.
 """
 
 from __future__ import annotations
@@ -60,16 +60,13 @@ class TensorUpdate:
         small = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
         return np.concatenate([self.positions, small])
 
-    def write_words(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """Write into a CPU tensor's unsigned words (`dtypes.np_words`) holding the base. Returns the
-        positions written and the words they held (delta updates), so the caller can undo it."""
+    def write_words(self, words: np.ndarray) -> None:
+        """Write into a CPU tensor's unsigned words (`dtypes.np_words`) holding the base."""
         if self.positions is None:
             words[self.start : self.start + self.count] = self.values
-            return None
+            return
         positions = self.locate(words)
-        old = words[positions]
-        words[positions] = apply_changes(old, self.values, self.literal, is_float(self.dtype))
-        return positions, old
+        words[positions] = apply_changes(words[positions], self.values, self.literal, is_float(self.dtype))
 
     def apply_to(self, flat_words: torch.Tensor) -> None:
         """Write the changed words in place into `flat_words`: the 1-D, contiguous view of a live
@@ -92,21 +89,33 @@ class TensorUpdate:
     def apply_torch(self, flat: torch.Tensor) -> None:
         """The device path of `apply_to`, in torch ops on `flat`'s own device (any device, CPU
         included); `flat` is the signed word view. Torch integer addition wraps like the numpy path."""
-        width = DTYPE_SIZES[self.dtype]
-        values = torch.from_numpy(self.values.view(NP_SWORDS[width])).to(flat.device)
+        values = self.torch_values(flat.device)
         if self.positions is None:
             flat[self.start : self.start + self.count].copy_(values)
             return
+        positions = self.locate_torch(flat)
+        literal = None if self.literal is None else torch.from_numpy(self.literal).to(flat.device)
+        flat[positions] = changes_torch(flat[positions], values, literal, self.dtype)
+
+    def torch_values(self, device: torch.device) -> torch.Tensor:
+        """`values` as signed words on `device` (the view torch arithmetic wraps on)."""
+        return torch.from_numpy(self.values.view(NP_SWORDS[DTYPE_SIZES[self.dtype]])).to(device)
+
+    def locate_torch(self, flat: torch.Tensor) -> torch.Tensor:
+        """`locate` on a signed word view holding the base, on its own device."""
         positions = torch.from_numpy(self.positions).to(flat.device)
-        if self.small_ranks is not None:
-            ranks = torch.from_numpy(self.small_ranks).to(flat.device)
-            small = smallwords.small_positions_torch(flat, self.start, self.count, ranks, self.small_max)
-            positions = torch.cat([positions, small])
-        old = flat[positions]
-        new = _torch_key(_torch_key(old, width) + values, width) if is_float(self.dtype) else old + values
-        if self.literal is not None:
-            new = torch.where(torch.from_numpy(self.literal).to(flat.device), values, new)
-        flat[positions] = new
+        if self.small_ranks is None:
+            return positions
+        ranks = torch.from_numpy(self.small_ranks).to(flat.device)
+        small = smallwords.small_positions_torch(flat, self.start, self.count, ranks, self.small_max)
+        return torch.cat([positions, small])
+
+
+def changes_torch(old: torch.Tensor, values: torch.Tensor, literal: torch.Tensor | None, dtype: str) -> torch.Tensor:
+    """`bitdiff.apply_changes` in torch ops on signed words: the new words of the changes at `old`."""
+    width = DTYPE_SIZES[dtype]
+    new = _torch_key(_torch_key(old, width) + values, width) if is_float(dtype) else old + values
+    return new if literal is None else torch.where(literal, values, new)
 
 
 def _torch_key(words: torch.Tensor, width: int) -> torch.Tensor:

@@ -8,6 +8,10 @@ renaming a fresh symlink over the path (atomic on POSIX), then the parent direct
 process killed at any point leaves the path on the old version; leftovers are removed by the next
 apply, which holds `.NAME.lock` so two appliers never interleave. The previous version's directory
 is kept until the apply after, so a reader that resolved the old symlink can finish reading it.
+
+Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
+pieces), decoded here; either way they go through the one applier (apply.py), in place on the weights
+read from the directory.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping
 
-from .apply import apply_chain
+import torch
+
+from .apply import apply_version
+from .decoded import DecodedVersion, Step, as_decoded, manifest_of
 from .errors import BaseMismatchError, CorruptError
 from .manifest import Manifest
 from .storage import fsync_dir, read_weights, shard_layout, write_weights
@@ -45,9 +52,10 @@ def dir_manifest(path: str | Path) -> Manifest | None:
     return Manifest.from_body(body)
 
 
-def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[bytes]]]) -> Manifest | None:
-    """Apply a full snapshot and/or a chain of deltas (already verified manifests, with their pieces)
-    to the weights at `path`, atomically; returns the manifest of the version the path now holds.
+def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Manifest | None:
+    """Apply a full snapshot and/or a chain of deltas (decoded versions, or verified manifests with
+    their pieces) to the weights at `path`, atomically; returns the manifest of the version the path
+    now holds. Decoded versions are only read, so the caller may apply them elsewhere too.
 
     The base check is against the directory's recorded manifest when there is one, else against the
     hash of the weights read from it. Tensors keep the directory's sharding.
@@ -65,14 +73,14 @@ def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[byte
         weights, base_hash, layout = None, None, None
         if current is not None:
             layout = shard_layout(current)
-        if steps[0][0].kind == "delta":
+        if manifest_of(steps[0]).kind == "delta":
             if current is None:
                 raise BaseMismatchError(f"{path}: holds no weights to apply a delta to")
             weights = read_weights(current)
             recorded = dir_manifest(current)
             base_hash = recorded.weights_hash if recorded else None
-        weights, _ = apply_chain(weights, steps, base_hash=base_hash, in_place=True)
-        final = steps[-1][0]
+        weights = _apply_steps(weights, steps, base_hash)
+        final = manifest_of(steps[-1])
         token = secrets.token_hex(4)
         partial = parent / f".{name}.partial-{token}"
         write_weights(partial, weights, layout=layout, fsync=True)
@@ -89,6 +97,20 @@ def apply_to_dir(path: str | Path, steps: Iterable[tuple[Manifest, Sequence[byte
         log.info("%s now holds %s v%d", path, final.model_id, final.version)
         _remove_leftovers(parent, name, keep=target, previous=previous)
         return final
+
+
+def _apply_steps(weights: dict[str, torch.Tensor] | None, steps: list[DecodedVersion | Step],
+                 base_hash: str | None) -> Mapping[str, torch.Tensor]:
+    """The chain applied in place, each step decoded only when it comes. Tensors a step writes whole
+    belong to its `DecodedVersion`: a later step that would patch them in place gets a copy."""
+    for k, step in enumerate(steps):
+        version = as_decoded(step)
+        weights = apply_version(version, weights, base_hash=base_hash, in_place=True)
+        base_hash = version.manifest.weights_hash
+        if k + 1 < len(steps) and version.whole:
+            shared = {id(t) for t in version.whole.values()}
+            weights = {name: t.clone() if id(t) in shared else t for name, t in weights.items()}
+    return weights
 
 
 def _carry_side_files(current: Path, partial: Path) -> None:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
+from deltamesh.peer_json import parse_json
+
 from .errors import CodecError, CorruptError, SignatureError
 from .hashing import digest
 from .keys import Ed25519PrivateKey, Ed25519PublicKey, key_id, sign, verify
@@ -27,6 +29,19 @@ FORMAT_VERSION = 1
 Kind = Literal["delta", "full"]
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+# Bounds on what a manifest may declare. Readers size buffers and plans from these numbers, so a
+# manifest (even a signed one: a buggy or compromised trainer) declaring a tensor of 2^60 elements
+# must be refused before anything is allocated. They sit far above any real model: the largest
+# tensor of today's open models is a few GiB, and a 1T-parameter model is 2 TiB in bf16.
+MAX_NDIM = 16
+"""Most dimensions of one tensor."""
+MAX_TENSOR_BYTES = 2**36
+"""Largest tensor (64 GiB)."""
+MAX_TOTAL_BYTES = 2**42
+"""Largest sum of all tensors of one version, and of all its pieces (4 TiB)."""
+MAX_PIECE_BYTES = 2**32
+"""Largest single piece (4 GiB; gateways refuse far smaller ones by their own setting)."""
 
 # Element sizes of the dtypes the codec carries, by safetensors name.
 DTYPE_SIZES = {
@@ -138,7 +153,7 @@ class Manifest:
     @classmethod
     def from_body(cls, body: bytes) -> "Manifest":
         try:
-            b = json.loads(body)
+            b = parse_json(body)
             return cls(
                 model_id=b["model_id"],
                 version=b["version"],
@@ -165,7 +180,7 @@ def table_hash(entries: Iterable[TensorEntry]) -> str:
 
 def _envelope(data: bytes) -> tuple[bytes, str, bytes]:
     try:
-        env = json.loads(data)
+        env = parse_json(data)
         body = env["body"].encode()
         signer = env["key_id"]
         signature = bytes.fromhex(env["signature"])
@@ -220,24 +235,33 @@ def _validate(m: Manifest) -> None:
         raise bad("codec must be a non-empty string")
     if not _is_int(m.created_ms):
         raise bad("created_ms must be an integer")
-    names = set()
+    names, total = set(), 0
     for t in m.tensors:
         if not isinstance(t.name, str) or not t.name or t.name in names:
             raise bad(f"tensor name {t.name!r} empty or repeated")
         names.add(t.name)
         if t.dtype not in DTYPE_SIZES:
             raise bad(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
-        if not all(_is_int(d) and d >= 0 for d in t.shape):
-            raise bad(f"tensor {t.name!r}: bad shape {t.shape!r}")
+        if len(t.shape) > MAX_NDIM or not all(_is_int(d) and d >= 0 for d in t.shape):
+            raise bad(f"tensor {t.name!r}: bad shape {t.shape[:MAX_NDIM + 1]!r} (at most {MAX_NDIM} sizes >= 0)")
+        if t.nbytes > MAX_TENSOR_BYTES:
+            raise bad(f"tensor {t.name!r}: shape {t.shape!r} is {t.nbytes} bytes, over the limit of {MAX_TENSOR_BYTES}")
+        total += t.nbytes
         if not isinstance(t.hash, str) or not _HEX32.match(t.hash):
             raise bad(f"tensor {t.name!r}: bad hash")
+    if total > MAX_TOTAL_BYTES:
+        raise bad(f"tensors total {total} bytes, over the limit of {MAX_TOTAL_BYTES}")
+    payload = 0
     for i, p in enumerate(m.pieces):
-        if not _is_int(p.length) or p.length < 0:
-            raise bad(f"piece {i}: bad length {p.length!r}")
+        if not _is_int(p.length) or not 0 <= p.length <= MAX_PIECE_BYTES:
+            raise bad(f"piece {i}: bad length {p.length!r} (at most {MAX_PIECE_BYTES})")
+        payload += p.length
         if not isinstance(p.hash, str) or not _HEX32.match(p.hash):
             raise bad(f"piece {i}: bad hash")
         if not all(_is_int(t) and 0 <= t < len(m.tensors) for t in p.tensors):
             raise bad(f"piece {i}: tensor index out of range")
+    if payload > MAX_TOTAL_BYTES:
+        raise bad(f"pieces total {payload} bytes, over the limit of {MAX_TOTAL_BYTES}")
 
 
 def _is_int(x: Any) -> bool:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, Trajectory, encode_trajectories
-from deltamesh.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.http import HttpError, bearer, client_session, request_bytes, request_json
+from deltamesh.tls import TlsSettings, check_token_transport
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,22 @@ class SubmitResult:
 
 
 class BrokerClient:
-    """Calls to the broker at `url`. A pool names itself (`pool`, `region`, `gpus`) for leases and
-    submissions; a trainer passes the model_id to each of its calls. Close it (or use `async with`)."""
+    """Calls to the broker at `url` with the caller's `token` (its role and name are the token's), over
+    TLS as `tls` says for https:// URLs. A pool names itself (`pool`, `region`, `gpus`) for leases and
+    submissions; a trainer passes the model_id to each of its calls. Close it (or use `async with`).
 
-    def __init__(self, url: str, *, pool: str = "", region: str = "", gpus: int = 1, connections: int = 8,
-                 timeout_s: float | None = 300.0) -> None:
+    Raises TlsError at once if the token would travel in clear text to a host that is not loopback."""
+
+    def __init__(self, url: str, *, token: str = "", tls: TlsSettings | None = None, pool: str = "",
+                 region: str = "", gpus: int = 1, connections: int = 8, timeout_s: float | None = 300.0) -> None:
         self.base = url.rstrip("/")
         self.pool = pool
         self.region = region
         self.gpus = gpus
-        self._session = client_session(connections=connections, timeout_s=timeout_s)
+        if token:
+            check_token_transport(self.base, tls.insecure if tls is not None else False)
+        headers = bearer(token) if token else None
+        self._session = client_session(connections=connections, timeout_s=timeout_s, tls=tls, headers=headers)
 
     async def __aenter__(self) -> BrokerClient:
         return self

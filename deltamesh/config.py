@@ -1,10 +1,13 @@
 """The one config loader: typed dataclass configs from a TOML file plus command-line overrides.
 
 Every service describes its settings as a dataclass with defaults (nested dataclasses for sections)
-and validates them in `__post_init__`. `load_config` reads an optional TOML file (optionally one table
-of it), applies overrides (usually the CLI flags that were given), checks types and unknown keys, and
-builds the dataclass, so a typo in a config file is an error rather than a silently ignored setting.
-Checks that many configs make (`http_url`) live here too, so that they read and fail alike.
+and validates them in `__post_init__`. Each process reads one table of a config file (`[pool]`,
+`[gateway]`, `[broker]`, `[trainer]`, `[autoscale]`, `[demo]`). `load_config` reads an optional TOML
+file, takes that table, applies overrides (usually the flags that were given, see
+`deltamesh.config_flags`), checks types and unknown keys, and builds the dataclass, so a typo in a
+config file is an error rather than a silently ignored setting; a file written for an older layout
+fails naming where its keys moved (`deltamesh.config_moved`). Checks that many configs make
+(`http_url`) live here too, so that they read and fail alike.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
+
+from deltamesh.config_moved import moved_keys_in
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,7 +43,8 @@ def load_config(
     """Build `cls` from the TOML file at `path` (its table `section` if given) and `overrides`.
 
     Overrides whose value is None are ignored, so argparse results can be passed as they are.
-    Dotted override keys ("relay.connections") reach into nested sections.
+    Dotted override keys ("relay.connections") reach into nested sections. Keys of an older layout
+    (in the file or the overrides) fail with a message naming where they moved.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -47,19 +53,27 @@ def load_config(
                 data = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
-        if section is not None:
-            data = data.get(section, {})
-            if not isinstance(data, dict):
-                raise ConfigError(f"config {path}: [{section}] must be a table")
+    table = data
+    if section is not None:
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config {path}: [{section}] must be a table")
     for key, value in (overrides or {}).items():
         if value is None:
             continue
-        node = data
+        node = table
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{section or cls.__name__}: {key}: {p} is not a table")
         node[leaf] = value
-    return from_dict(cls, data, where=section or cls.__name__)
+    if section is not None:
+        moved = moved_keys_in(data, section)
+        if moved:
+            source = f"config {path}" if path is not None else f"[{section}]"
+            raise ConfigError(f"{source} uses an older layout: {'; '.join(moved)} (see docs/CONFIG.md)")
+    return from_dict(cls, table, where=section or cls.__name__)
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -> T:
@@ -72,6 +86,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "config") -
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(fields)}")
     kwargs = {name: _convert(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    for name, f in fields.items():
+        # A required section left out is built from an empty table, so that what it lacks is
+        # reported under its own name ("pool.sync: gateways must ...").
+        if name not in kwargs and _required(f) and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = from_dict(hints[name], {}, where=f"{where}.{name}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -91,6 +110,10 @@ def http_url(value: str, what: str) -> str:
 def to_dict(config: Any) -> dict[str, Any]:
     """The plain-data form of a config (for logs, reports and child processes' config files)."""
     return dataclasses.asdict(config)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

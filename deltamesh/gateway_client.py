@@ -5,7 +5,10 @@ builds every path, sends JSON with the project's one HTTP helper (`deltamesh.htt
 the decoded answer, raising `HttpError` with the gateway's reason on failure. Bulk transfers
 (manifests and pieces) stay with the fetcher, which asks `version_url` where a version lives. It
 holds no state beyond the base URL, the session it was given and the headers every call carries
-(the caller's peer name, a pool's token), so one is cheap to make per call site.
+(the caller's peer name, its token), so one is cheap to make per call site. Every route but
+`/healthz` needs a credential: the token rides on every call, and a client refuses (TlsError) to be
+made with one for plain http:// to a host that is not loopback unless `insecure`; a client
+certificate, when the session presents one, needs no token.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 import aiohttp
 
 from deltamesh.http import bearer, client_session, request_json
+from deltamesh.tls import TlsSettings, check_token_transport
 
 T = TypeVar("T")
 
@@ -29,15 +33,17 @@ def version_url(base: str, model: str, version: int, kind: str) -> str:
 
 
 class GatewayClient:
-    """JSON calls to one gateway at `base` over `session`, as `peer` and, for pool routes, with `token`."""
+    """JSON calls to one gateway at `base` over `session`, as `peer`, with `token` (if any) on every call."""
 
     def __init__(self, base: str, session: aiohttp.ClientSession, *, peer: str | None = None,
-                 token: str | None = None, timeout_s: float | None = 30.0) -> None:
+                 token: str | None = None, insecure: bool = False, timeout_s: float | None = 30.0) -> None:
         self.base = base.rstrip("/")
         self.session = session
         self.timeout_s = timeout_s
         self._headers = {PEER_HEADER: peer} if peer else {}
-        self._token = token
+        if token:
+            check_token_transport(self.base, insecure)
+            self._headers.update(bearer(token))
 
     def url(self, path: str) -> str:
         return f"{self.base}{path}"
@@ -46,11 +52,8 @@ class GatewayClient:
         return version_url(self.base, model, version, kind)
 
     async def _call(self, method: str, path: str, *, params: Mapping[str, Any] | None = None, body: Any = None,
-                    auth: bool = False, timeout_s: float | None = None) -> Any:
-        headers = dict(self._headers)
-        if auth and self._token is not None:
-            headers.update(bearer(self._token))
-        return await request_json(self.session, method, self.url(path), params=params, body=body, headers=headers,
+                    timeout_s: float | None = None) -> Any:
+        return await request_json(self.session, method, self.url(path), params=params, body=body, headers=self._headers,
                                   timeout_s=self.timeout_s if timeout_s is None else timeout_s)
 
     # -- models and versions ---------------------------------------------------------------------------
@@ -78,10 +81,14 @@ class GatewayClient:
 
     # -- pools, gateways, links ------------------------------------------------------------------------
     async def register_pool(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", "/v1/pools", body=dict(body), auth=True)
+        return await self._call("POST", "/v1/pools", body=dict(body))
 
     async def heartbeat(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"/v1/pools/{name}/heartbeat", body=dict(body), auth=True)
+        return await self._call("POST", f"/v1/pools/{name}/heartbeat", body=dict(body))
+
+    async def deregister_pool(self, name: str) -> dict[str, Any]:
+        """Leave the gateway's registry (`DELETE /v1/pools/{name}`): a pool for itself, or an admin."""
+        return await self._call("DELETE", f"/v1/pools/{name}")
 
     async def pools(self) -> dict[str, Any]:
         return await self._call("GET", "/v1/pools")
@@ -90,14 +97,19 @@ class GatewayClient:
         return await self._call("GET", "/v1/links")
 
     async def announce(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Tell an upstream gateway that a downstream one follows it (`POST /v1/gateways`)."""
+        """Tell an upstream gateway that a downstream one follows it (`POST /v1/gateways`); the answer
+        says how long the announcement holds (`ttl_s`)."""
         return await self._call("POST", "/v1/gateways", body=dict(body))
 
 
-def call_once(base: str, call: Callable[[GatewayClient], Awaitable[T]], *, timeout_s: float = 10.0) -> T:
-    """One call from synchronous code (the CLI's tables): a session is opened and closed around it.
-    Raises `HttpError`."""
+def call_once(base: str, call: Callable[[GatewayClient], Awaitable[T]], *, timeout_s: float = 10.0,
+              token: str | None = None, tls: TlsSettings | None = None) -> T:
+    """One call from synchronous code (the CLI's tables): a session (TLS as `tls` says) is opened and
+    closed around it. Raises `HttpError`, or TlsError for a token that would travel in clear text."""
+    insecure = tls.insecure if tls is not None else False
+
     async def run() -> T:
-        async with client_session(connections=2, timeout_s=timeout_s) as session:
-            return await call(GatewayClient(base, session, timeout_s=timeout_s))
+        async with client_session(connections=2, timeout_s=timeout_s, tls=tls) as session:
+            # The client refuses a clear-text token before anything is sent.
+            return await call(GatewayClient(base, session, token=token, insecure=insecure, timeout_s=timeout_s))
     return asyncio.run(run())

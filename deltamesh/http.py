@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import ssl
@@ -92,7 +93,7 @@ async def request_json(
     if not raw:
         return None
     try:
-        return json.loads(raw)
+        return parse_json(raw)  # a peer's answer: depth-limited like any peer-sent JSON
     except ValueError as e:
         raise HttpError(200, f"answer is not JSON: {e}", url) from e
 
@@ -116,18 +117,26 @@ async def request_bytes(
             if resp.status >= 300:
                 raise HttpError(resp.status, _reason(raw, resp.reason), url)
             return raw
-    except aiohttp.ServerDisconnectedError as e:
-        # Under TLS 1.3 a server that refuses the client's certificate (or its lack of one) can only
-        # close the connection after the handshake: say what that most likely means.
-        hint = "; the server may require a client certificate from its CA (tls cert/key)" if url.startswith("https") else ""
-        raise HttpError(0, f"{type(e).__name__}: {e}{hint}", url) from e
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        raise HttpError(0, f"{type(e).__name__}: {e}", url) from e
+        raise HttpError(0, f"{type(e).__name__}: {e}{_hint(url, e)}", url) from e
+
+
+def _hint(url: str, e: BaseException) -> str:
+    """What a dropped connection most likely means, where TLS leaves the client only that to go by."""
+    reset = isinstance(e, aiohttp.ClientOSError) and e.errno == errno.ECONNRESET
+    if not (reset or isinstance(e, aiohttp.ServerDisconnectedError)):
+        return ""
+    if url.startswith("https"):
+        # Under TLS 1.3 a server that refuses the client's certificate (or its lack of one) can only
+        # close the connection after the handshake.
+        return "; the server may require a client certificate from its CA (tls cert/key)"
+    # A TLS server drops a plain-HTTP request without an answer; never retry it as anything else.
+    return "; the server may speak only TLS: use https://"
 
 
 def _reason(raw: bytes, fallback: str | None) -> str:
     try:
-        return str(json.loads(raw)["error"])
+        return str(parse_json(raw)["error"])
     except (ValueError, KeyError, TypeError):
         return raw[:200].decode(errors="replace") or (fallback or "")
 

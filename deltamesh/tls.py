@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ipaddress
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from deltamesh.config_flags import flag
 
 
 class TlsError(ValueError):
@@ -25,16 +27,19 @@ class TlsError(ValueError):
 
 @dataclass
 class TlsSettings:
-    cert: str = ""
+    """The `[SECTION.tls]` table of a process's config; flags `--tls-cert`, `--tls-key`, `--ca`,
+    `--client-ca`, `--insecure`."""
+
+    cert: str = field(default="", metadata=flag("--tls-cert", metavar="PEM"))
     """PEM certificate chain this process presents: its server certificate, and its client certificate
     when a peer requires one (mTLS). Empty: a plain-HTTP server, and no client certificate."""
-    key: str = ""
+    key: str = field(default="", metadata=flag("--tls-key", metavar="PEM"))
     """PEM private key of `cert`."""
-    ca: str = ""
+    ca: str = field(default="", metadata=flag("--ca", metavar="PEM"))
     """PEM bundle of the CAs that peers' certificates must chain to; empty: the system store."""
-    client_ca: str = ""
+    client_ca: str = field(default="", metadata=flag("--client-ca", metavar="PEM"))
     """Servers only: require a client certificate chaining to this PEM bundle (mTLS); empty: none asked."""
-    insecure: bool = False
+    insecure: bool = field(default=False, metadata=flag("--insecure"))
     """Allow bearer tokens over plain HTTP to hosts that are not loopback (never needed with https://)."""
 
     def __post_init__(self) -> None:

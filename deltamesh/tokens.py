@@ -148,8 +148,10 @@ class TokenStore:
                     found = entry.identity
         return found
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def identities(self) -> list[Identity]:
+        """Who holds tokens, in file order (the tokens themselves are not known here)."""
+        with self._lock:
+            return [e.identity for e in self._entries]
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""Typed configuration of a regional gateway (`GatewayConfig`), loaded by `deltamesh.config.load_config`.
+"""Typed settings of the weight network's processes, loaded by `deltamesh.config.load_config`.
 
-One gateway runs per region. The origin gateway has no upstream and accepts publishes; a relay
-gateway lists one or more upstream gateway URLs and mirrors their versions. Every gateway trusts a
-set of trainer public keys (PEM files) and a set of region tokens that pools register with.
-A pool follows its region's gateways by `WeightSyncSettings`; `PoolSyncConfig` adds where its
-weights live (the rollout pool's own config extends the same settings).
+One gateway runs per region (`GatewayConfig`, the `[gateway]` table of `deltamesh gateway`). The
+origin gateway has no upstream and accepts publishes; a relay gateway lists one or more upstream
+gateway URLs and mirrors their versions. Every gateway trusts a set of trainer public keys (PEM
+files), knows its callers from a hashed tokens file (or client certificates) and serves HTTPS with
+its `[gateway.tls]` section. A pool follows its region's gateways by
+`WeightSyncSettings`: the `[pool.sync]` section of a rollout pool, and the settings that
+`PoolSyncConfig` (`deltamesh pool sync`) extends with where its weights live. `PublishConfig` is
+`deltamesh publish`. Flags are derived from these fields (`deltamesh.config_flags`); `flag(...)`
+metadata names the short aliases the command lines have always had.
 """
 
 from __future__ import annotations
@@ -12,22 +16,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deltamesh.config import http_url
+from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
+from deltamesh.tls import TlsSettings, check_token_transport
+
+DEFAULT_PIECE_BYTES = 4 * 1024 * 1024
+"""Size of a published version's pieces unless a publisher is told otherwise."""
 
 
 @dataclass
 class GatewayConfig:
+    """A regional gateway: its store, its upstreams, whom it trusts, and its limits."""
+
     region: str = "origin"
-    listen: str = "127.0.0.1:8700"
+    """Name of this gateway's region (letters, digits, - and _)."""
+    listen: str = field(default="127.0.0.1:8700", metadata=flag(metavar="HOST:PORT"))
+    """Address to serve on."""
     store: str = "gateway-store"
-    upstreams: list[str] = field(default_factory=list)
+    """Directory of the version store (survives restarts)."""
+    upstreams: list[str] = field(default_factory=list, metadata=flag("--upstream", metavar="URL"))
     """Upstream gateway base URLs, in order of preference; empty for the origin."""
-    advertise: str = ""
+    advertise: str = field(default="", metadata=flag(metavar="URL"))
     """This gateway's own base URL as others reach it (told to upstreams so they can probe it)."""
-    trusted_keys: list[str] = field(default_factory=list)
+    trusted_keys: list[str] = field(default_factory=list, metadata=flag("--trusted-key", metavar="PEM"))
     """PEM files of the trainer public keys whose signed manifests this gateway accepts."""
-    pool_tokens: list[str] = field(default_factory=list)
-    """Bearer tokens that pools of this region register with."""
+    tokens_file: str = field(default="", metadata=flag(metavar="TOML"))
+    """Who may call which route: a hashed tokens file of `deltamesh.tokens` (roles pool, trainer, gateway,
+    admin, metrics), re-read when it changes. Required unless `anonymous` (docs/api/gateway.md)."""
+    anonymous: bool = False
+    """Serve without authentication, every caller allowed, and probe no announced URL: only for a gateway
+    that no one else can reach (tests, a demo on one machine)."""
+    upstream_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    """A relay's `gateway` token (named after its region), sent to its upstreams; empty when its client
+    certificate (tls cert, common name gateway/REGION) identifies it, or its upstreams are anonymous."""
     keep_deltas: int = 20
     """Retention: how many of the newest delta versions (per model) stay in the store."""
     keep_fulls: int = 2
@@ -42,6 +63,19 @@ class GatewayConfig:
     """Parallel piece fetches per version when relaying from upstreams."""
     stall_timeout_s: float = 20.0
     """An upstream that sends no byte for this long is treated as stalled and another is tried."""
+    min_rate_kib_s: float = 64.0
+    """Slowest useful rate of one piece request to an upstream (KiB/s, on average after a credit of
+    stall_timeout_s): a slower one is dropped and the piece continues from another source."""
+    min_rate_fraction: float = 0.05
+    """With an alternate upstream, a request is also dropped below this share of its upstream's measured rate."""
+    source_tries: int = 3
+    """Times an upstream may serve a piece wrong (bad bytes, short, stalled, too slow) before it is no longer
+    asked for that piece; a piece no upstream serves intact fails its version, which is retried later."""
+    relay_parallel: int = 8
+    """Models a relay lists at once in a sync pass (each model's versions are then mirrored concurrently)."""
+    disk_margin_mib: float = 64.0
+    """Disk space kept free beyond what stored versions take and what arriving ones reserve; a manifest or
+    piece that does not fit is refused with 507 and nothing of it is kept."""
     bandwidth_cap_mbps: float = 0.0
     """Per upstream link cap on relayed bytes in megabits per second; 0 for none."""
     link_delay_ms: float = 0.0
@@ -53,6 +87,14 @@ class GatewayConfig:
     """Period of RTT probes to upstreams, downstream gateways and pool endpoints."""
     max_piece_bytes: int = 256 * 1024 * 1024
     """Largest piece a publisher may upload or a manifest may declare."""
+    max_downstreams: int = 256
+    """Most downstream gateways whose announcements are held at once."""
+    downstream_ttl_s: float = 60.0
+    """A downstream's announcement lapses this long after it was made unless it announces again (relays
+    re-announce every third of the TTL their upstream answers with)."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS (`[gateway.tls]`): HTTPS with `--tls-cert/--tls-key`, client certificates required with
+    `--client-ca` (mTLS); `--ca` verifies upstreams, which are shown `cert` when they ask for one."""
 
     def __post_init__(self) -> None:
         if not self.region or not self.region.replace("-", "").replace("_", "").isalnum():
@@ -63,8 +105,11 @@ class GatewayConfig:
             self.advertise = http_url(self.advertise, "advertise")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
-        if any(not t for t in self.pool_tokens):
-            raise ValueError("pool_tokens must not contain empty tokens")
+        if self.tokens_file and self.anonymous:
+            raise ValueError("tokens_file and anonymous exclude each other")
+        if self.upstream_token:
+            for url in self.upstreams:
+                check_token_transport(url, self.tls.insecure)
         if self.keep_deltas < 1 or self.keep_fulls < 1:
             raise ValueError("keep_deltas and keep_fulls must be >= 1")
         for name in ("lease_s", "piece_wait_s", "head_wait_max_s", "stall_timeout_s",
@@ -73,12 +118,18 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.relay_connections < 1:
             raise ValueError("relay_connections must be >= 1")
+        if not self.min_rate_kib_s > 0 or not 0 <= self.min_rate_fraction < 1:
+            raise ValueError("min_rate_kib_s must be > 0 and min_rate_fraction in [0, 1)")
+        if self.source_tries < 1 or self.relay_parallel < 1 or self.disk_margin_mib < 0:
+            raise ValueError("source_tries and relay_parallel must be >= 1 and disk_margin_mib >= 0")
         if self.bandwidth_cap_mbps < 0:
             raise ValueError("bandwidth_cap_mbps must be >= 0 (0 for no cap)")
         if not 0 <= self.link_delay_ms <= 60_000:
             raise ValueError("link_delay_ms must be in [0, 60000] (0 for none)")
         if self.max_piece_bytes < 1:
             raise ValueError("max_piece_bytes must be >= 1")
+        if self.max_downstreams < 1 or not self.downstream_ttl_s > 0:
+            raise ValueError("max_downstreams must be >= 1 and downstream_ttl_s > 0")
 
     @property
     def is_origin(self) -> bool:
@@ -87,33 +138,43 @@ class GatewayConfig:
 
 @dataclass
 class WeightSyncSettings:
-    """How a pool follows its region's gateways: the settings `PoolSyncConfig` (`deltamesh pool sync`)
-    and the rollout pool's config (`deltamesh pool run`) share, checked here once for both."""
+    """How a pool follows its region's gateways: the `[pool.sync]` section of a rollout pool (`deltamesh
+    pool run`), which `PoolSyncConfig` (`deltamesh pool sync`) extends, checked here once for both."""
 
-    gateways: list[str] = field(default_factory=list)
+    gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))
     """Gateway base URLs: the region's gateway first, alternates after (used when it fails)."""
-    token: str = ""
-    """The region's pool token (registration with the gateway)."""
-    trusted_keys: list[str] = field(default_factory=list)
+    token: str = field(default="", metadata=flag("--token"))
+    """This pool's token at its gateways (role pool, named after the pool: docs/api/gateway.md); may be
+    empty when its client certificate (`tls`) identifies it."""
+    trusted_keys: list[str] = field(default_factory=list, metadata=flag("--trusted-key", metavar="PEM"))
     """PEM files of the trainer public keys whose signed versions are accepted."""
-    gpus: int = 0
-    tier: str = ""
+    gpus: int = field(default=0, metadata=flag("--gpus"))
+    """GPUs of the pool, as registered with the gateway (and reported to the broker)."""
+    tier: str = field(default="", metadata=flag("--tier"))
+    """Label of the pool's hardware tier, as registered (and tagged on its trajectories)."""
     connections: int = 4
     """Parallel piece fetches per transfer."""
     heartbeat_s: float = 2.0
+    """Seconds between heartbeats to the gateway."""
     poll_wait_s: float = 30.0
+    """Longest wait of one long poll for a new head."""
     stall_timeout_s: float = 20.0
+    """A gateway that sends no byte for this long is treated as stalled and an alternate is tried."""
     give_up_s: float = 120.0
     """How long a piece may stay unavailable from every gateway before the transfer is abandoned and retried."""
     full_every: int = 0
     """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS towards the gateways (`tls` section): `--ca` verifies https:// gateways, `cert` (common name
+    pool/NAME) is presented to gateways that require client certificates."""
 
     def __post_init__(self) -> None:
         if not self.gateways:
             raise ValueError("gateways must list at least one gateway URL")
         self.gateways = [http_url(u, "gateway") for u in self.gateways]
-        if not self.token:
-            raise ValueError("token is required (the region's pool token)")
+        if not self.token and not self.tls.cert:
+            raise ValueError("token is required (the pool's token at its gateways), unless a client certificate "
+                             "(tls cert, common name pool/NAME) identifies the pool")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
         if self.gpus < 0 or self.connections < 1 or self.full_every < 0:
@@ -127,12 +188,15 @@ class PoolSyncConfig(WeightSyncSettings):
     """A pool agent's weight sync: which gateways to follow and where the weights live."""
 
     name: str = ""
+    """Pool name, as registered with the gateway."""
     dir: str = ""
     """The safetensors directory the pool's engine loads; versions are applied to it atomically."""
     model: str = ""
     """Model id to follow; empty to take the one model the gateway serves (or the one DIR holds)."""
     engine: str = "none"
-    endpoint: str = ""
+    """Label of the engine that serves the weights, as registered."""
+    endpoint: str = field(default="", metadata=flag(metavar="URL"))
+    """The pool's engine endpoint (probed by the gateway for RTT)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -140,3 +204,43 @@ class PoolSyncConfig(WeightSyncSettings):
             raise ValueError("name is required")
         if not self.dir:
             raise ValueError("dir is required")
+
+
+@dataclass
+class PublishConfig:
+    """`deltamesh publish`: which origin gateway, model and key, and how versions are cut and uploaded."""
+
+    gateway: str = field(default="", metadata=flag(metavar="URL"))
+    """Origin gateway base URL."""
+    model: str = ""
+    """Model id the version is published under."""
+    key: str = field(default="", metadata=flag(metavar="PEM"))
+    """The trainer's Ed25519 private key."""
+    token: str = field(default="", metadata=flag("--token"))
+    """The trainer's token at the gateway (role trainer, scoped to its model ids); empty when its client
+    certificate (common name trainer/NAME) identifies it, or the gateway is anonymous."""
+    version: int | None = None
+    """Version number (unset: one after the gateway's head)."""
+    full_every: int = 10
+    """Also publish a full snapshot every N versions."""
+    piece_mib: float = DEFAULT_PIECE_BYTES / 2**20
+    """Piece size in MiB."""
+    connections: int = 4
+    """Parallel uploads."""
+    state: str = ""
+    """Directory keeping the last published weights (empty: $XDG_CACHE_HOME/deltamesh/publish/MODEL)."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS towards the gateway: `--ca` verifies an https:// gateway, `cert` is presented when it asks."""
+
+    def __post_init__(self) -> None:
+        self.gateway = http_url(self.gateway, "gateway")
+        if not self.model:
+            raise ValueError("model is required (the model id)")
+        if not self.key:
+            raise ValueError("key is required (the trainer's private key file)")
+        if self.token:
+            check_token_transport(self.gateway, self.tls.insecure)
+        if self.version is not None and self.version < 0:
+            raise ValueError("version must be >= 0")
+        if self.full_every < 0 or self.connections < 1 or not self.piece_mib > 0:
+            raise ValueError("full_every must be >= 0, connections >= 1 and piece_mib > 0")

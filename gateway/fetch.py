@@ -1,25 +1,27 @@
-"""Fetching a version's pieces from gateways: parallel, ranged, verified, failing over between sources.
+"""Fetching a version's pieces from gateways: parallel, ranged, verified, failing over between sources,
+and bounded when those sources are slow or hostile.
 
-Both a relay (mirroring its upstreams) and a pool agent (pulling a plan) fetch pieces the same way.
-Each piece is fetched over its own request from the first healthy source; bytes already received
-are kept when a source dies or stalls, and the next source is asked only for the rest (HTTP Range),
-so a switch of source never refetches what arrived. The last pieces of a version are split into
-ranges over all connections, so they finish together (see `Fetcher.pieces`). A piece is accepted
-only when its length and xxh3-128 match the (signed) manifest; a source that serves a bad piece is
-penalised and the piece is fetched again. A piece a source has announced but not yet received (503)
-is simply asked for again.
+Relays (mirroring their upstreams) and pool agents (pulling a plan) fetch the same way. Each piece
+comes over its own request from the best source; what arrived is kept when a source dies, stalls or
+falls below the minimum useful rate (the progress deadline of `deltamesh.gateway.fetch_http`), and
+the next source is asked only for the rest (HTTP Range). The last pieces of a version are split into
+ranges over all connections, so they finish together (`deltamesh.gateway.fetch_lanes`). A piece is
+accepted only when its length and xxh3-128 match the (signed) manifest. A source that served
+something wrong is penalised for the version and for a while, asked again only after a backoff, and
+dropped for a piece after `source_tries` such failures; a piece that no source serves intact fails
+the version with one FetchError naming the piece and what each source did
+(`deltamesh.gateway.scoring`). A piece announced but not yet arrived at a source (503) is asked again.
 
-The manifest request can carry the first wave of piece requests with it (`prefetch`), so data
-flows one round trip after the version is known instead of two; those pieces are held unverified
-until the manifest is, then checked like any other.
-"""
+The manifest request can carry the first wave of piece requests with it (`prefetch`), so data flows
+one round trip after the version is known instead of two; those pieces are held unverified until
+the manifest is, then checked like any other."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Sequence
 
@@ -27,22 +29,32 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.http import HttpError, request_bytes
+from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
+from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
+from deltamesh.gateway.scoring import Tries, penalise
 from deltamesh.gateway.sources import Source, order_sources, version_url
+from deltamesh.http import JSON_LIMIT, HttpError
 
 log = logging.getLogger(__name__)
 
-CHUNK = 256 * 1024
-MIN_SPAN = 1024 * 1024
-"""Smallest range of a piece a request asks for when the last pieces are split over the connections:
-about one connection's share of a long link's bytes in flight, so splitting never starves them."""
 PREFETCH_LIMIT = 64 * 1024 * 1024
 """Largest piece taken before its manifest arrives (a bigger one is dropped and fetched normally)."""
+MIN_RATE_BPS = 64 * 1024.0
+"""Default floor of a request's useful rate (bytes/s, after a grace of the stall timeout)."""
+MIN_RATE_FRACTION = 0.05
+"""Default share of a source's own measured rate below which it is dropped when an alternate exists."""
+SOURCE_TRIES = 3
+"""Default number of served-something-wrong failures after which a source is not asked for a piece again."""
+MANIFEST = -1
+"""The index under which a version's manifest keeps its tries (pieces use their own index)."""
+
+Key = tuple[str, int, str]
+"""(model, version, kind)"""
 
 
 class FetchError(Exception):
-    """No source delivered a piece (or manifest) before the deadline."""
+    """No source delivered a piece (or manifest): every one served it wrong too often, or none in time."""
 
 
 class NotAnnounced(FetchError):
@@ -50,22 +62,13 @@ class NotAnnounced(FetchError):
     or a newer one was announced instead."""
 
 
-@dataclass
-class _Span:
-    """Bytes [start, end) of a piece being received into the piece's buffer; `filled` is how far
-    they have arrived. A whole piece is one span; the tail of a version splits pieces into several."""
+def _name(key: Key) -> str:
+    return f"{key[0]} v{key[1]} {key[2]}"
 
-    data: bytearray
-    start: int
-    end: int
-    filled: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.filled = self.start
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and self.end == len(self.data)
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("prefetch failed: %r", task.exception())
 
 
 @dataclass
@@ -77,18 +80,67 @@ class Fetcher:
     peer: str
     monitor: LinkMonitor | None = None
     stall_timeout_s: float = 20.0
+    """No answer (or no byte) for this long is a stall; it is also the credit before `min_rate_bps` applies."""
     give_up_s: float = 120.0
+    """Longest a piece (or manifest) may stay unavailable (unreachable sources, not arrived) before FetchError."""
     penalty_s: float = 5.0
+    """First penalty of a failing source; it doubles with each failure in a row."""
+    min_rate_bps: float = MIN_RATE_BPS
+    min_rate_fraction: float = MIN_RATE_FRACTION
+    source_tries: int = SOURCE_TRIES
+    wait_session: aiohttp.ClientSession | None = None
+    """Session of the requests that wait at a source for a version not announced yet: kept apart (when
+    given) so that such long polls never hold the connections transfers need."""
+    max_requests: int = 0
+    """Most piece requests in flight at once (0: no bound); set to what `session` can carry, so a request
+    never queues for a connection while its progress deadline runs."""
     on_bytes: Callable[[int], None] | None = None
-    _early: dict[tuple[str, int, str], dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
+    on_received: Callable[[Source, Key, int], None] | None = None
+    """Told of piece bytes as they arrive: from which source, for which (model, version, kind)."""
+    _early: dict[Key, dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
+    _tries: dict[tuple[Key, int], Tries] = field(default_factory=dict, init=False, repr=False)
+    _avoid: dict[Key, set[Source]] = field(default_factory=dict, init=False, repr=False)
+    """Per version, the sources that served bad bytes of it: asked after every other one."""
+    _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+    _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
 
-    def _fail(self, source: Source, reason: str, penalty: bool = True) -> None:
+    def __post_init__(self) -> None:
+        if self.max_requests > 0:
+            self._slots = asyncio.Semaphore(self.max_requests)
+
+    # -- judging sources -------------------------------------------------------------------------
+    def _rule(self, source: Source, alternates: bool, wait_s: float = 0.0) -> Progress:
+        """The progress deadline of a request to `source`: the floor, or a share of the source's own
+        rate when another source could take over."""
+        rate = self.min_rate_bps
+        if alternates and source.rate_bps:
+            rate = max(rate, self.min_rate_fraction * source.rate_bps)
+        return Progress(self.stall_timeout_s + wait_s, self.stall_timeout_s, rate)
+
+    def _order(self, key: Key) -> list[Source]:
+        return order_sources(self.sources, self._avoid.get(key, ()))
+
+    def _tries_of(self, key: Key, index: int) -> Tries:
+        return self._tries.setdefault((key, index), Tries(self.source_tries))
+
+    def _failed(self, source: Source, key: Key, index: int, reason: str, *, wrong: bool) -> None:
+        """Book a failure of `source` on a piece (or the manifest): backoff, penalty, link error, log."""
+        what = "manifest" if index == MANIFEST else f"piece {index}"
+        self._tries_of(key, index).failed(source, reason, wrong=wrong, rng=self._rng)
+        self._note(source, f"{_name(key)} {what}: {reason}")
+
+    def _note(self, source: Source, reason: str, penalty: bool = True) -> None:
         if penalty:
-            source.bad_until = time.monotonic() + self.penalty_s
+            penalise(source, self.penalty_s, self._rng)
         if self.monitor is not None and source.link is not None:
             self.monitor.record_error(source.link, reason)
         log.info("fetch from %s: %s", source.url, reason)
 
+    def _served_bad(self, source: Source, key: Key, index: int, reason: str) -> None:
+        self._avoid.setdefault(key, set()).add(source)
+        self._failed(source, key, index, reason, wrong=True)
+
+    # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
                              *, prefetch: int = 0, wait_s: float = 0.0):
         """Fetch a manifest envelope and pass it to `accept` (which verifies it); try each source in turn.
@@ -102,25 +154,29 @@ class Fetcher:
         key = (model, version, kind)
         self._discard_prefetch(key)
         if prefetch > 0:
-            self._early[key] = {i: asyncio.create_task(self._prefetch(model, version, kind, i, wait_s))
-                                for i in range(prefetch)}
+            self._early[key] = {i: asyncio.create_task(self._prefetch(key, i, wait_s)) for i in range(prefetch)}
+            for task in self._early[key].values():
+                task.add_done_callback(_retrieved)  # one discarded after it failed must not log a warning
         try:
             if wait_s > 0:
-                return await self._next_manifest(model, version, kind, accept, wait_s)
-            return await self._manifest(model, version, kind, accept)
+                return await self._next_manifest(key, accept, wait_s)
+            return await self._manifest(key, accept)
         except NotAnnounced:
             await self._settle_prefetch(key)
             raise
         except BaseException:
             self._discard_prefetch(key)
+            self._avoid.pop(key, None)
             raise
+        finally:
+            self._tries.pop((key, MANIFEST), None)
 
-    def _discard_prefetch(self, key: tuple[str, int, str]) -> None:
+    def _discard_prefetch(self, key: Key) -> None:
         """Cancel prefetched pieces of one version that no `pieces()` call took."""
         for task in self._early.pop(key, {}).values():
             task.cancel()
 
-    async def _settle_prefetch(self, key: tuple[str, int, str]) -> None:
+    async def _settle_prefetch(self, key: Key) -> None:
         """Let the piece requests of a version that was not announced end on their own: their waits
         end with the manifest's, within moments. Cancelling them would close their connections, and
         the next version would then start on fresh ones, in slow start."""
@@ -130,177 +186,187 @@ class Fetcher:
             for task in late:
                 task.cancel()
 
-    async def _next_manifest(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
-                             wait_s: float):
+    async def _next_manifest(self, key: Key, accept: Callable[[bytes], Awaitable[object]], wait_s: float):
         """The manifest of a version asked for ahead, from the preferred source (a long poll); the
         usual path with failover takes over if that source fails."""
-        source = order_sources(self.sources)[0]
-        url = f"{version_url(source.url, model, version, kind)}/manifest"
+        source = self._order(key)[0]
+        url = f"{version_url(source.url, *key)}/manifest"
         try:
-            raw = await request_bytes(self.session, "GET", url, params={"wait": wait_s},
-                                      headers={PEER_HEADER: self.peer}, timeout_s=wait_s + self.stall_timeout_s)
+            raw = await get_small(self.wait_session or self.session, url, params={"wait": wait_s},
+                                  headers={PEER_HEADER: self.peer}, rule=self._rule(source, False, wait_s),
+                                  limit=JSON_LIMIT)
         except HttpError as e:
             if e.status == 404:
-                raise NotAnnounced(f"{model} v{version} {kind} was not announced within {wait_s:g}s") from None
-            self._fail(source, f"manifest: {e}", penalty=e.status == 0 or e.status >= 500)
-            return await self._manifest(model, version, kind, accept)
-        return await accept(raw)
+                raise NotAnnounced(f"{_name(key)} was not announced within {wait_s:g}s") from None
+            self._note(source, f"{_name(key)} manifest: {e}", penalty=e.status == 0 or e.status >= 500)
+            return await self._manifest(key, accept)
+        except Wrong as e:
+            self._failed(source, key, MANIFEST, str(e), wrong=True)
+            return await self._manifest(key, accept)
+        try:
+            return await accept(raw)
+        except CodecError as e:  # malformed or badly signed: that source is not to be believed
+            self._tries_of(key, MANIFEST).exclude(source, f"manifest rejected: {e}")
+            self._note(source, f"{_name(key)} manifest rejected: {e}")
+            return await self._manifest(key, accept)
 
-    async def _manifest(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]]):
-        deadline = time.monotonic() + self.give_up_s
+    async def _manifest(self, key: Key, accept: Callable[[bytes], Awaitable[object]]):
         started = time.monotonic()
-        rejected: dict[str, str] = {}
+        deadline = started + self.give_up_s
+        tries = self._tries_of(key, MANIFEST)
         attempt = 0
         while True:
-            for source in order_sources(self.sources):
-                url = f"{version_url(source.url, model, version, kind)}/manifest"
+            order = tries.usable(self._order(key))
+            if not order:
+                raise FetchError(f"{_name(key)}: no source served a valid manifest ({tries.describe()})")
+            waiting = False
+            for source in order:
+                if tries.ready_at(source) > time.monotonic():
+                    continue
+                url = f"{version_url(source.url, *key)}/manifest"
                 if source.delay_s:
                     await asyncio.sleep(source.delay_s)
                 try:
-                    raw = await request_bytes(self.session, "GET", url, headers={PEER_HEADER: self.peer},
-                                              timeout_s=self.stall_timeout_s)
+                    raw = await get_small(self.session, url, headers={PEER_HEADER: self.peer},
+                                          rule=self._rule(source, len(order) > 1), limit=JSON_LIMIT)
                     return await accept(raw)
                 except HttpError as e:
-                    if e.status == 404 and time.monotonic() - started < self.stall_timeout_s:
-                        break  # the preferred source has not got it yet; give it a moment (see `piece`)
-                    self._fail(source, f"manifest: {e}", penalty=e.status == 0 or e.status >= 500)
+                    if e.status in (404, 503) and time.monotonic() - started < self.stall_timeout_s:
+                        waiting = True
+                        break  # the preferred source has not got it yet (503: on its way); give it a moment
+                    tries.failed(source, f"HTTP {e.status or 'unreachable'} {e.reason}", wrong=False, rng=self._rng)
+                    self._note(source, f"{_name(key)} manifest: {e}",
+                               penalty=e.status == 0 or (e.status >= 500 and e.status != 503))
+                except Wrong as e:
+                    self._failed(source, key, MANIFEST, str(e), wrong=True)
                 except CodecError as e:  # malformed or badly signed: that source is not to be believed
-                    self._fail(source, f"manifest rejected: {e}")
-                    rejected[source.url] = str(e)
-                    if len(rejected) == len(self.sources):
-                        raise FetchError(f"{model} v{version} {kind}: no source served a valid manifest "
-                                         f"({'; '.join(sorted(set(rejected.values())))})") from e
-            attempt += 1
+                    tries.exclude(source, f"manifest rejected: {e}")
+                    self._note(source, f"{_name(key)} manifest rejected: {e}")
             if time.monotonic() > deadline:
-                raise FetchError(f"{model} v{version} {kind}: no source served a valid manifest")
-            await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
+                raise FetchError(f"{_name(key)}: no source served a valid manifest within {self.give_up_s:.0f}s "
+                                 f"({tries.describe()})")
+            attempt += 1
+            await asyncio.sleep(tries.pause(order, waiting, attempt, deadline))
 
-    async def piece(self, manifest: Manifest, index: int) -> bytearray:
-        """One verified piece, resuming across sources with Range requests."""
+    # -- pieces ------------------------------------------------------------------------------------
+    async def piece(self, manifest: Manifest, index: int, prefix: bytes = b"",
+                    prefix_source: Source | None = None) -> bytearray:
+        """One verified piece, resuming across sources with Range requests (from `prefix`, the bytes that
+        `prefix_source` already delivered, if any)."""
+        key = (manifest.model_id, manifest.version, manifest.kind)
         data = bytearray(manifest.pieces[index].length)
+        span = Span(data, 0, len(data))
+        if prefix and prefix_source is not None and len(prefix) < len(data):
+            data[:len(prefix)] = prefix
+            span.filled = len(prefix)
+            span.sources.append(prefix_source)
         deadline = time.monotonic() + self.give_up_s
         while True:
-            source = await self._fill(manifest, index, _Span(data, 0, len(data)), deadline)
+            await self._fill(manifest, index, span, deadline)
             try:
                 manifest.check_piece(index, data)
                 return data
             except CorruptError as e:
-                self._fail(source, f"served a bad piece {index}: {e}")
+                for source in span.sources:  # which of them sent the bad bytes is unknown: all are suspects
+                    self._served_bad(source, key, index, f"bad bytes ({e})")
+                span = Span(data, 0, len(data))
                 if time.monotonic() > deadline:
-                    raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
-                                     f"no source served it intact within {self.give_up_s:.0f}s") from e
+                    raise FetchError(f"piece {index} of {_name(key)}: no source served it intact within "
+                                     f"{self.give_up_s:.0f}s ({self._tries_of(key, index).describe()})") from e
 
-    async def _fill(self, manifest: Manifest, index: int, span: _Span, deadline: float) -> Source:
-        """Receive `span` of a piece into its buffer from the first source that has it, continuing
-        from another source (with what arrived) when one fails; returns the source that finished it."""
+    async def _fill(self, manifest: Manifest, index: int, span: Span, deadline: float) -> None:
+        """Receive `span` of a piece into its buffer from the best source that has it, continuing from
+        another source (with what arrived) when one fails."""
+        key = (manifest.model_id, manifest.version, manifest.kind)
+        tries = self._tries_of(key, index)
         pending_since: float | None = None
         attempt = 0
         while True:
-            for source in order_sources(self.sources):
-                outcome = await self._try(source, manifest, index, span)
-                if outcome == "done":
-                    return source
-                if outcome in ("pending", "missing"):
+            order = tries.usable(self._order(key))
+            if not order:
+                raise FetchError(f"piece {index} of {_name(key)}: no source served it intact ({tries.describe()})")
+            waiting = False
+            for source in order:
+                if tries.ready_at(source) > time.monotonic():
+                    continue
+                result = await self._try(source, manifest, index, span, alternates=len(order) > 1)
+                if result.outcome == "done":
+                    return
+                if result.outcome in ("pending", "missing"):
                     # Not there yet (not arrived, or the version not even announced there): wait for
                     # the preferred source, which is about to get it, unless it has kept us waiting
                     # for longer than a stall; then ask the others too.
+                    waiting = True
                     pending_since = pending_since or time.monotonic()
                     if time.monotonic() - pending_since < self.stall_timeout_s:
                         break
-            attempt += 1
+                    continue
+                self._failed(source, key, index, result.reason, wrong=result.outcome == "wrong")
             if time.monotonic() > deadline:
-                raise FetchError(f"piece {index} of {manifest.model_id} v{manifest.version} {manifest.kind}: "
-                                 f"no source delivered bytes {span.start}-{span.end} within {self.give_up_s:.0f}s "
-                                 f"({span.filled - span.start} arrived)")
-            await asyncio.sleep(min(0.02 * 2 ** min(attempt, 6), 0.25))
+                raise FetchError(f"piece {index} of {_name(key)}: no source delivered bytes {span.start}-{span.end} "
+                                 f"within {self.give_up_s:.0f}s ({span.filled - span.start} arrived; "
+                                 f"{tries.describe()})")
+            attempt += 1
+            await asyncio.sleep(tries.pause(order, waiting, attempt, deadline))
 
-    async def _received(self, source: Source, nbytes: int) -> None:
-        """Book bytes that just arrived: the source's bandwidth cap, then the progress hook."""
+    async def _received(self, source: Source, key: Key, nbytes: int) -> None:
+        """Book bytes that just arrived: the source's bandwidth cap, then the progress hooks."""
         if source.limiter is not None:
             await source.limiter.take(nbytes)
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
+        if self.on_received is not None:
+            self.on_received(source, key, nbytes)
 
-    async def _prefetch(self, model: str, version: int, kind: str, index: int, wait_s: float) -> bytes | None:
-        """Piece `index` of a version whose manifest is not here yet, from the preferred source; None
-        when it does not come in one go (the normal path then fetches it, with failover)."""
-        source = order_sources(self.sources)[0]
-        url = f"{version_url(source.url, model, version, kind)}/pieces/{index}"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s,
-                                        sock_read=self.stall_timeout_s + wait_s)
+    def _booked(self, source: Source, nbytes: int, seconds: float) -> None:
+        if self.monitor is not None and source.link is not None and nbytes:
+            self.monitor.record_transfer(source.link, nbytes, seconds)
+
+    async def _prefetch(self, key: Key, index: int, wait_s: float) -> tuple[Source, Whole]:
+        """Piece `index` of a version whose manifest is not here yet, from the preferred source; what
+        came (`Whole`) is checked by `pieces()`, which fetches the rest the usual way."""
+        source = self._order(key)[0]
+        url = f"{version_url(source.url, *key)}/pieces/{index}"
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
-        chunks, size = [], 0
-        params = {"wait": wait_s} if wait_s > 0 else None
-        try:
-            async with self.session.get(url, params=params, headers={PEER_HEADER: self.peer}, timeout=timeout) as resp:
-                t0 = time.perf_counter()  # the link's throughput, not how long the version was waited for
-                if resp.status != 200:
-                    await resp.read()
-                    return None
-                async for chunk in resp.content.iter_chunked(CHUNK):
-                    size += len(chunk)
-                    if size > PREFETCH_LIMIT:
-                        return None
-                    chunks.append(chunk)
-                    await self._received(source, len(chunk))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return None
-        if self.monitor is not None and source.link is not None and size:
-            self.monitor.record_transfer(source.link, size, time.perf_counter() - t0)
-        return b"".join(chunks)
 
-    async def _try(self, source: Source, manifest: Manifest, index: int, span: _Span) -> str:
-        """One request for the rest of a span; returns 'done', 'pending', 'missing' or 'failed'."""
+        async def on_chunk(n: int) -> None:
+            await self._received(source, key, n)
+
+        got = await receive_whole(self.wait_session or self.session, url, {"wait": wait_s} if wait_s > 0 else None,
+                                  {PEER_HEADER: self.peer}, self._rule(source, False, wait_s), PREFETCH_LIMIT, on_chunk)
+        self._booked(source, len(got.data), got.seconds)  # the link's throughput, not the wait for the version
+        if got.outcome == "done":
+            source.served(len(got.data), got.seconds)
+        return source, got
+
+    async def _try(self, source: Source, manifest: Manifest, index: int, span: Span, alternates: bool) -> Result:
+        """One request for the rest of a span (see `deltamesh.gateway.fetch_http.receive_span`)."""
+        key = (manifest.model_id, manifest.version, manifest.kind)
         headers = {PEER_HEADER: self.peer}
         if not (span.whole and span.filled == 0):
             headers["Range"] = f"bytes={span.filled}-{span.end - 1}"
-        url = f"{version_url(source.url, manifest.model_id, manifest.version, manifest.kind)}/pieces/{index}"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout_s, sock_read=self.stall_timeout_s)
+            # Only the bytes of this very piece may continue it: any other answers whole (200).
+            headers["If-Range"] = f'"{manifest.pieces[index].hash}"'
+        url = f"{version_url(source.url, *key)}/pieces/{index}"
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
-        t0 = time.perf_counter()
-        start = span.filled
-        view = memoryview(span.data)
-        try:
-            async with self.session.get(url, headers=headers, timeout=timeout) as resp:
-                if resp.status == 503:
-                    await resp.read()
-                    return "pending"
-                if resp.status == 404:
-                    await resp.read()
-                    return "missing"
-                if resp.status == 200 and "Range" in headers:
-                    if not span.whole:  # a source that ignores ranges cannot serve part of a piece
-                        await resp.read()
-                        self._fail(source, f"piece {index}: answered a range request with the whole piece")
-                        return "failed"
-                    span.filled = start = 0  # take the whole piece again
-                elif resp.status not in (200, 206):
-                    body = await resp.read()
-                    self._fail(source, f"piece {index}: HTTP {resp.status} {body[:200]!r}")
-                    return "failed"
-                async for chunk in resp.content.iter_chunked(CHUNK):
-                    n = len(chunk)
-                    if span.filled + n > span.end:
-                        span.filled = span.start
-                        self._fail(source, f"piece {index}: more bytes than asked for ({span.start}-{span.end})")
-                        return "failed"
-                    view[span.filled:span.filled + n] = chunk
-                    span.filled += n
-                    await self._received(source, n)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            self._fail(source, f"piece {index}: {type(e).__name__}: {e}")
-            return "failed"
-        finally:
-            view.release()
-        received = span.filled - start
-        if self.monitor is not None and source.link is not None and received:
-            self.monitor.record_transfer(source.link, received, time.perf_counter() - t0)
-        if span.filled < span.end:
-            self._fail(source, f"piece {index}: connection ended at {span.filled}/{span.end} bytes")
-            return "failed"
-        return "done"
+
+        async def on_chunk(n: int) -> None:
+            await self._received(source, key, n)
+
+        rule = self._rule(source, alternates)
+        if self._slots is None:
+            result = await receive_span(self.session, url, headers, span, rule, on_chunk)
+        else:
+            async with self._slots:
+                result = await receive_span(self.session, url, headers, span, rule, on_chunk)
+        if result.received and source not in span.sources:
+            span.sources.append(source)
+        self._booked(source, result.received, result.seconds)
+        if result.outcome == "done":
+            source.served(result.received, result.seconds)
+        return result
 
     async def pieces(
         self,
@@ -309,73 +375,47 @@ class Fetcher:
         connections: int,
         on_piece: Callable[[int, bytearray], Awaitable[None]],
     ) -> None:
-        """Fetch `indices` with `connections` parallel requests, handing each verified piece to
-        `on_piece`. Pieces prefetched with the manifest (`manifest_bytes(prefetch=...)`) are taken
-        first, checked like any other; a bad or missing one is fetched again the usual way.
-
-        Each request asks for at most 1/`connections` of the bytes not yet asked for (and at least
-        `MIN_SPAN`): whole pieces while much is left, and at the end the last pieces split into
-        ranges over every connection, so that they all finish together instead of a few connections
-        carrying the last whole pieces while the others sit idle. No byte is requested twice.
-        """
-        early = self._early.pop((manifest.model_id, manifest.version, manifest.kind), {})
+        """Fetch `indices` with `connections` parallel requests (spread as `deltamesh.gateway.fetch_lanes`
+        says), handing each verified piece to `on_piece`. Pieces prefetched with the manifest
+        (`manifest_bytes(prefetch=...)`) are taken first, checked like any other; a bad one is fetched
+        again the usual way, and one that broke off continues from what arrived."""
+        key = (manifest.model_id, manifest.version, manifest.kind)
+        early = self._early.pop(key, {})
         order = list(indices)
         for i in set(early) - set(order):
             early.pop(i).cancel()
-        unasked = sum(manifest.pieces[i].length for i in order)
-        todo = deque((i, 0, manifest.pieces[i].length) for i in sorted(order, key=lambda i: i not in early))
-        lanes = max(1, min(connections, -(-unasked // MIN_SPAN)))
-        split: dict[int, tuple[bytearray, list[int]]] = {}  # piece -> (buffer, [bytes still to arrive])
 
         async def whole(i: int) -> bytearray:
             task = early.pop(i, None)
-            data = await task if task is not None else None
-            if data is not None:
+            if task is None:
+                return await self.piece(manifest, i)
+            source, got = await task
+            if got.outcome == "done":
                 try:
-                    manifest.check_piece(i, data)
-                    return bytearray(data)
+                    manifest.check_piece(i, got.data)
+                    return bytearray(got.data)
                 except CorruptError as e:
-                    log.info("prefetched piece %d rejected: %s", i, e)
+                    self._served_bad(source, key, i, f"bad prefetched bytes ({e})")
+            elif got.outcome == "wrong":
+                self._failed(source, key, i, got.reason, wrong=True)
+                return await self.piece(manifest, i, got.data, source)
             return await self.piece(manifest, i)
 
-        async def part(i: int, start: int, end: int) -> bytearray | None:
-            """Receive one range of a split piece; the piece once its last range is in, else None."""
-            data, left = split.setdefault(i, (bytearray(manifest.pieces[i].length), [manifest.pieces[i].length]))
-            await self._fill(manifest, i, _Span(data, start, end), time.monotonic() + self.give_up_s)
-            left[0] -= end - start
-            if left[0]:
-                return None
-            del split[i]
-            try:
-                manifest.check_piece(i, data)
-                return data
-            except CorruptError as e:  # which range was bad is unknown: fetch it whole again
-                log.info("piece %d assembled from ranges rejected: %s", i, e)
-                return await self.piece(manifest, i)
+        async def fill_range(i: int, span: Span) -> None:
+            await self._fill(manifest, i, span, time.monotonic() + self.give_up_s)
 
-        async def worker() -> None:
-            nonlocal unasked
-            while todo:
-                i, start, end = todo.popleft()
-                share = max(MIN_SPAN, -(-unasked // lanes))
-                if start == 0 and (i in early or end <= share + MIN_SPAN // 2):
-                    unasked -= end
-                    await on_piece(i, await whole(i))
-                    continue
-                if end - start > share + MIN_SPAN // 2:  # leave the rest for the next free connection
-                    todo.appendleft((i, start + share, end))
-                    end = start + share
-                unasked -= end - start
-                data = await part(i, start, end)
-                if data is not None:
-                    await on_piece(i, data)
+        async def assembled_bad(i: int, senders: list[Source], error: CorruptError) -> bytearray:
+            for source in senders:  # which range was bad is unknown: every sender is a suspect
+                self._served_bad(source, key, i, f"bad bytes in a range ({error})")
+            return await self.piece(manifest, i)
 
-        workers = [asyncio.create_task(worker()) for _ in range(lanes)]
         try:
-            await asyncio.gather(*workers)
+            await run_lanes(manifest, sorted(order, key=lambda i: i not in early), connections, set(early),
+                            whole=whole, fill_range=fill_range, assembled_bad=assembled_bad, on_piece=on_piece)
         finally:
-            for w in workers:
-                w.cancel()
             for task in early.values():
                 task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*early.values(), return_exceptions=True)
+            self._avoid.pop(key, None)
+            for k in [k for k in self._tries if k[0] == key]:
+                del self._tries[k]

@@ -1,8 +1,9 @@
 """Prometheus metrics of one gateway, in a registry of its own (several gateways may share a process).
 
-Counters and histograms are updated where things happen (publish, relay, serve); gauges that
-describe state (versions held, head, pools up and stale, link RTT and throughput) are refreshed from
-the store, registry and link monitor each time `/metrics` is scraped.
+Counters and histograms are updated where things happen (publish, relay, serve; the per-link byte
+counters through `deltamesh.gateway.traffic`); gauges that describe state (versions held, head,
+pools up and stale, link RTT and throughput, free disk and whether it is full) are refreshed from the
+store, registry and link monitor each time `/metrics` is scraped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ class GatewayMetrics:
                                 ["kind", "source"], registry=r)
         self.bytes_out = Counter("deltamesh_gateway_bytes_out", "Piece bytes served",
                                  ["kind", "peer_role"], registry=r)
+        self.upstream_bytes = Counter("deltamesh_gateway_upstream_bytes",
+                                      "Piece bytes received from each upstream, as they arrive (see traffic.py)",
+                                      ["model", "kind", "upstream"], registry=r)
+        self.served_bytes = Counter("deltamesh_gateway_served_bytes",
+                                    "Piece bytes served to each known peer (others as peer=\"\")",
+                                    ["model", "kind", "role", "peer"], registry=r)
+        self.relay_fetches = Counter("deltamesh_gateway_relay_fetches",
+                                     "Versions a relay set out to fetch, by why: follow (the newest deltas), "
+                                     "anchor (a full kept for first pulls), demand (asked for by a downstream)",
+                                     ["kind", "why"], registry=r)
         self.piece_seconds = Histogram("deltamesh_gateway_piece_seconds",
                                        "Latency of one piece: served (including any wait) or fetched",
                                        ["op"], buckets=_PIECE_BUCKETS, registry=r)
@@ -35,6 +46,14 @@ class GatewayMetrics:
                                           ["kind", "source"], buckets=_TRANSFER_BUCKETS, registry=r)
         self.corrupt_pieces = Counter("deltamesh_gateway_corrupt_pieces", "Pieces that failed their hash",
                                       ["where"], registry=r)
+        self.disk_full = Gauge("deltamesh_gateway_disk_full",
+                               "1 while the store refuses versions for lack of disk space (507), else 0", registry=r)
+        self.disk_free = Gauge("deltamesh_gateway_disk_free_bytes", "Free bytes of the store's filesystem",
+                               registry=r)
+        self.disk_reserved = Gauge("deltamesh_gateway_disk_reserved_bytes",
+                                   "Bytes promised to the pieces of versions still arriving", registry=r)
+        self.relay_retrying = Gauge("deltamesh_gateway_relay_retrying",
+                                    "Versions whose mirror failed and waits to be tried again", registry=r)
         self.rejected = Counter("deltamesh_gateway_rejected_requests", "Requests refused", ["reason"], registry=r)
         self.pools = Gauge("deltamesh_gateway_pools", "Registered pools by state", ["state"], registry=r)
         self.link_rtt = Gauge("deltamesh_gateway_link_rtt_seconds", "Median RTT of a link",
@@ -56,6 +75,10 @@ class GatewayMetrics:
                 counts[key] = counts.get(key, 0) + 1
             for (kind, complete), n in counts.items():
                 self.versions.labels(model, kind, complete).set(n)
+        disk = store.disk_state()
+        self.disk_full.set(1 if disk["full"] else 0)
+        self.disk_free.set(disk["free_bytes"] or 0)
+        self.disk_reserved.set(disk["reserved_bytes"])
         heads = store.heads()
         up = down = stale = 0
         for p in pools.describe(heads):

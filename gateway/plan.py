@@ -4,8 +4,9 @@ A plan is either a chain of deltas from the pool's version, or a full snapshot f
 deltas after it, whichever carries fewer bytes. A full route is the only choice on a first pull
 (no version held) or when the delta chain is broken (a delta is missing from the store), and it is
 forced for a periodic full sync: when the pool would otherwise have applied `full_every` deltas in a
-row since its last full snapshot. Plans are pure data computed from manifests; the server serves
-them as JSON and the puller executes them.
+row since its last full snapshot. Plans are pure data computed from what can be served (`PlanStep`s:
+a gateway's own manifests, and on a relay also what its upstreams can serve it, see
+`deltamesh.gateway.relay`); the server serves them as JSON and the puller executes them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class PlanStep:
     def from_json(cls, d: dict) -> "PlanStep":
         return cls(int(d["version"]), str(d["kind"]), d["base_version"], int(d["payload_bytes"]), int(d["pieces"]))
 
+    @classmethod
+    def of(cls, m: Manifest) -> "PlanStep":
+        return cls(m.version, m.kind, m.base_version, m.payload_bytes, len(m.pieces))
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.version, self.kind
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -65,21 +74,21 @@ class Plan:
 
 def make_plan(
     model: str,
-    manifests: Iterable[Manifest],
+    available: Iterable[PlanStep],
     from_version: int | None,
     to_version: int,
     *,
     since_full: int | None = None,
     full_every: int = 0,
 ) -> Plan:
-    """The cheapest route from `from_version` (None: nothing held) to `to_version`.
+    """The cheapest route from `from_version` (None: nothing held) to `to_version` over `available` steps.
 
     `since_full` is how many deltas the pool has applied since its last full snapshot; with
     `full_every` > 0, a chain that would reach `full_every` is replaced by a full route.
     """
-    deltas: dict[int, Manifest] = {}
-    fulls: list[Manifest] = []
-    for m in manifests:
+    deltas: dict[int, PlanStep] = {}
+    fulls: list[PlanStep] = []
+    for m in available:
         if m.version > to_version:
             continue
         if m.kind == "delta":
@@ -111,7 +120,7 @@ def make_plan(
     return _plan(model, from_version, to_version, full_route, reason)
 
 
-def _chain(deltas: dict[int, Manifest], start: int, end: int) -> list[Manifest] | None:
+def _chain(deltas: dict[int, PlanStep], start: int, end: int) -> list[PlanStep] | None:
     """Deltas leading from `start` to `end` by following base versions back from `end`."""
     chain = []
     v = end
@@ -125,10 +134,9 @@ def _chain(deltas: dict[int, Manifest], start: int, end: int) -> list[Manifest] 
     return chain
 
 
-def _bytes(route: list[Manifest]) -> int:
+def _bytes(route: list[PlanStep]) -> int:
     return sum(m.payload_bytes for m in route)
 
 
-def _plan(model: str, frm: int | None, to: int, route: list[Manifest], reason: str) -> Plan:
-    steps = tuple(PlanStep(m.version, m.kind, m.base_version, m.payload_bytes, len(m.pieces)) for m in route)
-    return Plan(model, frm, to, steps, reason)
+def _plan(model: str, frm: int | None, to: int, route: list[PlanStep], reason: str) -> Plan:
+    return Plan(model, frm, to, tuple(route), reason)

@@ -5,7 +5,10 @@ also a full snapshot every `full_every` versions; the first version it publishes
 snapshot), signs the manifests with the trainer key and streams them to the origin gateway with
 `deltamesh.gateway.upload`. The delta is uploaded first, so pools that follow the chain can start at
 once. A publisher that starts without a base (a new process) asks the gateway for its head and
-continues the numbering with a full snapshot, which is always a valid plan for every pool.
+continues the numbering with a full snapshot, which is always a valid plan for every pool. It
+speaks to the gateway as the trainer: with its `token` (role trainer) on every request, and over TLS
+as `tls` says (its certificate, common name trainer/NAME, serves as the credential on an mTLS
+gateway). The origin refuses a version below its head or one it accepted before (409).
 
 `PublishState` keeps the last published weights on disk, so the one-shot `deltamesh publish` command
 can encode a delta against them next time.
@@ -26,13 +29,13 @@ import torch
 from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, write_weights
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
+from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.gateway_client import GatewayClient
-from deltamesh.http import HttpError, client_session
+from deltamesh.http import HttpError, bearer, client_session
+from deltamesh.tls import TlsSettings, check_token_transport
 from deltamesh.gateway.upload import upload_version
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PIECE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -46,10 +49,15 @@ class Publisher:
     def __init__(self, gateway: str, key: Ed25519PrivateKey, model_id: str, *, full_every: int = 10,
                  piece_bytes: int = DEFAULT_PIECE_BYTES, connections: int = 4,
                  on_progress: Callable[[int], None] | None = None,
-                 on_encoded: Callable[[Encoded], None] | None = None):
+                 on_encoded: Callable[[Encoded], None] | None = None,
+                 token: str | None = None, tls: TlsSettings | None = None):
         if full_every < 0:
             raise ValueError("full_every must be >= 0 (0: only the first version is full)")
         self.gateway = gateway.rstrip("/")
+        if token:
+            check_token_transport(self.gateway, tls.insecure if tls is not None else False)
+        self.token = token or None
+        self.tls = tls
         self.key = key
         self.model_id = model_id
         self.full_every = full_every
@@ -65,8 +73,12 @@ class Publisher:
         """Encode the next delta against `weights` as version `version` (e.g. after a restart)."""
         self.base, self._base_hash = (version, weights), weights_hash
 
+    def session(self, **kw):
+        """A session to the gateway: TLS as configured, the trainer's token on every request."""
+        return client_session(tls=self.tls, headers=bearer(self.token) if self.token else None, **kw)
+
     async def gateway_head(self) -> int | None:
-        async with client_session(timeout_s=30.0) as s:
+        async with self.session(timeout_s=30.0) as s:
             return await GatewayClient(self.gateway, s, peer=f"trainer/{self.model_id}").head(self.model_id)
 
     async def publish(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> Published:
@@ -93,7 +105,7 @@ class Publisher:
                 encode_full, weights, model_id=self.model_id, version=version, key=self.key,
                 piece_bytes=self.piece_bytes))
         sent = 0
-        async with client_session(connections=max(4, self.connections), timeout_s=None) as s:
+        async with self.session(connections=max(4, self.connections), timeout_s=None) as s:
             for enc in encodings:
                 if self.on_encoded is not None:
                     self.on_encoded(enc)

@@ -1,20 +1,33 @@
 """The pool registry of a gateway: which rollout pools are in its region, what they hold, and who is down.
 
-Pools register with a region token (bearer) and then heartbeat with the version they hold and the
-state of their transfer. The registry is in memory: pools re-register after a gateway restart (the
+Pools register (each with its own token, under its own name: the routes bind that) and then
+heartbeat with the version they hold and the state of their transfer; a pool that leaves
+deregisters. Every field a peer sends is checked against a bound here (names and model ids by
+pattern, numbers by range, strings by length), so a registration cannot grow the gateway's memory or
+its metrics without limit. The registry is in memory: pools re-register after a gateway restart (the
 pool agent does so when a heartbeat answers 404). Staleness is counted in versions behind the
 gateway's head for the pool's model; a pool that has not heartbeaten for the timeout is down.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from deltamesh.delta.manifest import MODEL_ID_RE
+
 POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TRANSFER_STATES = ("idle", "planning", "fetching", "applying", "error")
+MAX_GPUS = 4096
+MAX_LABEL = 64
+"""Longest engine or tier label."""
+MAX_ENDPOINT = 300
+MAX_TRANSFER_JSON = 4096
+"""Largest heartbeat `transfer` object, as JSON: progress figures, not a payload."""
+MAX_VERSION = 2**53
 
 
 class RegistryError(ValueError):
@@ -34,6 +47,8 @@ class PoolRecord:
     version: int | None = None
     state: str = "idle"
     transfer: dict[str, Any] = field(default_factory=dict)
+    probe: bool = False
+    """Whether the gateway may probe `endpoint`: only one an authenticated pool gave it."""
 
 
 def _field(body: dict, name: str, kind: type, default: Any = ...) -> Any:
@@ -49,35 +64,68 @@ def _field(body: dict, name: str, kind: type, default: Any = ...) -> Any:
     return value
 
 
+def _label(body: dict, name: str, default: str, limit: int = MAX_LABEL) -> str:
+    value = _field(body, name, str, default)
+    if len(value) > limit or not value.isprintable():
+        raise RegistryError(f"{name} must be printable and at most {limit} characters")
+    return value
+
+
+def _version(body: dict) -> int | None:
+    version = _field(body, "version", int, None)
+    if version is not None and not 0 <= version < MAX_VERSION:
+        raise RegistryError(f"version must be >= 0 and < 2**53, or null; got {version}")
+    return version
+
+
+def _endpoint(body: dict) -> str:
+    endpoint = _label(body, "endpoint", "", MAX_ENDPOINT)
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise RegistryError("endpoint must be an http(s) URL or empty")
+    return endpoint
+
+
 class PoolRegistry:
     def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.time):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._pools: dict[str, PoolRecord] = {}
 
-    def register(self, body: Any) -> PoolRecord:
+    def register(self, body: Any, *, probe: bool = False) -> PoolRecord:
+        """Add or replace a pool from its registration body; `probe`: its endpoint may be probed."""
         if not isinstance(body, dict):
             raise RegistryError("body must be a JSON object")
         name = _field(body, "name", str)
         if not POOL_NAME_RE.match(name):
-            raise RegistryError(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
+            raise RegistryError(f"pool name {name[:80]!r} must match {POOL_NAME_RE.pattern}")
+        model = _field(body, "model", str, "")
+        if model and not MODEL_ID_RE.match(model):
+            raise RegistryError(f"model {model[:80]!r} must match {MODEL_ID_RE.pattern}")
         gpus = _field(body, "gpus", int, 0)
-        if gpus < 0:
-            raise RegistryError("gpus must be >= 0")
+        if not 0 <= gpus <= MAX_GPUS:
+            raise RegistryError(f"gpus must be in 0..{MAX_GPUS}")
         now = self._clock()
         record = PoolRecord(
             name=name,
-            model=_field(body, "model", str, ""),
+            model=model,
             gpus=gpus,
-            engine=_field(body, "engine", str, "none"),
-            tier=_field(body, "tier", str, ""),
-            endpoint=_field(body, "endpoint", str, ""),
+            engine=_label(body, "engine", "none"),
+            tier=_label(body, "tier", ""),
+            endpoint=_endpoint(body),
             registered_at=now,
             last_seen=now,
-            version=_field(body, "version", int, None),
+            version=_version(body),
+            probe=probe,
         )
         self._pools[name] = record
         return record
+
+    def deregister(self, name: str) -> bool:
+        """Forget a pool; False if it was not registered."""
+        return self._pools.pop(name, None) is not None
+
+    def get(self, name: str) -> PoolRecord | None:
+        return self._pools.get(name)
 
     def heartbeat(self, name: str, body: Any) -> PoolRecord | None:
         """Record a heartbeat; None if the pool is not registered (it should register again)."""
@@ -86,11 +134,13 @@ class PoolRegistry:
             return None
         if not isinstance(body, dict):
             raise RegistryError("body must be a JSON object")
-        version = _field(body, "version", int, None)
+        version = _version(body)
         state = _field(body, "state", str, "idle")
         if state not in TRANSFER_STATES:
-            raise RegistryError(f"state {state!r} must be one of {list(TRANSFER_STATES)}")
+            raise RegistryError(f"state {state[:40]!r} must be one of {list(TRANSFER_STATES)}")
         transfer = _field(body, "transfer", dict, {})
+        if len(json.dumps(transfer)) > MAX_TRANSFER_JSON:
+            raise RegistryError(f"transfer must be at most {MAX_TRANSFER_JSON} bytes of JSON")
         record.version, record.state, record.transfer = version, state, transfer
         record.last_seen = self._clock()
         return record

@@ -1,15 +1,24 @@
-"""The relay: how a gateway with upstreams mirrors their versions, cut-through.
+"""The relay: how a gateway with upstreams mirrors their versions, cut-through, and fetches what it is asked for.
 
 Each upstream is followed with a long poll of `GET /v1/heads`, so a new version upstream starts a
-sync pass at once. A pass lists the newest upstream versions that this gateway's retention would
-keep and, for each one missing or incomplete here, fetches the signed manifest (verified against the
-trusted keys, then stored, which announces the version to this gateway's own pools and downstream
-gateways) and then the missing pieces with several parallel connections. Every piece is verified
-before it is stored, and is served onwards from the moment it is stored, while the rest is still
-arriving. Pieces are fetched from the first healthy upstream and continue from another (with the
-bytes already received) when one dies or stalls. A piece found corrupted on this gateway's disk is
-dropped by the store and fetched again by the next pass. Requests for the version after the
-upstream's head wait there for it (`?wait=`), so a new version flows the moment it is announced.
+sync pass at once. A pass lists what the upstream can serve (what it holds, and what it could fetch
+from its own upstreams: `reachable`) and mirrors the kinds `deltamesh.gateway.relay_kinds` chooses:
+the newest deltas, and a full snapshot only to keep an anchor for first pulls. Anything else this
+gateway is asked for that its upstream can serve (a full a plan named, a manifest or piece a pool or
+downstream gateway requests) is fetched on demand (`demand`) the same way. A fetch takes the signed
+manifest (verified against the trusted keys, then stored, which announces the version to this
+gateway's own pools and downstream gateways) and then the missing pieces with several parallel
+connections. Every piece is verified before it is stored, and is served onwards from the moment it
+is stored, while the rest is still arriving. Pieces are fetched from the first healthy upstream and
+continue from another (with the bytes already received) when one dies or stalls. A piece found
+corrupted on this gateway's disk is dropped by the store and fetched again by the next pass.
+Requests for the version after the upstream's head wait there for it (`?wait=`), so a new version
+flows the moment it is announced. Every model is followed at once: the listings of a pass run
+concurrently (`relay_parallel` at a time), each version is mirrored by a task of its own, and the
+long polls wait on connections apart from the transfers'. A version whose mirror fails (no upstream
+serves a piece intact, a full disk) is tried again after a backoff (`deltamesh.gateway.relay_retry`)
+while the others go on. The bytes each upstream link carries are booked per version in
+`deltamesh.gateway.traffic`.
 """
 
 from __future__ import annotations
@@ -17,18 +26,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
-import uuid
+from dataclasses import dataclass
 
 import aiohttp
 
 from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.fetch import Fetcher, FetchError, NotAnnounced
-from deltamesh.gateway.sources import RateLimiter, Source
-from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
 from deltamesh.gateway.metrics import GatewayMetrics
+from deltamesh.gateway.plan import PlanStep
+from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
+from deltamesh.gateway.relay_retry import RetrySchedule
+from deltamesh.gateway.sources import RateLimiter, Source, order_sources
 from deltamesh.gateway.store import ConflictError, StoredVersion, VersionStore
+from deltamesh.gateway.traffic import Traffic
+from deltamesh.gateway.upstreams import upstream_session
+from deltamesh.http import HttpError, request_json
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +53,37 @@ RESYNC_S = 10.0
 FOLLOW_WAIT_S = 30.0
 ANTICIPATE_WAIT_S = 30.0
 """How long one request for the next version waits upstream before it is asked again."""
+ANTICIPATE_BUDGET = 64
+"""Most requests kept waiting upstream for next versions, over all models: each model's manifest,
+and as many of its first pieces (up to relay_connections) as the rest of the budget allows."""
+
+
+Key = tuple[str, int, str]
+"""(model, version, kind)"""
+
+
+@dataclass(frozen=True)
+class UpstreamListing:
+    """What the upstream can serve of one model, from the last pass's listing."""
+
+    held: tuple[PlanStep, ...]
+    """What the upstream holds."""
+    reachable: tuple[PlanStep, ...]
+    """What it does not hold but can fetch from its own upstreams."""
+
+    @property
+    def all(self) -> tuple[PlanStep, ...]:
+        return self.held + self.reachable
 
 
 class Relay:
-    def __init__(self, config: GatewayConfig, store: VersionStore, monitor: LinkMonitor, metrics: GatewayMetrics):
+    def __init__(self, config: GatewayConfig, store: VersionStore, monitor: LinkMonitor, metrics: GatewayMetrics,
+                 traffic: Traffic):
         self.config = config
         self.store = store
         self.monitor = monitor
         self.metrics = metrics
+        self.traffic = traffic
         limiter_rate = config.bandwidth_cap_mbps * 1e6 / 8
         self.sources = [
             Source(url, monitor.link(url, "upstream", url), RateLimiter(limiter_rate) if limiter_rate else None,
@@ -54,18 +93,29 @@ class Relay:
         self.peer = f"gateway/{config.region}"
         self._wake = asyncio.Event()
         self._known_models: set[str] = set()
-        self._active: dict[tuple[str, int, str], asyncio.Task] = {}
+        self._upstream: dict[str, UpstreamListing] = {}
+        self._active: dict[Key, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
+        self._wait_session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
+        self._retry = RetrySchedule()
+        """Versions whose mirror failed, and when each is tried again (see relay_retry)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._session = client_session(connections=max(16, 4 * self.config.relay_connections), timeout_s=None)
+        connections = max(16, 4 * self.config.relay_connections)
+        self._session = upstream_session(self.config, connections=connections + 8, timeout_s=None)
+        # Long polls (heads, and each model's next version) wait on connections of their own: in one
+        # pool they took every connection once a few models were followed, and a new version's pieces
+        # then queued behind 30-second polls. That pool has no limit; ANTICIPATE_BUDGET bounds them.
+        self._wait_session = upstream_session(self.config, connections=0, timeout_s=None)
         self._fetcher = Fetcher(
             self._session, self.sources, self.peer, self.monitor,
             stall_timeout_s=self.config.stall_timeout_s, give_up_s=max(60.0, 6 * self.config.stall_timeout_s),
-            penalty_s=min(self.config.stall_timeout_s, 5.0),
+            penalty_s=min(self.config.stall_timeout_s, 5.0), min_rate_bps=self.config.min_rate_kib_s * 1024,
+            min_rate_fraction=self.config.min_rate_fraction, source_tries=self.config.source_tries,
+            wait_session=self._wait_session, max_requests=connections, on_received=self._received,
         )
         self.store.on_piece_corrupt.append(self._on_corrupt)
         self._tasks = [asyncio.create_task(self._follow(s)) for s in self.sources]
@@ -77,14 +127,49 @@ class Relay:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._wait_session):
+            if session is not None:
+                await session.close()
 
     def wake(self) -> None:
         self._wake.set()
 
     def _on_corrupt(self, entry: StoredVersion, index: int) -> None:
         self.wake()
+
+    def _received(self, source: Source, key: Key, nbytes: int) -> None:
+        self.traffic.received(source.url, *key, nbytes)
+
+    # -- what the upstream can serve, and fetching it on demand ----------------------------------------
+    def reachable(self, model: str) -> list[PlanStep]:
+        """Versions this relay does not hold but can fetch from its upstream (as of the last pass)."""
+        listing = self._upstream.get(model)
+        if listing is None:
+            return []
+        seen = {(e.version, e.kind) for e in self.store.entries(model)}
+        out = []
+        for step in listing.all:
+            if step.key not in seen:
+                seen.add(step.key)
+                out.append(step)
+        return sorted(out, key=lambda s: s.key)
+
+    def can_fetch(self, model: str, version: int, kind: str) -> bool:
+        listing = self._upstream.get(model)
+        return listing is not None and any(s.key == (version, kind) for s in listing.all)
+
+    def fetch_soon(self, model: str, version: int, kind: str) -> None:
+        """Start fetching a version a downstream is about to ask for (a plan named it), unless it is
+        here or on its way. What arrives is leased, so it stays until that downstream has read it."""
+        if self.store.get(model, version, kind) is None:
+            self._start((model, version, kind), "demand", lease=True)
+
+    async def demand(self, model: str, version: int, kind: str, timeout: float) -> StoredVersion | None:
+        """A version a downstream asks for that is not here: fetch it from upstream (cut-through: its
+        pieces are served as they arrive) and return it once its manifest is in, or None when that
+        took longer than `timeout` (it keeps coming)."""
+        self.fetch_soon(model, version, kind)
+        return await self.store.wait_entry(model, version, kind, timeout)
 
     # -- following upstreams -------------------------------------------------------------------------
     async def _follow(self, source: Source) -> None:
@@ -96,23 +181,28 @@ class Relay:
             if source.delay_s:
                 await asyncio.sleep(source.delay_s)
             try:
-                answer = await request_json(self._session, "GET", f"{source.url}/v1/heads", params=params,
+                answer = await request_json(self._wait_session, "GET", f"{source.url}/v1/heads", params=params,
                                             headers={PEER_HEADER: self.peer},
                                             timeout_s=FOLLOW_WAIT_S + self.config.stall_timeout_s)
-            except HttpError as e:
+                epoch, heads = int(answer["epoch"]), {str(m): int(v) for m, v in answer["heads"].items()}
+            except (HttpError, KeyError, TypeError, ValueError, AttributeError) as e:
                 if source.link is not None:
                     self.monitor.record_error(source.link, f"follow: {e}")
-                source.bad_until = time.monotonic() + min(self.config.stall_timeout_s, 5.0)
-                await asyncio.sleep(backoff)
+                source.bad_until = max(source.bad_until, time.monotonic() + min(self.config.stall_timeout_s, 5.0))
+                await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 5.0)
                 since = -1  # after an outage, take the whole picture again
                 continue
             backoff = 0.2
-            source.bad_until = 0.0
-            since, instance = int(answer["epoch"]), str(answer["instance"])
-            new_models = set(answer["heads"]) - self._known_models
+            if source.strikes == 0:  # reachable again; a penalty for bad or slow data stays (scoring.py)
+                source.bad_until = 0.0
+            # Any change upstream (a new version, a new kind of one, or what it can fetch) is listed
+            # again: the listing is what this relay's plans and anchor choice work from.
+            changed = epoch != since
+            since, instance = epoch, str(answer.get("instance", ""))
+            new_models = set(heads) - self._known_models
             self._known_models |= new_models
-            if new_models or any(self._behind(m, v) for m, v in answer["heads"].items()):
+            if changed or new_models or any(self._behind(m, v) for m, v in heads.items()):
                 self.wake()
 
     def _behind(self, model: str, head: int) -> bool:
@@ -122,8 +212,9 @@ class Relay:
     # -- syncing ---------------------------------------------------------------------------------------
     async def _sync_loop(self) -> None:
         while True:
+            due = self._retry.next_due()  # a failed version's next try also starts a pass
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RESYNC_S)
+                await asyncio.wait_for(self._wake.wait(), RESYNC_S if due is None else min(RESYNC_S, due + 0.01))
             self._wake.clear()
             try:
                 await self._sync_pass()
@@ -134,29 +225,72 @@ class Relay:
                 await asyncio.sleep(0.5)
 
     async def _sync_pass(self) -> None:
-        wanted: list[dict] = []
-        for model in sorted(self._known_models | set(self.store.models())):
-            listing = await self._upstream_versions(model)
+        wanted: list[tuple[Key, str]] = []
+        models = sorted(self._known_models | set(self.store.models()))
+        parallel = asyncio.Semaphore(self.config.relay_parallel)
+
+        async def listed(model: str) -> UpstreamListing | None:
+            async with parallel:  # every model at once (a slow answer for one delays no other), bounded
+                return await self._upstream_versions(model)
+
+        for model, listing in zip(models, await asyncio.gather(*(listed(m) for m in models))):
             if listing is None:
                 continue
-            deltas = [v for v in listing if v["kind"] == "delta"][-self.config.keep_deltas:]
-            fulls = [v for v in listing if v["kind"] == "full"][-self.config.keep_fulls:]
-            for v in sorted(deltas + fulls, key=lambda v: (v["version"], v["kind"])):
-                entry = self.store.get(model, v["version"], v["kind"])
-                if entry is None or not entry.complete:
-                    wanted.append({"model": model, **v})
-            if listing:
-                self._anticipate(model, max(v["version"] for v in listing) + 1, "delta" if deltas else "full")
-        for model in self.store.models():  # local leftovers: after a restart, or a dropped corrupt piece
+            before = self._upstream.get(model)
+            self._upstream[model] = listing
+            if before is None or {x.key for x in before.all} != {x.key for x in listing.all}:
+                self.store.touch()  # downstream relays list this gateway's `reachable` again
+            local = [PlanStep.of(e.manifest) for e in self.store.entries(model)]
+            following = deltas_to_follow(listing.held, self.config.keep_deltas)
+            wanted += [((model, s.version, s.kind), "follow") for s in following]
+            anchor = anchor_to_fetch(model, local, following, listing.all, self.config.keep_deltas)
+            if anchor is not None:
+                wanted.append(((model, anchor.version, anchor.kind), "anchor"))
+            if listing.held:
+                self._anticipate(model, max(s.version for s in listing.held) + 1, "delta" if following else "full")
+        for model in self.store.models():  # local leftovers: after a restart, a dropped corrupt piece, a demand
             for e in self.store.entries(model):
                 if not e.complete:
-                    wanted.append({"model": model, "version": e.version, "kind": e.kind})
-        for w in wanted:
-            key = (w["model"], int(w["version"]), str(w["kind"]))
-            if key not in self._active:
-                task = asyncio.create_task(self._mirror(*key))
-                self._active[key] = task
-                task.add_done_callback(lambda _t, key=key: self._active.pop(key, None))
+                    wanted.append(((model, e.version, e.kind), "resume"))
+        for key, why in wanted:
+            entry = self.store.get(*key)
+            if entry is None or not entry.complete:
+                self._start(key, why if entry is None else "resume")
+        keys = {key for key, _ in wanted}
+        self._retry.forget_unless(lambda k: k in keys or k in self._active or self.can_fetch(*k))
+        self.metrics.relay_retrying.set(len(self._retry))
+
+    def _start(self, key: Key, why: str, lease: bool = False) -> None:
+        if key in self._active or not self._retry.ready(key):
+            return  # on its way, or failed a moment ago: its retry comes after a backoff
+        if why != "resume":
+            self.metrics.relay_fetches.labels(key[2], why).inc()
+        task = asyncio.create_task(self._mirror(*key, lease=lease))
+        self._active[key] = task
+        task.add_done_callback(lambda t: self._finished(key, t))
+
+    def _finished(self, key: Key, task: asyncio.Task) -> None:
+        """A mirror (or a wait for the next version) ended: forget it, and leave no exception unretrieved:
+        `_mirror` handles the expected ones, anything else is logged and the version tried again later."""
+        if self._active.get(key) is task:
+            del self._active[key]
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        log.error("relay: %s v%d %s failed unexpectedly", *key, exc_info=e)
+        self._mirror_failed(key, f"{type(e).__name__}: {e}")
+
+    def _mirror_failed(self, key: Key, reason: str) -> bool:
+        delay = self._retry.failed(key, reason)
+        log.warning("relay: %s v%d %s: %s; trying again in %.1fs", *key, reason, delay)
+        self.metrics.relay_retrying.set(len(self._retry))
+        self.wake()  # the sync loop then sleeps until this retry is due
+        return False
+
+    def status(self) -> dict:
+        """What the relay is doing, for the health answer: versions on their way, and failed ones waiting
+        for their next try (with why they failed)."""
+        return {"active": len(self._active), "retrying": self._retry.describe()}
 
     def _anticipate(self, model: str, version: int, kind: str) -> None:
         """Keep requests for the version after the upstream's head waiting there, so that it starts
@@ -165,14 +299,17 @@ class Relay:
         kind the model's versions mostly come in is waited for (deltas, once there are any); any
         other kind is mirrored the usual way."""
         key = (model, version, kind)
-        if key in self._active or self.store.get(*key) is not None:
+        if key in self._active or self.store.get(*key) is not None or not self._retry.ready(key):
             return
+        models = len(self._known_models | set(self.store.models()))
+        prefetch = max(0, min(self.config.relay_connections, ANTICIPATE_BUDGET // max(1, models) - 1))
 
         async def wait_for_it() -> None:
             while True:
                 asked = time.monotonic()
                 try:
-                    await self._mirror(model, version, kind, wait_s=ANTICIPATE_WAIT_S)
+                    await self._mirror(model, version, kind, wait_s=ANTICIPATE_WAIT_S, prefetch=prefetch)
+                    self.metrics.relay_fetches.labels(kind, "follow").inc()
                     return
                 except NotAnnounced:
                     if time.monotonic() - asked < ANTICIPATE_WAIT_S / 2:
@@ -180,39 +317,50 @@ class Relay:
 
         task = asyncio.create_task(wait_for_it())
         self._active[key] = task
-        task.add_done_callback(lambda _t: self._active.pop(key, None))
+        task.add_done_callback(lambda t: self._finished(key, t))
 
-    async def _upstream_versions(self, model: str) -> list[dict] | None:
-        for source in self.sources:
-            if not source.healthy(time.monotonic()):
-                continue
+    async def _upstream_versions(self, model: str) -> UpstreamListing | None:
+        # Penalised upstreams are asked too (last): one that served bad bytes of one version must not
+        # keep this relay from learning of the next.
+        for source in order_sources(self.sources):
             if source.delay_s:
                 await asyncio.sleep(source.delay_s)
             try:
                 answer = await request_json(self._session, "GET", f"{source.url}/v1/models/{model}/versions",
                                             headers={PEER_HEADER: self.peer}, timeout_s=self.config.stall_timeout_s)
-                return answer["versions"]
+                # An upstream of an earlier release lists no `reachable`: it can serve what it holds.
+                return UpstreamListing(tuple(PlanStep.from_json(v) for v in answer["versions"]),
+                                       tuple(PlanStep.from_json(v) for v in answer.get("reachable", [])))
             except HttpError as e:
                 if e.status == 404:
                     continue
-                source.bad_until = time.monotonic() + min(self.config.stall_timeout_s, 5.0)
+                source.bad_until = max(source.bad_until, time.monotonic() + min(self.config.stall_timeout_s, 5.0))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                log.warning("relay: %s lists %s in a malformed answer: %s", source.url, model, e)
         return None
 
-    async def _mirror(self, model: str, version: int, kind: str, wait_s: float = 0.0) -> None:
-        """Bring one version here: manifest first (which announces it), then the missing pieces.
+    async def _mirror(self, model: str, version: int, kind: str, wait_s: float = 0.0, lease: bool = False,
+                      prefetch: int | None = None) -> bool:
+        """Bring one version here: manifest first (which announces it), then the missing pieces; True
+        once it is complete, False when it failed (it is tried again after a backoff: relay_retry).
         With `wait_s` the version may not be announced upstream yet (NotAnnounced if it was not)."""
+        key = (model, version, kind)
         fetcher = self._fetcher
         t0 = time.monotonic()
         try:
             entry = self.store.get(model, version, kind)
             if entry is None:
-                entry = await fetcher.manifest_bytes(model, version, kind, self._accept_manifest,
-                                                     prefetch=self.config.relay_connections, wait_s=wait_s)
+                entry = await fetcher.manifest_bytes(
+                    model, version, kind, self._accept_manifest, wait_s=wait_s,
+                    prefetch=self.config.relay_connections if prefetch is None else prefetch)
                 t0 = time.monotonic()
+            if lease:
+                self.store.lease([entry], self.config.lease_s)
             with self.store.using(entry):
                 missing = entry.missing
                 if not missing:
-                    return
+                    self._retry.succeeded(key)
+                    return True
 
                 async def store_piece(index: int, data: bytes) -> None:
                     await self.store.put_piece(entry, index, data)
@@ -221,30 +369,19 @@ class Relay:
                 await fetcher.pieces(entry.manifest, missing, self.config.relay_connections, store_piece)
                 log.info("relay: %s v%d %s complete (%d pieces in %.2fs)",
                          model, version, kind, len(missing), time.monotonic() - t0)
+            self._retry.succeeded(key)
+            return True
         except NotAnnounced:
             raise
-        except FetchError as e:
-            log.warning("relay: %s v%d %s: %s; will retry", model, version, kind, e)
-        except ConflictError as e:
-            log.error("relay: %s", e)
+        except (FetchError, ConflictError) as e:
+            return self._mirror_failed(key, str(e))
+        except DiskFullError as e:  # nothing of it was kept: tried again once there may be room
+            return self._mirror_failed(key, f"disk full: {e}")
+        except OSError as e:
+            return self._mirror_failed(key, f"{type(e).__name__}: {e}")
 
     async def _accept_manifest(self, raw: bytes) -> StoredVersion:
         entry, _ = await self.store.put_manifest(raw)
+        self.traffic.version(entry.model, entry.version)  # listed even if its pieces carry no byte
         return entry
 
-
-async def announce_forever(config: GatewayConfig, interval_s: float) -> None:
-    """Tell each upstream this gateway exists (for their link monitors), and keep telling it."""
-    if not config.advertise:
-        return
-    body = {"region": config.region, "url": config.advertise, "instance": uuid.uuid4().hex}
-    async with client_session(timeout_s=10.0) as session:
-        while True:
-            missed = False
-            for url in config.upstreams:
-                try:
-                    await request_json(session, "POST", f"{url}/v1/gateways", body=body)
-                except HttpError:
-                    missed = True
-            # An upstream that was not reachable (still starting, restarting) is asked again soon.
-            await asyncio.sleep(1.0 if missed else interval_s)

@@ -3,7 +3,9 @@
 Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
 with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
 is announced but not yet here waits (bounded) for it, so consumers downstream see pieces the moment
-they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too.
+they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. On
+a relay, plans also use what the upstream can serve, and a manifest or piece of a version that is
+not here but upstream is fetched on demand (`Relay.demand`) and served as it arrives.
 Every path part is validated before it touches the store: model ids must match the manifest's model
 id pattern, versions and piece indices are plain decimal integers, kinds are `delta` or `full`. See
 docs/api/gateway.md.
@@ -11,7 +13,6 @@ docs/api/gateway.md.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -21,17 +22,20 @@ from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import MODEL_ID_RE, load_manifest
 from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
 from deltamesh.gateway.links import PEER_HEADER
-from deltamesh.gateway.plan import NoPlanError, make_plan
+from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.service import Gateway
+from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.store import KINDS, ConflictError, StoredVersion
+from deltamesh.gateway.validators import not_modified, not_modified_response, piece_etag, range_applies
+from deltamesh.peer_json import parse_json
 
 _INT_RE = re.compile(r"^[0-9]{1,12}$")
 _HEX_SIG = re.compile(r"^[0-9a-f]{128}$")
 
 
 class _Reject(Exception):
-    def __init__(self, status: int, reason: str):
-        self.status, self.reason = status, reason
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None):
+        self.status, self.reason, self.headers = status, reason, headers or {}
 
 
 def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
@@ -127,6 +131,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
                 if r.status != 503:
                     gw.metrics.rejected.labels(str(r.status)).inc()
                 resp = error_response(r.status, r.reason)
+                resp.headers.update(r.headers)
                 if r.status == 503:
                     resp.headers["Retry-After"] = "1"
                 return resp
@@ -157,12 +162,23 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         h = await gw.store.wait_head(model, after, wait)
         return web.json_response({"model": model, "head": h, "region": cfg.region})
 
+    def reachable(model: str) -> list[PlanStep]:
+        """What this gateway does not hold but can fetch from its upstreams on demand."""
+        return gw.relay.reachable(model) if gw.relay is not None else []
+
     @routes.get(base + "/versions")
     @guarded
     async def versions(request: web.Request) -> web.Response:
         model, entries = _entries(gw, request)
         return web.json_response({"model": model, "head": gw.store.head(model),
-                                  "versions": [e.describe() for e in entries]})
+                                  "versions": [e.describe() for e in entries],
+                                  "reachable": [s.to_json() for s in reachable(model)]})
+
+    @routes.get(base + "/traffic")
+    @guarded
+    async def traffic(request: web.Request) -> web.Response:
+        model = _model(request)
+        return web.json_response({"model": model, "region": cfg.region, "versions": gw.traffic.describe(model)})
 
     @routes.get(base + "/plan")
     @guarded
@@ -173,28 +189,48 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         to = _int_param(request, "to", head_v)
         since_full = _int_param(request, "since_full")
         full_every = _int_param(request, "full_every", 0)
+        available = [PlanStep.of(e.manifest) for e in entries] + reachable(model)
         try:
-            p = make_plan(model, [e.manifest for e in entries], frm, to, since_full=since_full, full_every=full_every)
+            p = make_plan(model, available, frm, to, since_full=since_full, full_every=full_every)
         except NoPlanError as e:
             raise _Reject(409, str(e)) from None
-        gw.store.lease([gw.store.get(model, s.version, s.kind) for s in p.steps], cfg.lease_s)
+        for s in p.steps:
+            entry = gw.store.get(model, s.version, s.kind)
+            if entry is not None:
+                gw.store.lease([entry], cfg.lease_s)
+            elif gw.relay is not None:  # named from upstream: have it on its way before it is asked for
+                gw.relay.fetch_soon(model, s.version, s.kind)
         return web.json_response(p.to_json())
 
-    async def announced(request: web.Request) -> StoredVersion:
-        """The version a GET names; with `wait=S`, one not announced yet is waited for (a follower
-        that holds the head asks for the next version before it exists, and gets it the moment it is)."""
+    async def announced(request: web.Request) -> tuple[StoredVersion, float]:
+        """The version a GET names, and when the wait for its pieces starts.
+
+        With `wait=S`, one not announced yet is waited for (a follower that holds the head asks for
+        the next version before it exists, and gets it the moment it is); its pieces' wait starts
+        then. On a relay, one that is not here but upstream is fetched on demand; the request's one
+        wait of `piece_wait_s` (which clients' stall timeouts allow for) covers its manifest and piece.
+        """
+        asked = time.monotonic()
         wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
         named = _version_kind(request)
         if wait > 0 and gw.store.get(*named) is None:
             await gw.store.wait_version(*named, wait)
-        return _entry(gw, request)
+        if gw.store.get(*named) is None and gw.relay is not None and gw.relay.can_fetch(*named):
+            if await gw.relay.demand(*named, cfg.piece_wait_s) is None:
+                model, version, kind = named
+                raise _Reject(503, f"{model} v{version} {kind} is on its way from upstream; ask again")
+            return _entry(gw, request), asked
+        return _entry(gw, request), time.monotonic()
 
     @routes.get(one + "/manifest")
     @guarded
     async def get_manifest(request: web.Request) -> web.Response:
-        entry = await announced(request)
+        entry, _ = await announced(request)
         gw.store.lease([entry], cfg.lease_s)
-        return web.Response(body=entry.manifest_bytes, content_type="application/json")
+        if not_modified(request, entry.manifest_etag):
+            return not_modified_response(entry.manifest_etag)
+        return web.Response(body=entry.manifest_bytes, content_type="application/json",
+                            headers={"ETag": entry.manifest_etag})
 
     @routes.put(one + "/manifest")
     @guarded
@@ -217,9 +253,11 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         if any(p.length > cfg.max_piece_bytes for p in m.pieces):
             raise _Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
         try:
-            entry, new = await gw.store.put_manifest(raw)
+            entry, new = await gw.store.put_manifest(raw, published=True)
         except ConflictError as e:
             raise _Reject(409, str(e)) from None
+        except DiskFullError as e:
+            raise _Reject(507, str(e)) from None
         return web.json_response({"stored": new, "missing": entry.missing}, status=201 if new else 200)
 
     @routes.put(one + "/pieces/{index}")
@@ -239,6 +277,8 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             except CorruptError as e:
                 gw.metrics.corrupt_pieces.labels("upload").inc()
                 raise _Reject(400, str(e)) from None
+            except DiskFullError as e:
+                raise _Reject(507, str(e)) from None
         if stored:
             gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
         return web.json_response({"stored": stored, "complete": entry.complete}, status=201 if stored else 200)
@@ -246,19 +286,22 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get(one + "/pieces/{index}")
     @guarded
     async def get_piece(request: web.Request) -> web.StreamResponse:
-        entry = await announced(request)
-        t0 = time.monotonic()
+        entry, t0 = await announced(request)
         index = _index(request, entry)
         gw.store.lease([entry], cfg.lease_s)
+        etag = piece_etag(entry.manifest.pieces[index].hash)
+        if not_modified(request, etag):  # the signed manifest fixes the bytes: no need to read them
+            return not_modified_response(etag)
         with gw.store.using(entry):
             data = await _wait_and_read(gw, entry, index, t0 + cfg.piece_wait_s)
         try:
-            span = parse_range(request.headers.get("Range"), len(data))
+            asked = request.headers.get("Range") if range_applies(request, etag) else None
+            span = parse_range(asked, len(data))
         except ValueError as e:
-            raise _Reject(416, str(e)) from None
+            raise _Reject(416, str(e), {"Content-Range": f"bytes */{len(data)}"}) from None
         start, end = span if span is not None else (0, len(data))
         headers = {"Accept-Ranges": "bytes", "X-Deltamesh-Piece-Hash": entry.manifest.pieces[index].hash,
-                   "Content-Type": "application/octet-stream"}
+                   "ETag": etag, "Content-Type": "application/octet-stream"}
         if span is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
         resp = web.StreamResponse(status=206 if span is not None else 200, headers=headers)
@@ -274,6 +317,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         link = gw.links.find(name, role) if name else None
         if link is not None:  # only peers that registered or announced themselves get a link
             gw.links.record_transfer(link, end - start, done - t_send)
+        gw.traffic.served(role, name if link is not None else "", entry.model, entry.version, entry.kind, end - start)
         return resp
 
     app.add_routes(routes)
@@ -282,7 +326,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
 def _check_envelope(raw: bytes) -> None:
     """401 for a manifest that is not a signed envelope at all; the signature itself is checked later."""
     try:
-        env = json.loads(raw)
+        env = parse_json(raw)
     except ValueError as e:
         raise _Reject(400, f"malformed JSON: {e}") from None
     if not isinstance(env, dict) or not isinstance(env.get("body"), str):

@@ -1,17 +1,24 @@
 """The regional gateway's HTTP server: builds the aiohttp application and runs it on uvloop.
 
 `create_app(config)` wires a `Gateway` (store, registry, links, metrics, relay) to the version and
-control routes and hooks its background tasks to the application's lifecycle; `run_gateway(config)`
-serves it until SIGINT/SIGTERM. Tests and benchmarks may run `create_app` in-process or start
-`deltamesh gateway` as a real process.
+control routes behind the route policy (`deltamesh.gateway.auth_policy`: every caller identified
+before a handler runs) and hooks its background tasks to the application's lifecycle;
+`run_gateway(config)` serves it, over HTTPS when `config.tls` has a certificate, until
+SIGINT/SIGTERM. Tests and benchmarks may run `create_app` in-process (`ssl_context(config)` for their
+socket) or start `deltamesh gateway` as a real process.
 """
 
 from __future__ import annotations
 
+import ssl
+
 from aiohttp import web
 
+from deltamesh.auth import auth_middleware
+from deltamesh.gateway.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import json_errors, parse_listen, serve
+from deltamesh.tls import server_context
 from deltamesh.gateway.routes_control import add_control_routes
 from deltamesh.gateway.routes_versions import add_version_routes
 from deltamesh.gateway.service import Gateway
@@ -20,9 +27,13 @@ GATEWAY_KEY = web.AppKey("gateway", Gateway)
 
 
 def create_app(config: GatewayConfig) -> web.Application:
+    """The gateway as an aiohttp application. Raises ValueError (TokenError, TlsError) when it could not
+    serve safely: no credentials to check and not `anonymous`, or a tokens file that does not load."""
     gw = Gateway(config)
+    policy = gateway_policy(config, denied=lambda status: gw.metrics.rejected.labels(str(status)).inc())
     # Piece bodies are read as streams with their own limits; this only bounds aiohttp's own reads.
-    app = web.Application(middlewares=[json_errors], client_max_size=config.max_piece_bytes + 1024)
+    app = web.Application(middlewares=[json_errors, auth_middleware(policy)],
+                          client_max_size=config.max_piece_bytes + 1024)
     app[GATEWAY_KEY] = gw
     add_version_routes(app, gw)
     add_control_routes(app, gw)
@@ -42,6 +53,13 @@ def create_app(config: GatewayConfig) -> web.Application:
     return app
 
 
+def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    """What the gateway's socket listens with: TLS (mTLS with a client CA) or, without a cert, plain HTTP."""
+    return server_context(config.tls)
+
+
 def run_gateway(config: GatewayConfig) -> None:
+    """Serve until SIGINT/SIGTERM; raises ValueError (as `create_app`) before listening when it cannot."""
     host, port = parse_listen(config.listen)
-    serve(create_app(config), host, port)
+    app = create_app(config)
+    serve(app, host, port, ssl_context=ssl_context(config))

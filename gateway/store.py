@@ -3,20 +3,23 @@
 Layout: `ROOT/models/<model>/<version>/<kind>/manifest.json` (the signed envelope exactly as received)
 and `.../pieces/<index>` (raw piece bytes). Files are written to a temporary name, fsynced and renamed,
 so a crash leaves either the whole file or none; a restart re-indexes what is on disk and nothing has
-to be uploaded again. A version is announced (the head moves, waiters wake) as soon as its manifest
-is in, and each piece becomes readable the moment it has been written and verified, which is what
-lets relays forward a version while the rest of it is still arriving. Pieces are hashed again on
-every read, so a piece corrupted on disk is detected, dropped and reported instead of served.
-Retention keeps the newest deltas and full snapshots; garbage collection skips anything that is
-being read, written, or promised to a transfer by a lease.
+to be uploaded again. A manifest is accepted only when the disk has room for it and all its pieces
+(`deltamesh.gateway.disk`: otherwise DiskFullError, a 507, with nothing written or announced), so an
+announced version can always be completed. A version is announced (the head moves, waiters wake) as
+soon as its manifest is durable and its pieces' space reserved, and each piece becomes readable the
+moment it has been written and verified, which is what lets relays forward a version while the rest
+of it is still arriving. Pieces are hashed again on every read, so a piece corrupted on disk is
+detected, dropped and reported instead of served.
+Retention keeps the newest deltas and full snapshots (and always the newest complete full); garbage
+collection skips anything that is being read, written, or promised to a transfer by a lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,16 +27,19 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from deltamesh.delta.errors import CorruptError, SignatureError
+from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
+from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
+from deltamesh.gateway.ledger import ConflictError, VersionLedger
+
+__all__ = ["KINDS", "ConflictError", "StoredVersion", "VersionStore"]
 
 log = logging.getLogger(__name__)
 
 KINDS = ("delta", "full")
 
 
-class ConflictError(Exception):
-    """A manifest for a (model, version, kind) the store already holds with different contents."""
 
 
 @dataclass(eq=False)
@@ -72,6 +78,11 @@ class StoredVersion:
     def piece_path(self, index: int) -> Path:
         return self.path / "pieces" / str(index)
 
+    @functools.cached_property
+    def manifest_etag(self) -> str:
+        """The manifest's HTTP validator: its envelope's digest, quoted."""
+        return f'"{digest(self.manifest_bytes)}"'
+
     def describe(self) -> dict:
         m = self.manifest
         return {
@@ -84,9 +95,14 @@ class StoredVersion:
 class VersionStore:
     """All versions a gateway holds, with async waits for new heads and for pieces to arrive."""
 
-    def __init__(self, root: str | Path, trusted_keys: Iterable[Ed25519PublicKey]):
+    def __init__(self, root: str | Path, trusted_keys: Iterable[Ed25519PublicKey], *,
+                 disk_margin_bytes: int = 64 * 2**20):
         self.root = Path(root)
         self.trusted_keys = list(trusted_keys)
+        self.disk = DiskSpace(self.root, disk_margin_bytes)
+        """Free space, reservations and the disk-full state: see `deltamesh.gateway.disk`."""
+        self.ledger = VersionLedger(self.root / "ledger.jsonl")
+        """(model, version) -> weights hash of everything ever accepted: see `deltamesh.gateway.ledger`."""
         self._models: dict[str, dict[tuple[int, str], StoredVersion]] = {}
         self._epoch = 0
         self._changed = asyncio.Event()
@@ -100,6 +116,8 @@ class VersionStore:
         """Index what is on disk (after a restart); returns how many versions were found."""
         models_dir = self.root / "models"
         models_dir.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(models_dir)
+        self.ledger.load()
         found = 0
         for model_dir in sorted(models_dir.iterdir()):
             if not MODEL_ID_RE.match(model_dir.name):
@@ -111,6 +129,7 @@ class VersionStore:
                     entry = self._load_entry(model_dir.name, int(version_dir.name), kind, version_dir / kind)
                     if entry is not None:
                         self._models.setdefault(entry.model, {})[(entry.version, entry.kind)] = entry
+                        self.ledger.record(entry.manifest)  # a crash may have come between the two writes
                         found += 1
         log.info("store %s: %d versions of %d models", self.root, found, len(self._models))
         return found
@@ -146,7 +165,8 @@ class VersionStore:
     # -- queries ---------------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        """A counter that grows whenever a new manifest is stored (so followers can long-poll)."""
+        """A counter that grows whenever what this gateway serves changes: a new manifest stored, versions
+        collected, or `touch` (so followers can long-poll)."""
         return self._epoch
 
     def models(self) -> list[str]:
@@ -206,6 +226,12 @@ class VersionStore:
         await self._wait_until(settled, timeout)
         return self.get(model, version, kind)
 
+    async def wait_entry(self, model: str, version: int, kind: str, timeout: float) -> StoredVersion | None:
+        """Wait (up to `timeout`) until `version`'s `kind` is stored here, whatever the head (a relay
+        fetching an older version on demand); None if it was not."""
+        await self._wait_until(lambda: self.get(model, version, kind) is not None, timeout)
+        return self.get(model, version, kind)
+
     async def wait_piece(self, entry: StoredVersion, index: int, timeout: float) -> bool:
         if index in entry.present or self._closing:
             return index in entry.present
@@ -223,25 +249,35 @@ class VersionStore:
                 for event in entry._arrivals.values():
                     event.set()
 
+    def touch(self) -> None:
+        """Move the epoch without a new manifest: what this gateway can serve changed otherwise (a
+        relay learned of versions its upstream can serve it), and followers should list it again."""
+        self._bump()
+
     def _bump(self) -> None:
         self._epoch += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
     # -- writing ---------------------------------------------------------------------------------
-    async def put_manifest(self, raw: bytes) -> tuple[StoredVersion, bool]:
+    async def put_manifest(self, raw: bytes, *, published: bool = False) -> tuple[StoredVersion, bool]:
         """Verify and store a signed manifest; returns (entry, whether it is new).
 
         Raises SignatureError (untrusted or bad signature), CorruptError (malformed) or
-        ConflictError (a different manifest for the same version and kind is already stored).
+        ConflictError (a different manifest for the same version and kind is already stored, or
+        another weights hash for the version was accepted before; `published`, from a publisher:
+        also a version below the newest accepted, or a collected one sent again). Nothing is written
+        or announced for a refused manifest, and the epoch stays.
         """
         manifest = load_manifest(raw, self.trusted_keys)
         async with self._manifest_lock:  # check, write and index as one step (manifests are rare)
             existing = self._same_as_stored(manifest)
             if existing is not None:
                 return existing, False
+            self.ledger.admit(manifest, published=published)
             path = self.root / "models" / manifest.model_id / str(manifest.version) / manifest.kind
-            await asyncio.to_thread(_write_manifest, path, raw)
+            await asyncio.to_thread(self._write_manifest, path, manifest, raw, self.reserved_bytes())
+            await asyncio.to_thread(self.ledger.record, manifest)
             entry = StoredVersion(manifest, raw, path)
             self._models.setdefault(manifest.model_id, {})[(manifest.version, manifest.kind)] = entry
         self._bump()
@@ -263,7 +299,7 @@ class VersionStore:
         if index in entry.present:
             return False
         try:
-            await asyncio.to_thread(_write_atomic, entry.piece_path(index), data)
+            await asyncio.to_thread(self._write_piece, entry, index, data)
         except FileNotFoundError:
             return False  # collected meanwhile (only possible for an entry nobody marked as in use)
         if self.get(entry.model, entry.version, entry.kind) is not entry:
@@ -279,6 +315,49 @@ class VersionStore:
     def _completed(self, entry: StoredVersion) -> None:
         for callback in self.on_version_complete:
             callback(entry)
+
+    # -- disk space (see deltamesh.gateway.disk) ---------------------------------------------------
+    def reserved_bytes(self) -> int:
+        """Disk space promised to the pieces of versions still arriving (in whole blocks)."""
+        block = self.disk.block_bytes()
+        return sum(self.disk.on_disk((e.manifest.pieces[i].length for i in e.missing), block)
+                   for entries in self._models.values() for e in entries.values() if not e.complete)
+
+    def disk_state(self) -> dict:
+        """Free and reserved bytes and whether the disk is full, for status answers and metrics."""
+        try:
+            reserved = self.reserved_bytes()
+        except OSError:
+            reserved = 0
+        return self.disk.describe(reserved)
+
+    def _write_manifest(self, path: Path, manifest: Manifest, raw: bytes, reserved: int) -> None:
+        """(In a worker thread.) Reserve room for the manifest and every piece, then write the manifest;
+        DiskFullError, leaving nothing behind, when they do not fit."""
+        what = f"{manifest.model_id} v{manifest.version} {manifest.kind}"
+        need = self.disk.on_disk([len(raw), *(p.length for p in manifest.pieces)], self.disk.block_bytes())
+        self.disk.reserve(need, reserved, what)
+        try:
+            write_manifest(path, raw)
+        except OSError as e:
+            if is_no_space(e):
+                self.disk.refused(f"writing the manifest of {what}: {e}", need)
+            raise
+
+    def _write_piece(self, entry: StoredVersion, index: int, data: bytes) -> None:
+        """(In a worker thread.) Write a piece whose room its manifest reserved, unless the disk has
+        filled up since (another writer): then DiskFullError, leaving no temporary file."""
+        what = f"piece {index} of {entry.model} v{entry.version} {entry.kind}"
+        need = self.disk.on_disk([len(data)], self.disk.block_bytes())
+        free = self.disk.free_bytes()
+        if free < need:
+            self.disk.refused(f"no room for {what}: {need} bytes needed, {free} free", need)
+        try:
+            write_atomic(entry.piece_path(index), data)
+        except OSError as e:
+            if is_no_space(e):
+                self.disk.refused(f"writing {what}: {e}", need)
+            raise
 
     async def read_piece(self, entry: StoredVersion, index: int) -> bytes:
         """Read a present piece and check it against the manifest.
@@ -315,15 +394,20 @@ class VersionStore:
             entry.readers -= 1
 
     def collect(self, keep_deltas: int, keep_fulls: int) -> list[StoredVersion]:
-        """Delete versions beyond retention that nobody is using; returns what was deleted."""
+        """Delete versions beyond retention that nobody is using; returns what was deleted.
+
+        The newest complete full snapshot of a model is kept even beyond `keep_fulls` (newer ones may
+        still be arriving): without it a relay could serve no first pull from its own store."""
         now = time.monotonic()
         removed = []
         for model, entries in self._models.items():
             head = self.head(model)
+            anchor = max((e for e in entries.values() if e.kind == "full" and e.complete),
+                         key=lambda e: e.version, default=None)
             for kind, keep in (("delta", keep_deltas), ("full", keep_fulls)):
                 of_kind = sorted((e for e in entries.values() if e.kind == kind), key=lambda e: -e.version)
                 for e in of_kind[keep:]:
-                    if e.readers or e.lease_until > now or e.version == head:
+                    if e.readers or e.lease_until > now or e.version == head or e is anchor:
                         continue
                     del entries[(e.version, e.kind)]
                     shutil.rmtree(e.path, ignore_errors=True)
@@ -332,6 +416,8 @@ class VersionStore:
                     removed.append(e)
         for e in removed:
             log.info("store: collected %s v%d %s", e.model, e.version, e.kind)
+        if removed:
+            self._bump()  # followers list again: relays plan with what this gateway can still serve
         return removed
 
 
@@ -339,23 +425,3 @@ def _read_checked(path: Path, manifest: Manifest, index: int) -> bytes:
     data = path.read_bytes()
     manifest.check_piece(index, data)  # hashing off the event loop too: it is most of the cost
     return data
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_manifest(path: Path, raw: bytes) -> None:
-    (path / "pieces").mkdir(parents=True, exist_ok=True)
-    _write_atomic(path / "manifest.json", raw)
-    # Make the new directories themselves durable, so a restart finds the manifest.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

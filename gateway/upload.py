@@ -2,19 +2,21 @@
 
 `upload_version` sends the signed envelope (`PUT .../manifest`), then the pieces the gateway does not
 hold yet (`PUT .../pieces/{i}`), several at a time. Uploading the same version again only sends what
-is missing, so a publish interrupted half-way is finished by running it again.
+is missing, so a publish interrupted half-way is finished by running it again. A gateway whose disk
+is full answers 507 and keeps nothing of the version: that is raised at once (HttpError, status 507),
+not retried, so the publisher can report it and publish again once there is room.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Callable, Sequence
 
 import aiohttp
 
 from deltamesh.delta.manifest import Manifest
 from deltamesh.http import HttpError, request_bytes
+from deltamesh.peer_json import parse_json
 from deltamesh.gateway.sources import version_url
 
 
@@ -34,8 +36,13 @@ async def upload_version(
     # The envelope goes as the exact bytes that were signed; re-serializing could change them.
     raw = await request_bytes(session, "PUT", f"{base}/manifest", data=manifest_bytes,
                               headers={"Content-Type": "application/json"})
-    answer = json.loads(raw)
-    missing = list(answer["missing"])
+    try:
+        answer = parse_json(raw)
+        missing = [int(i) for i in answer["missing"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise HttpError(200, f"answer to the manifest is not what a gateway sends: {e}", f"{base}/manifest") from e
+    if any(not 0 <= i < len(pieces) for i in missing):
+        raise HttpError(200, f"the gateway asks for pieces outside 0..{len(pieces) - 1}", f"{base}/manifest")
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in missing:
         queue.put_nowait(i)
@@ -54,8 +61,8 @@ async def upload_version(
                                         headers={"Content-Type": "application/octet-stream"})
                     break
                 except HttpError as e:
-                    if e.status != 0 and e.status < 500 or attempt == retries:
-                        raise
+                    if e.status != 0 and e.status < 500 or e.status == 507 or attempt == retries:
+                        raise  # a refusal, or a full disk (waiting a moment would not help)
                     await asyncio.sleep(0.2 * 2 ** attempt)
             sent += len(pieces[i])
             if on_progress is not None:

@@ -1,32 +1,39 @@
-"""The pool side of weight sync: follow a gateway's head and keep a safetensors directory on it.
+"""The pool side of weight sync: the steps that move a pool's weights to a gateway's head, one by one.
 
-`WeightSync` registers the pool with its region's gateway, long-polls the head of its model, asks
-for a transfer plan from the version its directory holds, fetches each step's signed manifest
-(verified against the trainer keys, so relays need not be trusted) and pieces (parallel, ranged,
-hash-checked, failing over to alternate gateways), and applies the steps atomically to the
-directory, which either moves to the new version bit-exact or stays where it was. A delta that does
-not fit what the directory holds, or weights that do not hash right, make it fall back to a full
-snapshot. Heartbeats report its version and transfer state all along.
-
-The steps are composable for pools that hot-swap weights in place: `fetch_plan()` ->
-`fetch_step(step)` (or `fetch_plan_steps(plan)`) -> `apply(steps)`; `on_fetched` is handed each
-plan's verified steps before they are written to the directory (an engine that swaps in place takes
-them there, so it need not wait for the disk), `on_applied` is called after each new version lands in
-the directory, `version` tells what the directory holds and `head` the newest version seen at a gateway.
+`WeightSync` registers the pool with its region's gateway and heartbeats its version and transfer
+state. A round is: `wait_for_head` (long-poll the head of the model), `fetch_plan` (a transfer plan from
+the version the directory holds), `fetch_decoded` (each step's signed manifest, verified against the
+trainer keys so relays need not be trusted, and its pieces, fetched in parallel, ranged,
+hash-checked and failing over to alternate gateways, then decoded once), `persist` (the decoded
+versions applied to the directory atomically: it moves to the new version bit-exact or stays where
+it was). A delta that does not fit what the directory holds, or weights that do not hash right, lead
+to `fallback_plan`, a full snapshot. A rollout pool (mesh/pool/weights.py) calls these itself, with
+its engine's update between decoding and persisting; `sync_once` and `run` are the directory-only
+round and loop that `deltamesh pool sync` runs. `version` tells what the directory holds and `head`
+the newest version seen at a gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Sequence
 
 import aiohttp
 
-from deltamesh.delta import CodecError, CorruptError, Manifest, apply_to_dir, dir_manifest, load_manifest, load_public_key
+from deltamesh.delta import (
+    CodecError,
+    CorruptError,
+    DecodedVersion,
+    Manifest,
+    apply_to_dir,
+    decode_version,
+    dir_manifest,
+    load_manifest,
+    load_public_key,
+)
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
@@ -37,8 +44,8 @@ from deltamesh.gateway.plan import Plan, PlanStep
 log = logging.getLogger(__name__)
 
 Step = tuple[Manifest, list[bytes]]
-AppliedHook = Callable[[Manifest], Awaitable[None] | None]
-FetchedHook = Callable[[Sequence[Step]], Awaitable[None] | None]
+RETRY_S = 1.0
+"""Pause after a failed round before the next one."""
 
 
 class SyncError(Exception):
@@ -46,12 +53,8 @@ class SyncError(Exception):
 
 
 class WeightSync:
-    def __init__(self, config: PoolSyncConfig, *, on_applied: AppliedHook | None = None,
-                 on_progress: Callable[[int], None] | None = None, on_fetched: FetchedHook | None = None):
+    def __init__(self, config: PoolSyncConfig):
         self.config = config
-        self.on_applied = on_applied
-        self.on_fetched = on_fetched
-        self.on_progress = on_progress
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.model = config.model
         self.version: int | None = None
@@ -86,25 +89,40 @@ class WeightSync:
             try:
                 self.model = await self._pick_model()
             except (SyncError, HttpError) as e:
-                self._set_error(str(e))
-                await _sleep_or_stop(stop, 1.0)
-        heartbeats = asyncio.create_task(self._heartbeat_loop(stop))
+                self.set_error(str(e))
+                await sleep_or_stop(stop, RETRY_S)
+        heartbeats = asyncio.create_task(self.heartbeat_loop(stop))
         try:
             while not stop.is_set():
                 try:
-                    await _unless_stopped(self.sync_once(self.config.poll_wait_s), stop)
+                    await until_stopped(self.sync_once(self.config.poll_wait_s), stop)
                 except (SyncError, HttpError, CodecError, OSError) as e:
                     # The directory is untouched (apply is atomic); try again from where it is.
-                    self._set_error(f"{type(e).__name__}: {e}")
-                    await _sleep_or_stop(stop, 1.0)
+                    self.set_error(f"{type(e).__name__}: {e}")
+                    await sleep_or_stop(stop, RETRY_S)
         finally:
             heartbeats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeats
 
-    # -- one round -------------------------------------------------------------------------------------
+    # -- the steps of a round --------------------------------------------------------------------------
     async def sync_once(self, wait_s: float = 0.0) -> bool:
-        """Wait (up to `wait_s`) for a head newer than ours and move to it; True if the directory moved."""
+        """The directory-only round: wait (up to `wait_s`) for a head newer than the directory, fetch,
+        decode and persist it; True if the directory moved."""
+        head = await self.wait_for_head(wait_s)
+        if head is None:
+            return False
+        plan = await self.fetch_plan(head)
+        try:
+            await self.persist(await self.fetch_decoded(plan))
+        except CodecError as e:
+            plan = await self.fallback_plan(plan, e)
+            await self.persist(await self.fetch_decoded(plan))
+        return True
+
+    async def wait_for_head(self, wait_s: float = 0.0) -> int | None:
+        """Wait (up to `wait_s`) until a gateway announces a version newer than the directory's; that
+        version, or None if none came."""
         if not self.model:
             self.model = await self._pick_model()
         answer = await self._ask("GET", f"/v1/models/{self.model}/head",
@@ -113,18 +131,8 @@ class WeightSync:
         if head is not None:
             self.head = max(head, self.head if self.head is not None else head)
         if head is None or (self.version is not None and head <= self.version):
-            return False
-        plan = await self.fetch_plan(head)
-        try:
-            steps = await self.fetch_plan_steps(plan)
-            await self.apply(steps)
-        except CodecError as e:
-            if plan.from_version is None:
-                raise SyncError(f"full snapshot v{plan.to_version} did not verify: {e}") from e
-            log.warning("pool %s: %s; falling back to a full snapshot", self.config.name, e)
-            plan = await self.fetch_plan(head, full=True)
-            await self.apply(await self.fetch_plan_steps(plan))
-        return True
+            return None
+        return head
 
     async def fetch_plan(self, to: int | None = None, *, full: bool = False) -> Plan:
         self.state = "planning"
@@ -136,11 +144,25 @@ class WeightSync:
                  plan.to_version, plan.reason, len(plan.steps), plan.payload_bytes)
         return plan
 
-    async def fetch_plan_steps(self, plan: Plan) -> list[Step]:
+    async def fallback_plan(self, failed: Plan, error: CodecError) -> Plan:
+        """The full snapshot to take after `failed` did not verify or apply; raises SyncError when
+        `failed` was a first pull already (nothing smaller to fall back to)."""
+        if failed.from_version is None:
+            raise SyncError(f"full snapshot v{failed.to_version} did not verify: {error}") from error
+        log.warning("pool %s: %s; falling back to a full snapshot", self.config.name, error)
+        return await self.fetch_plan(failed.to_version, full=True)
+
+    async def fetch_decoded(self, plan: Plan) -> list[DecodedVersion]:
+        """Every step of `plan`, fetched and verified, then decoded once (off the event loop)."""
         self.state = "fetching"
         self.transfer = {"from": plan.from_version, "to": plan.to_version, "reason": plan.reason,
                          "bytes_total": plan.payload_bytes, "bytes_done": 0, "started": time.time()}
-        return [await self.fetch_step(step) for step in plan.steps]
+        versions = []
+        for step in plan.steps:
+            manifest, pieces = await self.fetch_step(step)
+            versions.append(await asyncio.to_thread(decode_version, manifest, pieces))
+        self.state = "applying"
+        return versions
 
     async def fetch_step(self, step: PlanStep) -> Step:
         """The verified manifest and pieces of one plan step."""
@@ -160,35 +182,24 @@ class WeightSync:
             async def keep(index: int, data: bytes) -> None:
                 pieces[index] = data
                 self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + len(data)
-                if self.on_progress is not None:
-                    self.on_progress(len(data))
 
             await fetcher.pieces(manifest, range(len(pieces)), self.config.connections, keep)
         except FetchError as e:
             raise SyncError(str(e)) from e
         return manifest, pieces
 
-    async def apply(self, steps: Sequence[Step]) -> Manifest:
-        """Apply fetched steps to the directory atomically, then call the `on_applied` hook."""
-        if not steps:
+    async def persist(self, versions: Sequence[DecodedVersion]) -> Manifest:
+        """Apply decoded versions to the directory atomically; returns the manifest it now holds."""
+        if not versions:
             raise SyncError("nothing to apply")
         self.state = "applying"
-        if self.on_fetched is not None:
-            result = self.on_fetched(steps)
-            if inspect.isawaitable(result):
-                await result
-        await asyncio.to_thread(apply_to_dir, self.config.dir, steps)
-        final = steps[-1][0]
+        final = await asyncio.to_thread(apply_to_dir, self.config.dir, versions)
         # Deltas applied in a row since the last full snapshot, for the periodic full sync.
-        self.since_full = len(steps) - 1 if steps[0][0].kind == "full" else self.since_full + len(steps)
+        self.since_full = len(versions) - 1 if versions[0].kind == "full" else self.since_full + len(versions)
         self.version = final.version
         self.state, self.transfer, self.last_error = "idle", {}, ""
         self._beat_now.set()
         log.info("pool %s: now at %s v%d", self.config.name, final.model_id, final.version)
-        if self.on_applied is not None:
-            result = self.on_applied(final)
-            if inspect.isawaitable(result):
-                await result
         return final
 
     # -- talking to gateways ------------------------------------------------------------------------------
@@ -253,7 +264,8 @@ class WeightSync:
             if e.status == 401:
                 raise
 
-    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """Heartbeat until `stop`: every `heartbeat_s`, and at once after a new version is persisted."""
         while not stop.is_set():
             self._beat_now.clear()
             try:
@@ -264,17 +276,17 @@ class WeightSync:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), self.config.heartbeat_s)
 
-    def _set_error(self, reason: str) -> None:
+    def set_error(self, reason: str) -> None:
         self.state, self.last_error = "error", reason
         log.warning("pool %s: %s", self.config.name, reason)
 
 
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def _unless_stopped(coro: Awaitable, stop: asyncio.Event) -> None:
+async def until_stopped(coro: Awaitable, stop: asyncio.Event) -> None:
     """Run `coro`, cancelling it if `stop` is set first (a long poll must not delay a shutdown)."""
     work = asyncio.ensure_future(coro)
     stopper = asyncio.ensure_future(stop.wait())

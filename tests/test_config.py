@@ -1,11 +1,16 @@
-"""The config loader: TOML + overrides into typed dataclasses, with clear errors."""
+"""The config loader: TOML + overrides into typed dataclasses, with clear errors; command-line flags
+derived from the same dataclasses (names, types, help); files of an older layout naming what moved."""
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 
 from deltamesh.config import ConfigError, load_config
+from deltamesh.config_flags import add_config_flags, config_overrides, flag, flag_name
+from deltamesh.config_moved import MOVED_KEYS
 
 
 @dataclass
@@ -53,3 +58,208 @@ def test_bad_config_is_an_error(tmp_path: Path, text: str, needle: str):
     p.write_text(text)
     with pytest.raises(ConfigError, match=needle):
         load_config(Outer, p)
+
+
+# --- flags derived from the dataclasses -------------------------------------------------------------
+
+
+@dataclass
+class Sync:
+    """How the pool follows its gateways. Checked once."""
+
+    gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))
+    """Gateway base URLs, preferred first."""
+    stall_timeout_s: float = 20.0
+    """Seconds of silence before an alternate is tried; 100% of them."""
+
+    def __post_init__(self) -> None:
+        if not self.gateways:
+            raise ValueError("gateways must list at least one gateway URL")
+
+
+@dataclass
+class Worker:
+    max_episodes: int = 8
+    """Episodes run at once."""
+    roles: dict[str, str] = field(default_factory=dict, metadata=flag("--role", metavar="ROLE=MODEL_ID"))
+    """Workflow role -> model_id."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The workflow's options."""
+
+
+@dataclass
+class Policy:
+    model_id: str = ""
+
+
+@dataclass
+class Service:
+    sync: Sync
+    """The required section."""
+    name: str = ""
+    """Name of the service."""
+    hot_swap: bool = True
+    """Swap versions in place."""
+    engine: Literal["transformers", "sglang"] = "transformers"
+    """The engine."""
+    seed: int | None = None
+    """Sampling seed."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Two decay rates."""
+    models: list[Policy] = field(default_factory=list)
+    """Written in the file only."""
+    worker: Worker = field(default_factory=Worker)
+    """The worker section."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="svc", exit_on_error=False)
+    p.add_argument("--config")  # a command's own flag beside the derived ones
+    add_config_flags(p, Service, section="svc")
+    return p
+
+
+def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in p._actions for s in a.option_strings}
+
+
+def test_flag_names_are_the_dotted_field_paths_with_dashes():
+    assert flag_name("max_episodes") == "--max-episodes"
+    assert flag_name("sync.stall_timeout_s") == "--sync.stall-timeout-s"
+    found = options(parser())
+    for name in ("--name", "--hot-swap", "--no-hot-swap", "--engine", "--seed", "--betas", "--sync.gateways",
+                 "--gateway", "--sync.stall-timeout-s", "--worker.max-episodes", "--worker.roles", "--role",
+                 "--worker.options", "--config"):
+        assert name in found, name
+    assert found["--gateway"] is found["--sync.gateways"]  # an alias is the same flag
+    assert not any("models" in name for name in found)  # a list of tables has no flag
+
+
+def test_flag_types_come_from_the_annotations():
+    p = parser()
+    args = p.parse_args(["--gateway", "http://a", "--sync.gateways", "http://b", "--sync.stall-timeout-s", "2.5",
+                         "--no-hot-swap", "--engine", "sglang", "--seed", "7", "--betas", "0.8", "0.9",
+                         "--role", "solver=a", "--worker.roles", "verifier=b", "--worker.options", '{"k": [1, 2]}',
+                         "--worker.max-episodes", "3"])
+    assert config_overrides(args, Service) == {
+        "sync.gateways": ["http://a", "http://b"], "sync.stall_timeout_s": 2.5, "hot_swap": False,
+        "engine": "sglang", "seed": 7, "betas": [0.8, 0.9], "worker.roles": {"solver": "a", "verifier": "b"},
+        "worker.options": {"k": [1, 2]}, "worker.max_episodes": 3}
+    assert config_overrides(p.parse_args(["--hot-swap"]), Service) == {"hot_swap": True}
+    assert config_overrides(p.parse_args([]), Service) == {}  # nothing given: the file or the default stands
+    assert options(p)["--engine"].choices == ["transformers", "sglang"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--engine", "vllm"], "invalid choice: 'vllm'"),
+    (["--worker.max-episodes", "many"], "invalid int value"),
+    (["--role", "solver"], "wants ROLE=MODEL_ID, got 'solver'"),
+    (["--worker.options", "[1]"], "wants a JSON object"),
+    (["--betas", "0.9"], "expected 2 arguments"),
+])
+def test_bad_flag_values_are_refused_naming_the_flag(argv, needle):
+    with pytest.raises(argparse.ArgumentError, match=needle):
+        parser().parse_args(argv)
+
+
+def test_an_unknown_flag_is_refused(capsys):
+    p = argparse.ArgumentParser(prog="svc")
+    add_config_flags(p, Service, section="svc")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-episodes", "3"])  # it is --worker.max-episodes
+    assert "unrecognized arguments: --max-episodes" in capsys.readouterr().err
+
+
+def test_help_is_the_field_docstring_with_the_default():
+    p = parser()
+    found = options(p)
+    assert found["--worker.max-episodes"].help == "Episodes run at once. (default: 8)"
+    assert found["--sync.stall-timeout-s"].help == \
+        "Seconds of silence before an alternate is tried; 100%% of them. (default: 20.0)"
+    assert found["--gateway"].help == "Gateway base URLs, preferred first. Repeat for more. (default: none)"
+    assert found["--seed"].help == "Sampling seed. (default: unset)"
+    assert found["--hot-swap"].help == "Swap versions in place. (default: on)"
+    text = " ".join(p.format_help().split())  # without the line wrapping
+    assert "[svc.sync] settings" in text and "How the pool follows its gateways." in text
+    assert "--sync.gateways URL, --gateway URL" in text and "100% of them" in text
+
+
+def test_flags_and_a_file_make_nested_sections(tmp_path: Path):
+    path = tmp_path / "svc.toml"
+    path.write_text('[svc]\nname = "a"\n[svc.sync]\ngateways = ["http://file"]\nstall_timeout_s = 5\n'
+                    '[svc.worker]\nmax_episodes = 2\n[[svc.models]]\nmodel_id = "m"\n')
+    args = parser().parse_args(["--worker.max-episodes", "6", "--name", "b"])
+    cfg = load_config(Service, path, section="svc", overrides=config_overrides(args, Service))
+    assert (cfg.name, cfg.sync.gateways, cfg.sync.stall_timeout_s) == ("b", ["http://file"], 5.0)
+    assert cfg.worker.max_episodes == 6 and cfg.models == [Policy("m")]
+
+
+def test_a_required_section_left_out_is_reported_under_its_name():
+    with pytest.raises(ConfigError, match=r"svc\.sync: gateways must list"):
+        load_config(Service, section="svc")
+
+
+def test_an_unknown_key_in_a_nested_section_is_an_error(tmp_path: Path):
+    path = tmp_path / "svc.toml"
+    path.write_text('[svc.sync]\ngateways = ["http://a"]\nstall_timeout = 5\n')
+    with pytest.raises(ConfigError, match=r"svc\.sync: unknown keys \['stall_timeout'\]"):
+        load_config(Service, path, section="svc")
+
+
+# --- files of an older layout -------------------------------------------------------------------------
+
+
+def test_an_old_pool_file_names_what_moved(tmp_path: Path):
+    from deltamesh.mesh.pool.config import PoolConfig
+
+    path = tmp_path / "pool.toml"
+    path.write_text('[pool]\nname = "eu-1"\ngateways = ["http://g"]\nstall_timeout_s = 5\nmax_episodes = 4\n'
+                    '[[pool.models]]\nmodel_path = "/m"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(PoolConfig, path, section="pool")
+    message = str(e.value)
+    for line in ("`pool.gateways` moved to `pool.sync.gateways`",
+                 "`pool.stall_timeout_s` moved to `pool.sync.stall_timeout_s`",
+                 "`pool.max_episodes` moved to `pool.worker.max_episodes`", "docs/CONFIG.md"):
+        assert line in message, message
+
+
+def test_an_old_trainer_file_names_what_moved(tmp_path: Path):
+    from deltamesh.trainer.loop_config import TrainLoopConfig
+
+    path = tmp_path / "trainer.toml"
+    path.write_text('[trainer]\nmodel_id = "m"\n[train]\nbroker = "http://b"\nbatch_size = 8\n')
+    with pytest.raises(ConfigError, match=r"uses an older layout: \[train\] moved to \[trainer\]"):
+        load_config(TrainLoopConfig, path, section="trainer")
+
+
+def test_moves_concern_only_the_table_they_touch(tmp_path: Path):
+    path = tmp_path / "mesh.toml"
+    path.write_text('[gw]\nregion = "eu"\n[train]\nbroker = "http://b"\n[pool]\ngpus = 1\n')
+    assert load_config(Outer, path, section="gw").region == "eu"  # an old [train] is not the gateway's business
+
+
+def test_every_moved_key_names_an_existing_setting():
+    from deltamesh.config_flags import settings
+    from deltamesh.mesh.pool.config import PoolConfig
+    from deltamesh.trainer.loop_config import TrainLoopConfig
+
+    known = {f"{table}.{s.path}" for table, cls in (("pool", PoolConfig), ("trainer", TrainLoopConfig))
+             for _, _, found in settings(cls) for s in found}
+    for old, new in MOVED_KEYS:
+        assert old not in known, old
+        assert new == "trainer" or new in known, new
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["pool", "sync", "--token", "t", "--name", "p", "--dir", "d", "--trusted-key", "k"], "gateways must list"),
+    (["publish", "--gateway", "http://g", "--key", "k", "weights"], "model is required"),
+    (["pools", "--gateway", "g:1"], "gateway must be an http(s) URL"),
+    (["gateway", "--region", "eu", "--keep-deltas", "0", "--trusted-key", "k"], "keep_deltas"),
+])
+def test_commands_refuse_bad_settings_with_exit_code_2(argv, needle, caplog):
+    from deltamesh.mesh.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.run(args) == 2
+    assert needle in caplog.text, caplog.text

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from deltamesh.broker_client import BrokerClient
 from deltamesh.data import Batch, decode_batch
 from deltamesh.http import HttpError
+from deltamesh.tls import TlsSettings
 
 
 class BatchClient:
@@ -31,10 +32,11 @@ class BatchClient:
     model_id, polling one batch at a time.
     """
 
-    def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True):
+    def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True, token: str = "",
+                 tls: TlsSettings | None = None):
         self.model_id = model_id
         self.auto_ack = auto_ack
-        self._broker = BrokerClient(broker_url, connections=4, timeout_s=None)
+        self._broker = BrokerClient(broker_url, token=token, tls=tls, connections=4, timeout_s=None)
         self._last_call: float | None = None
         self._wait_s = 0.0
         self._last_step: tuple[float, float] = (0.0, 0.0)

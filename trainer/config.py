@@ -1,9 +1,10 @@
 """The trainer's typed settings: the RL loss, the optimizer, checkpointing and batch splitting.
 
-`TrainerConfig` is the `[trainer]` table of a deltamesh config file, loaded with
-`deltamesh.config.load_config(TrainerConfig, path, section="trainer", overrides=...)`. The loss and
-optimizer sections are plain dataclasses so that the loss functions and the optimizer step can be
-called and tested on their own. Every value is checked in `__post_init__`.
+`TrainerConfig` is the compute core's part of the `[trainer]` table of a deltamesh config file
+(`deltamesh train` reads the whole table as `deltamesh.trainer.loop_config.TrainLoopConfig`, which
+extends it), loaded with `deltamesh.config.load_config(TrainerConfig, path, section="trainer", ...)`.
+The loss and optimizer sections are plain dataclasses so that the loss functions and the optimizer
+step can be called and tested on their own. Every value is checked in `__post_init__`.
 """
 
 from __future__ import annotations
@@ -12,26 +13,31 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltamesh.config_flags import flag
+
 
 @dataclass
 class LossConfig:
-    """M2PO/PPO clipped objective with GRPO advantages and an optional KL penalty.
-
-    `m2_threshold` is M2PO's bound on the mean squared log-ratio between behaviour and current policy
-    (None turns the second-moment mask off). `eps_low`/`eps_high` are PPO's clip range
-    [1 - eps_low, 1 + eps_high]. `kl_coef` weighs the k3 KL estimate against the reference policy; it
-    applies only when a batch carries reference logprobs. `temperature` is the sampling temperature
-    the behaviour logprobs were taken at (the trainer divides its logits by it).
-    """
+    """M2PO/PPO clipped objective with GRPO advantages and an optional KL penalty."""
 
     eps_low: float = 0.2
+    """PPO's clip range is [1 - eps_low, 1 + eps_high]."""
     eps_high: float = 0.28
+    """Upper side of PPO's clip range."""
     m2_threshold: float | None = 0.04
+    """M2PO's bound on the mean squared log-ratio between behaviour and current policy (unset: no
+    second-moment mask)."""
     kl_coef: float = 1e-3
+    """Weight of the k3 KL estimate against the reference policy; applies only when a batch carries
+    reference logprobs."""
     group_std: bool = True
+    """GRPO: divide each group's advantages by the group's standard deviation."""
     batch_normalize: bool = False
+    """Normalise the advantages over the whole batch as well."""
     adv_eps: float = 1e-6
+    """Added to standard deviations before dividing by them."""
     temperature: float = 1.0
+    """The sampling temperature the behaviour logprobs were taken at (the trainer divides its logits by it)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
@@ -50,17 +56,20 @@ class LossConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW on the fp32 master weights, with optional linear warm-up and global grad-norm clipping.
-
-    Weight decay applies to matrices only (ndim >= 2), never to norms' gains or biases.
-    """
+    """AdamW on the fp32 master weights, with optional linear warm-up and global grad-norm clipping."""
 
     lr: float = 1e-6
+    """Learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's two moment decay rates."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     weight_decay: float = 0.01
+    """Applies to matrices only (ndim >= 2), never to norms' gains or biases."""
     max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (unset: no clipping)."""
     warmup_steps: int = 0
+    """Linear warm-up of the learning rate over this many steps."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0.0:
@@ -80,11 +89,14 @@ class OptimizerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Where and how often the trainer checkpoints; `every` counts published versions."""
+    """Where and how often the trainer checkpoints."""
 
     dir: Path | None = None
+    """Directory of the trainer's checkpoints (unset: none; a restarted trainer starts over)."""
     every: int = 10
+    """Checkpoint every N published versions."""
     keep: int = 2
+    """Newest checkpoints kept."""
 
     def __post_init__(self) -> None:
         if self.dir is not None:
@@ -97,19 +109,21 @@ class CheckpointConfig:
 
 @dataclass
 class TrainerConfig:
-    """Everything the trainer's compute core needs.
+    """Everything the trainer's compute core needs."""
 
-    `micro_batch_size` is the number of sequences per forward/backward pass on each rank (None: the
-    rank's whole share of the batch at once); it changes memory use, not the result's meaning, since
-    the loss is normalised over the whole batch.
-    """
-
-    model_id: str = "default"
+    model_id: str = field(default="default", metadata=flag(metavar="ID"))
+    """The model_id of this policy's weight stream and batches."""
     seed: int = 0
+    """Seed of the trainer's random state."""
     micro_batch_size: int | None = None
+    """Sequences per forward/backward pass on each rank (unset: the rank's whole share of the batch at
+    once); it changes memory use, not the result's meaning, since the loss is normalised over the batch."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """The RL loss (`[trainer.loss]`)."""
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer (`[trainer.optim]`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing (`[trainer.checkpoint]`)."""
 
     def __post_init__(self) -> None:
         if not self.model_id:

@@ -37,7 +37,6 @@ import torch
 
 from deltamesh.delta import load_private_key
 from deltamesh.trainer.checkpoint import CheckpointError, resume_latest, save_checkpoint
-from deltamesh.trainer.config import TrainerConfig
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors, init_distributed, shard_model, shutdown
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.loss_inputs import LossInputs, broadcast_inputs, inputs_from_batch
@@ -56,13 +55,13 @@ from deltamesh.trainer.step_log import StepLog, step_record
 log = logging.getLogger(__name__)
 
 
-def run_training(cfg: TrainerConfig, loop_cfg: TrainLoopConfig) -> int:
+def run_training(cfg: TrainLoopConfig) -> int:
     """Run the trainer until `max_steps` or a stop signal; returns the process exit code."""
     ctx = init_distributed()
     stop = threading.Event()
     restore = _stop_on_signals(stop)
     try:
-        _train(cfg, loop_cfg, ctx, stop)
+        _train(cfg, ctx, stop)
     finally:
         restore()
         shutdown(ctx)
@@ -135,29 +134,28 @@ def pad_rows(inputs: LossInputs, multiple: int) -> LossInputs:
     )
 
 
-def _build_models(cfg: TrainerConfig, loop_cfg: TrainLoopConfig,
-                  ctx: DistContext) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def _build_models(cfg: TrainLoopConfig, ctx: DistContext) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The fp32 model to train and, for the KL penalty, a frozen copy of the initial weights."""
-    device = resolve_device(loop_cfg.device, ctx)
-    model = load_causal_lm(loop_cfg.model, dtype=torch.float32, device=str(device))
+    device = resolve_device(cfg.device, ctx)
+    model = load_causal_lm(cfg.model, dtype=torch.float32, device=str(device))
     reference = None
-    if loop_cfg.reference and cfg.loss.kl_coef > 0:
+    if cfg.reference and cfg.loss.kl_coef > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
         reference = shard_model(reference, ctx)
     return shard_model(model, ctx), reference
 
 
-def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> None:
+def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> None:
     seed_everything(cfg.seed)
-    model, reference = _build_models(cfg, loop_cfg, ctx)
+    model, reference = _build_models(cfg, ctx)
     state = TrainState(model, build_optimizer(model, cfg.optim))
     ckpt = cfg.checkpoint
     if ckpt.dir is None:
-        log.warning("no checkpoint directory: a restarted trainer starts again from %s", loop_cfg.model)
+        log.warning("no checkpoint directory: a restarted trainer starts again from %s", cfg.model)
     else:
         meta = resume_latest(ckpt.dir, state, ctx)
         if meta is None:
-            log.info("no checkpoint under %s: starting from %s", ckpt.dir, loop_cfg.model)
+            log.info("no checkpoint under %s: starting from %s", ckpt.dir, cfg.model)
         elif meta["extra"].get("model_id", cfg.model_id) != cfg.model_id:
             raise CheckpointError(f"{ckpt.dir} holds checkpoints of {meta['extra']['model_id']!r}, "
                                   f"not of {cfg.model_id!r}")
@@ -166,10 +164,11 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
 
     client = records = None
     if ctx.is_main:
-        records = StepLog(loop_cfg.metrics_file)
-        client = MeshClient(broker=loop_cfg.broker, gateway=loop_cfg.gateway, model_id=cfg.model_id,
-                            key=load_private_key(loop_cfg.key), full_every=loop_cfg.full_every,
-                            piece_bytes=loop_cfg.piece_bytes, connections=loop_cfg.upload_connections,
+        records = StepLog(cfg.metrics_file)
+        client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
+                            gateway_token=cfg.gateway_token, tls=cfg.tls,
+                            model_id=cfg.model_id, key=load_private_key(cfg.key), full_every=cfg.full_every,
+                            piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
                             on_published=records.published)
     try:
         started = client.start(state.version, weights, stop) if client is not None else None
@@ -179,11 +178,11 @@ def _train(cfg: TrainerConfig, loop_cfg: TrainLoopConfig, ctx: DistContext, stop
         state.version = counter
         steps = 0
         trained: list[str] = []  # batches trained on since the last checkpoint, not yet acknowledged
-        while loop_cfg.max_steps is None or state.step < loop_cfg.max_steps:
+        while cfg.max_steps is None or state.step < cfg.max_steps:
             poll_start = time.monotonic()
             batch = None
             if client is not None and not stop.is_set():
-                batch = client.next_batch(loop_cfg.batch_size, loop_cfg.poll_s, stop)
+                batch = client.next_batch(cfg.batch_size, cfg.poll_s, stop)
             if not _share_int(int(batch is not None), ctx):
                 break
             wait_s = time.monotonic() - poll_start

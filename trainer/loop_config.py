@@ -1,47 +1,68 @@
-"""Settings of the trainer service (`deltamesh train`): where it meets the mesh and how its loop runs.
+"""Settings of the trainer service (`deltamesh train`): the `[trainer]` table, the one table it reads.
 
-`TrainLoopConfig` is the `[train]` table of a deltamesh config file; the compute core's settings
-(loss, optimizer, checkpoints, model_id) stay in `[trainer]` (`deltamesh.trainer.config`). Command-line
-flags override both. Every value is checked in `__post_init__`.
+`TrainLoopConfig` extends the compute core's settings (`deltamesh.trainer.config.TrainerConfig`:
+model_id, seed, micro-batching and the `[trainer.loss]`, `[trainer.optim]` and `[trainer.checkpoint]`
+sections) with where the trainer meets the mesh and how its loop runs, so one table holds both and no
+setting is declared twice. (These keys were once a separate `[train]` table; such a file fails naming
+the move.) Command-line flags derived from these fields override the file. Every value is checked
+in `__post_init__`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from deltamesh.config import http_url
-from deltamesh.gateway.publisher import DEFAULT_PIECE_BYTES
+from deltamesh.config_flags import flag
+from deltamesh.tls import TlsSettings
+from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
+from deltamesh.trainer.config import TrainerConfig
 
 
 @dataclass
-class TrainLoopConfig:
-    """One trainer process: its broker, origin gateway, initial model, signing key and loop settings.
+class TrainLoopConfig(TrainerConfig):
+    """One trainer process: the compute core's settings, its broker, origin gateway, initial model,
+    signing key and loop settings."""
 
-    `batch_size` is the number of samples asked of the broker per step (whole groups, so make it a
-    multiple of the group size). `poll_s` bounds one long poll; the loop polls again until a batch
-    comes, and a stop request takes effect when a poll ends. `max_steps` counts optimizer steps over
-    the whole run, restarts included (None: run until stopped). `full_every` makes every N-th version
-    also a full snapshot (0: only the first). `reference` keeps a frozen copy of the initial weights
-    for the KL penalty (it is skipped anyway when the loss's `kl_coef` is 0). `device` is "auto"
-    (the rank's GPU if there is one, else the CPU), "cpu" or "cuda". `metrics_file` receives one
-    JSON line per step.
-    """
-
-    broker: str = ""
-    gateway: str = ""
-    model: str = ""
-    key: str = ""
+    broker: str = field(default="", metadata=flag(metavar="URL"))
+    """Base URL of the broker the batches come from."""
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    """Bearer token for the broker (`deltamesh tokens add --role trainer`); empty for an anonymous broker."""
+    gateway: str = field(default="", metadata=flag(metavar="URL"))
+    """Base URL of the origin gateway the versions are published to."""
+    gateway_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    """Bearer token for the origin gateway (role trainer, scoped to this model id); empty for an
+    anonymous gateway or when the TLS client certificate says who the trainer is."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS towards the broker and the gateway (`[trainer.tls]`): the CA to verify them, and the client
+    certificate to present where they require one."""
+    model: str = field(default="", metadata=flag(metavar="PATH"))
+    """The initial model: a Hugging Face model directory (bf16 or fp32)."""
+    key: str = field(default="", metadata=flag(metavar="PEM"))
+    """The trainer's Ed25519 private key."""
     batch_size: int = 16
+    """Samples asked of the broker per step (whole groups, so a multiple of the group size)."""
     poll_s: float = 10.0
+    """Longest wait of one batch long poll; the loop polls again until a batch comes, and a stop
+    request takes effect when a poll ends."""
     max_steps: int | None = None
+    """Stop after this many optimizer steps over the whole run, restarts included (unset: until stopped)."""
     full_every: int = 10
+    """Every N-th version is also published as a full snapshot (0: only the first)."""
     piece_bytes: int = DEFAULT_PIECE_BYTES
+    """Size of the published pieces."""
     upload_connections: int = 4
+    """Parallel uploads to the gateway."""
     reference: bool = True
-    device: str = "auto"
+    """Keep a frozen copy of the initial weights for the KL penalty (skipped anyway when the loss's kl_coef is 0)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: the rank's GPU if there is one, else the CPU."""
     metrics_file: str | None = None
+    """Append one JSON line per step here."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.broker = http_url(self.broker, "broker")
         self.gateway = http_url(self.gateway, "gateway")
         if not self.model:

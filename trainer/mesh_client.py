@@ -26,6 +26,7 @@ import torch
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.http import HttpError
+from deltamesh.tls import TlsSettings
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
@@ -73,22 +74,23 @@ class MeshClient:
     """The broker's batch API and the origin gateway, for one model_id, as seen from the training loop."""
 
     def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
-                 piece_bytes: int, connections: int,
+                 piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
+                 tls: TlsSettings | None = None,
                  on_published: Callable[[PublishOutcome], None] | None = None):
         self.model_id = model_id
         self.on_published = on_published
         """Called (on the client's thread) as each publish ends, successful or not."""
         self.trusted_keys = [key.public_key()]
         self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
-                                   connections=connections)
+                                   connections=connections, token=gateway_token, tls=tls)
         self._thread = _LoopThread(f"mesh-{model_id}")
-        self._batches: BatchClient = self._thread.call(self._open(broker))
+        self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._reports: list[concurrent.futures.Future[None]] = []
 
-    async def _open(self, broker: str) -> BatchClient:
+    async def _open(self, broker: str, token: str, tls: TlsSettings | None) -> BatchClient:
         # Its HTTP session belongs to this thread's loop. The loop says when a batch's update is safe.
-        return BatchClient(broker, self.model_id, auto_ack=False)
+        return BatchClient(broker, self.model_id, auto_ack=False, token=token, tls=tls)
 
     def close(self) -> None:
         """Finish the publish in flight and the pending reports, then stop the thread."""

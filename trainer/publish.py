@@ -36,7 +36,7 @@ from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
 from deltamesh.gateway_client import GatewayClient
-from deltamesh.http import HttpError, client_session
+from deltamesh.http import HttpError
 from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.publisher import Published, Publisher
 
@@ -58,11 +58,12 @@ class StreamStart:
     reason: str
 
 
-async def model_versions(gateway: str, model_id: str) -> dict[str, Any] | None:
-    """The gateway's listing of a model's versions (`GET .../versions`), or None if it has none."""
-    async with client_session(timeout_s=30.0) as s:
+async def model_versions(publisher: Publisher) -> dict[str, Any] | None:
+    """The gateway's listing of the publisher's model's versions (`GET .../versions`), or None if it has none."""
+    async with publisher.session(timeout_s=30.0) as s:
         try:
-            return await GatewayClient(gateway, s, peer=f"trainer/{model_id}").versions(model_id)
+            return await GatewayClient(publisher.gateway, s, peer=f"trainer/{publisher.model_id}").versions(
+                publisher.model_id)
         except HttpError as e:
             if e.status == 404:
                 return None
@@ -81,7 +82,7 @@ async def start_stream(
     only when the gateway cannot be reached at all.
     """
     ours = weights_hash(weights)
-    listing = await model_versions(publisher.gateway, publisher.model_id)
+    listing = await model_versions(publisher)
     if listing is None:
         return await _publish_full(publisher, version, weights, "the gateway holds no version of this model yet")
     head = int(listing["head"])
@@ -96,7 +97,7 @@ async def start_stream(
         return StreamStart(head, version, None, f"the gateway holds v{version} as the trainer does")
     have = (version, weights) if version < newest and complete.get(version) == ours else None
     try:
-        base = await gateway_weights(publisher.gateway, publisher.model_id, newest, trusted_keys, have=have)
+        base = await gateway_weights(publisher, newest, trusted_keys, have=have)
         _check_fit(base, weights)
     except (CodecError, FetchError, HttpError, ValueError) as e:
         return await _publish_full(publisher, max(head + 1, version), weights,
@@ -138,8 +139,7 @@ async def _publish_full(publisher: Publisher, version: int, weights: Mapping[str
 
 
 async def gateway_weights(
-    gateway: str,
-    model_id: str,
+    publisher: Publisher,
     version: int,
     trusted_keys: Sequence[Ed25519PublicKey],
     *,
@@ -147,14 +147,15 @@ async def gateway_weights(
     connections: int = 4,
     give_up_s: float = 60.0,
 ) -> dict[str, torch.Tensor]:
-    """The weights of `version` as the gateway holds them, rebuilt from its verified versions.
+    """The weights of `version` as the publisher's gateway holds them, rebuilt from its verified versions.
 
     With `have` (a version and its weights), the gateway's plan from there is followed (usually a
     short delta chain); without, a full snapshot route. Every manifest is checked against
     `trusted_keys` and every result tensor against its hash, so the weights are bit-exact.
     """
-    async with client_session(connections=2 * connections + 4, timeout_s=None) as session:
-        client = GatewayClient(gateway, session, peer=f"trainer/{model_id}")
+    model_id = publisher.model_id
+    async with publisher.session(connections=2 * connections + 4, timeout_s=None) as session:
+        client = GatewayClient(publisher.gateway, session, peer=f"trainer/{model_id}")
         params = {"from": None if have is None else have[0], "to": version}
         plan = Plan.from_json(await client.plan(model_id, params))
         fetcher = Fetcher(session, [Source(client.base)], f"trainer/{model_id}", give_up_s=give_up_s)

@@ -1,29 +1,49 @@
-"""Settings of the autoscaler (`deltamesh autoscale --config FILE`, table `[autoscale]`)."""
+"""Settings of the autoscaler (`deltamesh autoscale --config FILE`, table `[autoscale]`; flags derived
+from these fields override it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from deltamesh.config_flags import flag
+
 
 @dataclass
 class AutoscaleConfig:
-    broker: str = "http://127.0.0.1:8700"
+    """The autoscaler: which broker it reads, how it launches pools, and its bounds and thresholds."""
+
+    broker: str = field(default="http://127.0.0.1:8700", metadata=flag(metavar="URL"))
+    """Base URL of the broker whose balance report drives the decisions."""
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    """Bearer token for the broker (`deltamesh tokens add --role admin`); empty for an anonymous broker."""
     launcher: Literal["local", "command"] = "local"
-    # local: argv of one pool process; "{index}" and "{broker}" are filled in per process.
-    # command: argv run on every change; "{count}" is the number of pools wanted.
-    command: list[str] = field(default_factory=list)
+    """local: pool processes on this machine; command: a command that sets the pool count elsewhere."""
+    command: list[str] = field(default_factory=list, metadata=flag(metavar="ARG"))
+    """local: argv of one pool process ("{index}" and "{broker}" are filled in per process); command:
+    argv run on every change ("{count}" is the number of pools wanted)."""
     gpus_per_pool: int = 1
+    """GPUs one pool brings."""
     min_pools: int = 0
+    """Fewest pools kept."""
     max_pools: int = 8
-    initial_pools: int = 0  # local: started at once; command: the count assumed to exist already
+    """Most pools started."""
+    initial_pools: int = 0
+    """local: started at once; command: the count assumed to exist already."""
     interval_s: float = 10.0
-    cooldown_s: float = 60.0  # least time between two changes
-    stop_grace_s: float = 10.0  # local: SIGTERM, then SIGKILL after this long
+    """Seconds between decisions."""
+    cooldown_s: float = 60.0
+    """Least time between two changes."""
+    stop_grace_s: float = 10.0
+    """local: SIGTERM, then SIGKILL after this long."""
     command_timeout_s: float = 300.0
+    """command: longest one run of the scaling command may take."""
     scale_up_above: float = 0.10
+    """Wait fraction above which pools are added."""
     scale_down_below: float = 0.05
+    """Wait fraction below which pools are removed."""
     headroom: float = 1.10
+    """Kept above the consumption rate when shrinking."""
 
     def __post_init__(self) -> None:
         if not self.command:

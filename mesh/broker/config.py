@@ -1,8 +1,10 @@
 """Typed settings of the dataflow broker (`deltamesh broker --config FILE`, table `[broker]`).
 
-One dataclass per concern: where data lives and how durable an acknowledgement is, the task source
-and its curator, the data policies applied to trajectories and batches, and the balance report.
-Each validates itself, so a bad value fails at start-up with the key that is wrong.
+One dataclass per concern: where the broker serves and its data lives and how durable an
+acknowledgement is, the task source and its curator (`[broker.tasks]`, `[broker.tasks.curator]`), the
+data policies applied to trajectories and batches (`[broker.policies]`, `[broker.policies.replay]`),
+and the balance report (`[broker.balance]`). Each validates itself, so a bad value fails at start-up
+with the key that is wrong. The command's flags are derived from these fields (`deltamesh.config_flags`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from deltamesh.config_flags import flag
+from deltamesh.http import parse_listen
+from deltamesh.tls import TlsSettings
 
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """What a model_id may look like (as at the gateways): it appears in URL paths."""
@@ -20,13 +26,21 @@ class CuratorConfig:
     """Pre-rollout curator: which prompts are leased out again (see curators.py)."""
 
     name: str = "accept_all"
-    history: int = 4  # recent groups per task that filter_solved looks at
-    solved_reward: float = 1.0  # a sample with at least this reward counts as solved
-    greso_target: float = 0.25  # wanted share of zero-variance groups among observed ones
-    greso_step: float = 0.01  # how much the exploration probability moves per observed group
+    """accept_all, filter_solved, greso, or "module:callable"."""
+    history: int = 4
+    """Recent groups per task that filter_solved looks at."""
+    solved_reward: float = 1.0
+    """A sample with at least this reward counts as solved."""
+    greso_target: float = 0.25
+    """Wanted share of zero-variance groups among observed ones."""
+    greso_step: float = 0.01
+    """How much the exploration probability moves per observed group."""
     greso_start: float = 0.5
+    """GRESO: the exploration probability a task starts with."""
     greso_min: float = 0.05
+    """GRESO: the exploration probability never drops below this."""
     seed: int = 0
+    """Seed of the curator's random choices."""
 
     def __post_init__(self) -> None:
         if self.history < 1:
@@ -41,17 +55,25 @@ class CuratorConfig:
 class TasksConfig:
     """Where rollout tasks come from and how they are leased to pools."""
 
-    dataset: str | None = None  # JSONL of {"id", "prompt", ...}; imported into the store on first start
+    dataset: str | None = field(default=None, metadata=flag("--dataset", metavar="FILE"))
+    """JSONL of {"id", "prompt", ...}; imported into the store on first start."""
     epochs: int = 1
-    n_samples: int = 8  # samples per prompt: one group
-    model_ids: list[str] = field(default_factory=list)  # models each task produces for; empty = all known
+    """Passes over the dataset."""
+    n_samples: int = 8
+    """Samples per prompt: one group."""
+    model_ids: list[str] = field(default_factory=list)
+    """Models each task produces for; empty = all known."""
     lease_timeout_s: float = 600.0
-    max_lease_batch: int = 64  # most tasks one lease request gets
-    max_inflight_per_pool: int = 256  # leases a pool may hold before it returns results
-    # Backpressure: no new leases while, for every model, fresh groups waiting plus active leases reach
-    # this many; pools then idle rather than make data that goes stale before a trainer takes it.
+    """A lease not completed this long after it was handed out expires, and its task goes out again."""
+    max_lease_batch: int = 64
+    """Most tasks one lease request gets."""
+    max_inflight_per_pool: int = 256
+    """Leases a pool may hold before it returns results."""
     max_buffered_groups: int | None = None
+    """Backpressure: no new leases while, for every model, fresh groups waiting plus active leases reach
+    this many; pools then idle rather than make data that goes stale before a trainer takes it."""
     curator: CuratorConfig = field(default_factory=CuratorConfig)
+    """Which prompts are leased out again (`[broker.tasks.curator]`)."""
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.n_samples < 1:
@@ -67,10 +89,15 @@ class ReplayConfig:
     """Replay: a fraction of every batch drawn (whole groups) from groups already trained on."""
 
     fraction: float = 0.0
-    selector: str = "latest"  # latest | uniform | reward, or "module:callable"
-    max_staleness: int | None = None  # versions behind the trainer a replayed group may be
-    capacity: int = 65536  # samples kept for replay; the oldest are retired beyond it
+    """Share of every batch drawn from replay (0: off)."""
+    selector: str = "latest"
+    """latest, uniform, reward, or "module:callable"."""
+    max_staleness: int | None = None
+    """Versions behind the trainer a replayed group may be."""
+    capacity: int = 65536
+    """Samples kept for replay; the oldest are retired beyond it."""
     seed: int = 0
+    """Seed of the replay draw."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction < 1.0:
@@ -83,9 +110,12 @@ class ReplayConfig:
 class PoliciesConfig:
     """Data policies: post-rollout group filters, the staleness bound, replay."""
 
-    filters: list[str] = field(default_factory=lambda: ["keep_all"])  # applied in order when a group completes
-    max_staleness: int | None = None  # versions behind the trainer a fresh group may be; None = no bound
+    filters: list[str] = field(default_factory=lambda: ["keep_all"])
+    """Group filters applied in order when a group completes (keep_all, zero_adv, ... or "module:callable")."""
+    max_staleness: int | None = None
+    """Versions behind the trainer a fresh group may be; unset: no bound."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Replay of groups already trained on (`[broker.policies.replay]`)."""
 
     def __post_init__(self) -> None:
         if not self.filters:
@@ -98,11 +128,16 @@ class PoliciesConfig:
 class BalanceConfig:
     """The balance report: wait fraction and the rollout GPU target (AstraFlow's controller)."""
 
-    window_steps: int = 20  # trainer steps the report looks back over
-    scale_up_above: float = 0.10  # wait fraction above which rollout capacity grows
+    window_steps: int = 20
+    """Trainer steps the report looks back over."""
+    scale_up_above: float = 0.10
+    """Wait fraction above which rollout capacity grows."""
     scale_down_below: float = 0.05
-    headroom: float = 1.10  # kept when shrinking towards the consumption rate
-    pool_ttl_s: float = 120.0  # a pool counts towards the GPU total this long after its last request
+    """Wait fraction below which rollout capacity shrinks."""
+    headroom: float = 1.10
+    """Kept when shrinking towards the consumption rate."""
+    pool_ttl_s: float = 120.0
+    """A pool counts towards the GPU total this long after its last request."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1 or self.pool_ttl_s <= 0 or self.headroom < 1.0:
@@ -113,26 +148,52 @@ class BalanceConfig:
 
 @dataclass
 class BrokerConfig:
-    """Everything `deltamesh broker` needs besides --listen and --db."""
+    """Everything `deltamesh broker` needs: where it serves and stores, its limits, and its sections."""
 
-    models: list[str] = field(default_factory=list)  # model_ids known from the start
-    allow_register: bool = True  # a trainer's first version report registers its model_id
-    # "fsync": an acknowledgement survives power loss (SQLite synchronous=FULL); "process": it survives
-    # a killed broker process but not a crashed machine (synchronous=NORMAL), for more ingest per core.
+    listen: str = field(default="127.0.0.1:8700", metadata=flag(metavar="HOST:PORT"))
+    """Address to serve on."""
+    db: str = field(default="broker.db", metadata=flag(metavar="PATH"))
+    """SQLite file of the broker's durable store (one broker per file)."""
+    models: list[str] = field(default_factory=list, metadata=flag("--model", metavar="ID"))
+    """Model_ids known from the start."""
+    allow_register: bool = True
+    """A trainer's first version report registers its model_id."""
     durability: Literal["fsync", "process"] = "fsync"
+    """fsync: an acknowledgement survives power loss (SQLite synchronous=FULL); process: it survives a
+    killed broker process but not a crashed machine (synchronous=NORMAL), for more ingest per core."""
     max_body_bytes: int = 256 * 1024 * 1024
+    """Largest request body."""
     max_trajectories_per_submission: int = 4096
-    max_tokens: int = 262144  # per trajectory
-    max_poll_s: float = 300.0  # longest a batch long-poll may wait
-    # A delivered batch not acknowledged this long after its delivery (or after the trainer's last poll
-    # that said it still holds it) goes back to the buffer. It must exceed the trainer's longest step.
+    """Most trajectories in one submission."""
+    max_tokens: int = 262144
+    """Most tokens of one trajectory."""
+    max_poll_s: float = 300.0
+    """Longest a batch long-poll may wait."""
     ack_timeout_s: float = 1800.0
-    max_commit_trajectories: int = 8192  # most trajectories one group commit writes
+    """A delivered batch not acknowledged this long after its delivery (or after the trainer's last poll
+    that said it still holds it) goes back to the buffer. It must exceed the trainer's longest step."""
+    max_commit_trajectories: int = 8192
+    """Most trajectories one group commit writes."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
+    """The task source and its leases (`[broker.tasks]`)."""
     policies: PoliciesConfig = field(default_factory=PoliciesConfig)
+    """Data policies (`[broker.policies]`)."""
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """The balance report (`[broker.balance]`)."""
+    tokens_file: str = field(default="", metadata=flag(metavar="TOML"))
+    """Who may call which route: a tokens file of `deltamesh tokens add` (re-read when it changes or on
+    SIGHUP). Required unless `anonymous`."""
+    anonymous: bool = False
+    """Serve without authentication, every caller allowed: only for a broker that no one else can reach."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS of the broker's server (`[broker.tls]`): HTTPS with `--tls-cert/--tls-key`, mTLS with `--client-ca`."""
 
     def __post_init__(self) -> None:
+        parse_listen(self.listen)
+        if self.tokens_file and self.anonymous:
+            raise ValueError("tokens_file and anonymous exclude each other")
+        if not self.db:
+            raise ValueError("db must name the broker's SQLite file")
         bad = [m for m in self.models if not MODEL_ID.match(m)]
         if bad:
             raise ValueError(f"models {bad} do not match {MODEL_ID.pattern}")

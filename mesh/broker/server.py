@@ -1,6 +1,10 @@
 """The broker's HTTP API (aiohttp): pools lease tasks and submit trajectories, trainers report versions
 and step timings and long-poll batches, operators read status, the balance report and /metrics.
 
+Every route is authenticated (`ROUTES`: roles per route, enforced by `deltamesh.auth` before any
+handler runs; 401 without a known credential, 403 for a wrong role, model or pool name) unless the
+broker runs `anonymous`. Tokens come from a hashed tokens file that is re-read when it changes.
+
 Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
 conflicting data, 404 unknown model or batch id, 409 version going backwards or a trajectory id
 reused with other content, 413 body too large, 503 store unavailable), always as `{"error": reason}`.
@@ -17,6 +21,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from deltamesh.auth import OPEN, Policy, auth_middleware, identity, require_name
 from deltamesh.http import error_response, json_errors, parse_json, read_body, read_json
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
@@ -24,11 +29,31 @@ from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
 from deltamesh.mesh.broker.sqlite_store import SqliteStore
 from deltamesh.mesh.broker.store import BrokerStore, IdConflict, StoreConflict, StoreUnavailable
 from deltamesh.mesh.broker.json_form import trajectories_from_json
+from deltamesh.tokens import TokenStore
 from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 
 log = logging.getLogger(__name__)
 
 BROKER_KEY = web.AppKey("broker", Broker)
+TOKENS_KEY = web.AppKey("tokens", TokenStore)
+MAX_VERSION = 2**53  # versions travel as JSON numbers: beyond this they are not exact anywhere
+
+# Who may call each route (deltamesh.auth refuses anything not listed). A pool acts under its own
+# name only; a trainer only for the model ids of its token; admins read everything and run the
+# autoscaler; Prometheus scrapes /metrics with a metrics token.
+ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("POST", "/v1/trajectories"): ("pool",),
+    ("POST", "/v1/leases"): ("pool",),
+    ("GET", "/v1/leases"): ("pool", "admin"),
+    ("POST", "/v1/models/{model_id}/version"): ("trainer",),
+    ("POST", "/v1/models/{model_id}/steps"): ("trainer",),
+    ("POST", "/v1/models/{model_id}/batch"): ("trainer",),
+    ("POST", "/v1/models/{model_id}/acks"): ("trainer",),
+    ("GET", "/v1/status"): ("pool", "trainer", "admin", "metrics"),
+    ("GET", "/v1/balance"): ("admin",),
+    ("GET", "/metrics"): ("metrics", "admin"),
+    ("GET", "/healthz"): OPEN,
+}
 RETRY_AFTER_S = "1"
 MAX_BATCH_IDS = 10_000  # in one ack or held list: far more than a trainer holds between checkpoints
 
@@ -86,6 +111,20 @@ def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Calla
     return handler
 
 
+def _bind_to_pool(request: web.Request, trajectories: list) -> None:
+    """A pool submits under its own name and for the model ids of its token; an unnamed trajectory is
+    named after the caller, so the broker never records a pool that did not send it."""
+    who = identity(request)
+    if who is None:
+        return
+    for t in trajectories:
+        if t.pool and t.pool != who.name and who.role != "admin":
+            raise web.HTTPForbidden(reason=f"pool {who.name!r} may not submit for pool {t.pool!r}")
+        if not who.may_use(t.model_id):
+            raise web.HTTPForbidden(reason=f"pool {who.name!r} may not submit for model {t.model_id!r}")
+        t.pool = t.pool or who.name
+
+
 def build_app(config: BrokerConfig, db: str | Path | None = None, *,
               open_store: Callable[[], BrokerStore] | None = None) -> web.Application:
     """The broker as an aiohttp application; the store opens on start-up and closes on clean-up."""
@@ -97,9 +136,18 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         def open_store() -> BrokerStore:
             return SqliteStore(path, durability=config.durability)
 
+    if not config.tokens_file and not config.anonymous:
+        raise ValueError("the broker needs a tokens file (tokens_file; `deltamesh tokens add`) "
+                         "or anonymous = true for a broker that no one else can reach")
+    if config.anonymous:
+        log.warning("broker serves without authentication (anonymous = true): every caller may do anything")
+    tokens = TokenStore(config.tokens_file or None)
     broker = Broker(config, open_store)
-    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
+    policy = Policy(ROUTES, tokens, enabled=not config.anonymous,
+                    denied=lambda status: broker.metrics.rejected.labels(str(status)).inc())
+    app = web.Application(middlewares=[json_errors, auth_middleware(policy)], client_max_size=config.max_body_bytes)
     app[BROKER_KEY] = broker
+    app[TOKENS_KEY] = tokens
 
     async def on_startup(app: web.Application) -> None:
         await broker.start()
@@ -128,6 +176,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         else:
             raise DataFormatError(f"Content-Type must be {TRAJECTORIES_CONTENT_TYPE} or application/json, "
                                   f"got {request.content_type!r}")
+        _bind_to_pool(request, trajectories)
         result = await broker.submit(trajectories)
         return web.json_response({"accepted": result.accepted, "duplicates": result.duplicates})
 
@@ -139,6 +188,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         region = _field(body, "region", str, "")
         if not 0 < len(pool) <= 256 or len(region) > 256:
             raise web.HTTPBadRequest(reason="pool must be 1..256 characters, region at most 256")
+        require_name(request, pool)
         gpus = _field(body, "gpus", int, 1, minimum=0)
         max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
         leases = await broker.lease(pool, region, gpus, max_tasks)
@@ -146,13 +196,17 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
 
     @routes.get("/v1/leases")
     async def list_leases(request: web.Request) -> web.Response:
-        return web.json_response({"leases": broker.leases(request.query.get("pool"))})
+        who = identity(request)
+        pool = who.name if who is not None and who.role == "pool" else request.query.get("pool")
+        return web.json_response({"leases": broker.leases(pool)})
 
     @routes.post("/v1/models/{model_id}/version")
     @_errors
     async def version(request: web.Request) -> web.Response:
         body = await read_json(request)
         v = _field(body, "version", int, minimum=0)
+        if v >= MAX_VERSION:
+            raise web.HTTPBadRequest(reason=f"version must be below 2**53, got {v}")
         return web.json_response(await broker.report_version(request.match_info["model_id"], v))
 
     @routes.post("/v1/models/{model_id}/steps")
@@ -195,6 +249,10 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
     @routes.get("/v1/balance")
     async def balance(request: web.Request) -> web.Response:
         return web.json_response(broker.balance())
+
+    @routes.get("/healthz")
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:

@@ -3,7 +3,9 @@
 Each module named in COMMAND_MODULES exposes `register(commands, pool_commands)`, which adds its
 parsers to the top-level subcommands or to those of `deltamesh pool`, each with
 `set_defaults(run=callable)`. The callable takes the parsed namespace and returns an exit code.
-Modules import their heavy dependencies inside that callable, so `deltamesh --help` stays fast.
+A command's setting flags are derived from its config dataclass (`deltamesh.config_flags`), so
+`register` imports that config module (a light one); everything heavy is imported inside the
+callable, so `deltamesh --help` stays fast.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "version",
     "demo",
     "keys",
+    "certs",
+    "tokens",
     "gateway",
     "publish",
     "pool_sync",

@@ -10,16 +10,42 @@ under it. `--json` has every figure.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+
+from deltamesh.config import http_url
+from deltamesh.config_flags import add_config_flags, flag
+from deltamesh.tls import TlsSettings, check_token_transport
+
+
+@dataclass
+class LinksConfig:
+    """Which gateway to ask, and how often with --watch."""
+
+    gateway: str = field(default="", metadata=flag(metavar="URL"))
+    """Base URL of the gateway whose links are shown."""
+    token: str = field(default="", metadata=flag("--token"))
+    """An admin token of the gateway (GET /v1/links is for admins); empty with an admin client
+    certificate (tls cert, common name admin/NAME) or an anonymous gateway."""
+    interval_s: float = 1.0
+    """Seconds between updates with --watch."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS towards the gateway: `--ca` verifies an https:// gateway, `cert` is presented when it asks."""
+
+    def __post_init__(self) -> None:
+        self.gateway = http_url(self.gateway, "gateway")
+        if self.token:
+            check_token_transport(self.gateway, self.tls.insecure)
+        if not self.interval_s > 0:
+            raise ValueError("interval_s must be > 0")
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("links", help="show a gateway's links: RTT, throughput, errors",
                             description="Show a gateway's links. The full table needs a wide terminal (or COLUMNS); "
                                         "narrower output gets a compact one. --json has every figure.")
-    p.add_argument("--gateway", required=True, help="gateway URL")
     p.add_argument("--watch", action="store_true", help="keep the table updated in place")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between updates with --watch")
     p.add_argument("--json", action="store_true", help="print the gateway's JSON instead of a table")
+    add_config_flags(p, LinksConfig)
     p.set_defaults(run=run)
 
 
@@ -99,16 +125,25 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from deltamesh.config import ConfigError, load_config
+    from deltamesh.config_flags import config_overrides
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
 
+    log = logging.getLogger(__name__)
+    try:
+        config = load_config(LinksConfig, overrides=config_overrides(args, LinksConfig))
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+
     def fetch() -> dict:
-        return call_once(args.gateway, GatewayClient.links)
+        return call_once(config.gateway, GatewayClient.links, token=config.token, tls=config.tls)
 
     try:
         answer = fetch()
     except HttpError as e:
-        logging.getLogger(__name__).error("cannot read links from %s: %s", args.gateway, e)
+        log.error("cannot read links from %s: %s", config.gateway, e)
         return 1
     if args.json:
         print(json.dumps(answer, indent=2))
@@ -121,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         # Refreshed only when new figures arrive: no render thread to race with Ctrl-C.
         with Live(links_table(answer, console), console=console, auto_refresh=False) as live:
             while True:
-                time.sleep(args.interval)
+                time.sleep(config.interval_s)
                 try:
                     live.update(links_table(fetch(), console), refresh=True)
                 except HttpError as e:

@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+
+from deltamesh.config import http_url
+from deltamesh.config_flags import add_config_flags, flag
+from deltamesh.tls import TlsSettings, check_token_transport
+
+
+@dataclass
+class PoolsConfig:
+    """Which gateway to ask."""
+
+    gateway: str = field(default="", metadata=flag(metavar="URL"))
+    """Base URL of the gateway whose registered pools are listed."""
+    token: str = field(default="", metadata=flag("--token"))
+    """An admin token of the gateway (GET /v1/pools is for admins); empty with an admin client
+    certificate (tls cert, common name admin/NAME) or an anonymous gateway."""
+
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS towards the gateway: `--ca` verifies an https:// gateway, `cert` is presented when it asks."""
+
+    def __post_init__(self) -> None:
+        self.gateway = http_url(self.gateway, "gateway")
+        if self.token:
+            check_token_transport(self.gateway, self.tls.insecure)
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("pools", help="list the pools registered with a gateway")
-    p.add_argument("--gateway", required=True, help="gateway URL")
     p.add_argument("--json", action="store_true", help="print the gateway's JSON instead of a table")
+    add_config_flags(p, PoolsConfig)
     p.set_defaults(run=run)
 
 
@@ -36,13 +60,21 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from deltamesh.config import ConfigError, load_config
+    from deltamesh.config_flags import config_overrides
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
 
+    log = logging.getLogger(__name__)
     try:
-        answer = call_once(args.gateway, GatewayClient.pools)
+        config = load_config(PoolsConfig, overrides=config_overrides(args, PoolsConfig))
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    try:
+        answer = call_once(config.gateway, GatewayClient.pools, token=config.token, tls=config.tls)
     except HttpError as e:
-        logging.getLogger(__name__).error("cannot read pools from %s: %s", args.gateway, e)
+        log.error("cannot read pools from %s: %s", config.gateway, e)
         return 1
     if args.json:
         print(json.dumps(answer, indent=2))

@@ -8,21 +8,17 @@ from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
+    from deltamesh.config_flags import add_config_flags
+    from deltamesh.gateway.config import PublishConfig
+
     p = commands.add_parser(
         "publish", help="publish weights to an origin gateway",
         description="Encode WEIGHTS_DIR against the previously published version (kept in --state), sign it "
                     "and upload it. A full snapshot is published too every --full-every versions, and "
-                    "instead of a delta when there is no matching previous version.")
+                    "instead of a delta when there is no matching previous version. --gateway, --model and "
+                    "--key are required.")
     p.add_argument("weights_dir", metavar="WEIGHTS_DIR", help="safetensors directory (single file or sharded)")
-    p.add_argument("--gateway", required=True, help="origin gateway URL")
-    p.add_argument("--model", required=True, help="model id")
-    p.add_argument("--key", required=True, help="trainer's Ed25519 private key (PEM)")
-    p.add_argument("--version", type=int, help="version number (default: one after the gateway's head)")
-    p.add_argument("--full-every", type=int, default=10, help="also publish a full snapshot every N versions")
-    p.add_argument("--piece-mib", type=float, default=4.0, help="piece size in MiB")
-    p.add_argument("--connections", type=int, default=4, help="parallel uploads")
-    p.add_argument("--state", help="directory keeping the last published weights "
-                                   "(default: $XDG_CACHE_HOME/deltamesh/publish/MODEL)")
+    add_config_flags(p, PublishConfig)
     p.set_defaults(run=run)
 
 
@@ -33,14 +29,22 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+    from deltamesh.config import ConfigError, load_config
+    from deltamesh.config_flags import config_overrides
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
     from deltamesh.http import HttpError
+    from deltamesh.gateway.config import PublishConfig
     from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
 
     log = logging.getLogger(__name__)
+    try:
+        config = load_config(PublishConfig, overrides=config_overrides(args, PublishConfig))
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    state = PublishState(args.state or cache / "deltamesh" / "publish" / args.model)
+    state = PublishState(config.state or cache / "deltamesh" / "publish" / config.model)
     console = Console(stderr=True)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=console, transient=False) as progress:
@@ -50,14 +54,15 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=f"v{enc.manifest.version} {enc.manifest.kind}",
                             total=enc.manifest.payload_bytes, completed=0)
 
-        publisher = Publisher(args.gateway, load_private_key(args.key), args.model, full_every=args.full_every,
-                              piece_bytes=int(args.piece_mib * 1024 * 1024), connections=args.connections,
+        publisher = Publisher(config.gateway, load_private_key(config.key), config.model,
+                              full_every=config.full_every, piece_bytes=int(config.piece_mib * 2**20),
+                              connections=config.connections, token=config.token, tls=config.tls,
                               on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
         try:
-            result = asyncio.run(publish_dir(publisher, args.weights_dir, state, args.version))
+            result = asyncio.run(publish_dir(publisher, args.weights_dir, state, config.version))
         except (HttpError, CodecError, RuntimeError, OSError, ValueError) as e:
             log.error("publish failed: %s", e)
             return 1
     kinds = ", ".join(f"{m.kind} {m.payload_bytes} bytes" for m in result.manifests)
-    print(f"published {args.model} v{result.version}: {kinds}")
+    print(f"published {config.model} v{result.version}: {kinds}")
     return 0

@@ -49,32 +49,46 @@ TINY_SOLVER_VERIFIER: dict[str, Any] = {
 
 @dataclass
 class DemoConfig:
+    """The demo mesh: model, workflow, length, recipe (unset fields take the model's), topology and timeouts."""
+
     steps: int = 60
     """Optimizer steps (versions published after v0) per trainer."""
     model: Literal["tiny", "smollm2"] = "tiny"
+    """tiny: the random-init character model; smollm2: the real pretrained SmolLM2-135M-Instruct."""
     workflow: Literal["math", "solver_verifier"] = "math"
+    """math: one policy; solver_verifier: two policies, two trainers."""
     seed: int = 0
+    """Seed of the trainer, the pools' sampling and the task set."""
     lr: float | None = None
+    """Learning rate (unset: the model's recipe)."""
     group_size: int | None = None
     """Samples per prompt (one GRPO group)."""
     groups_per_step: int | None = None
+    """Groups per trainer step."""
     max_new_tokens: int | None = None
+    """Most tokens the pools generate per answer."""
     format_reward: float | None = None
+    """Reward for an answer that is a number at all."""
     max_digit: int | None = None
+    """Largest digit in the digit-sum prompts (0..4)."""
     full_every: int = 10
     """The trainer also publishes a full snapshot every N versions (0: only v0)."""
     pools: int | None = None
-    """Run only the topology's first N pools (None: all)."""
+    """Run only the topology's first N pools (unset: all)."""
     run_dir: str = ""
     """Where logs, stores, weights and the report go (default runs/demo-<timestamp>)."""
     topology: Topology = field(default_factory=default_topology)
+    """Regions, links and pools (`[demo.topology]`, or a `[topology]` file given with --topology)."""
     buffered_groups: int | None = None
     """Broker backpressure: groups waiting or leased at most (default: two steps' worth)."""
     start_timeout_s: float = 300.0
+    """How long the mesh may take to come up and reach its first trainer step."""
     settle_timeout_s: float = 120.0
     """After the trainer's last step: how long pools may take to serve its final version."""
     stop_grace_s: float = 15.0
+    """On stop: how long each service may take to exit before it is killed."""
     poll_s: float = 0.5
+    """Period of the monitor's status reads."""
 
     def __post_init__(self) -> None:
         if self.model not in RECIPES:

@@ -94,7 +94,7 @@ def broker_service(plan: MeshPlan) -> Service:
         "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": 1,
                   "lease_timeout_s": 60.0, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
     }})
-    args = ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
+    args = ["broker", "--anonymous", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
             "--config", str(config)]
     return _http("broker", "broker", args, plan.run_dir / "logs" / "broker.log", port, health="/v1/status")
 
@@ -104,8 +104,8 @@ def gateway_service(plan: MeshPlan, spec: GatewaySpec) -> Service:
     url = f"http://127.0.0.1:{port}"
     args = ["gateway", "--region", spec.region, "--listen", f"127.0.0.1:{port}", "--advertise", url,
             "--store", str(plan.run_dir / "gateways" / spec.region), "--trusted-key", str(plan.public_key),
-            "--pool-token", plan.token, "--probe-interval", "1", "--heartbeat-timeout", "10",
-            "--stall-timeout", "10", "--piece-wait", "2"]
+            "--anonymous", "--probe-interval-s", "1", "--heartbeat-timeout-s", "10",
+            "--stall-timeout-s", "10", "--piece-wait-s", "2"]
     if spec.upstream:
         args += ["--upstream", plan.gateways[spec.upstream].url]
         if spec.bandwidth_mbps:
@@ -120,14 +120,15 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
     cfg, port = plan.config, free_port()
     assert plan.broker is not None
     config = _write_toml(plan.run_dir / "pools" / f"{name}.toml", {"pool": {
-        "name": name, "gateways": [plan.gateways[region].url], "broker": plan.broker.url, "token": plan.token,
-        "trusted_keys": [str(plan.public_key)], "dir": str(plan.pool_dir(name)), "region": region,
+        "name": name, "broker": plan.broker.url, "dir": str(plan.pool_dir(name)), "region": region,
         "engine": "transformers", "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
-        "listen": f"127.0.0.1:{port}", "workflow": cfg.workflow, "workflow_options": cfg.workflow_options(),
+        "listen": f"127.0.0.1:{port}",
         "models": [{"model_id": m, "model_path": str(plan.model_dir)} for m in cfg.model_ids],
+        "sync": {"gateways": [plan.gateways[region].url], "token": plan.token,
+                 "trusted_keys": [str(plan.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0},
+        "worker": {"workflow": cfg.workflow, "workflow_options": cfg.workflow_options(), "lease_batch": 2,
+                   "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0},
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
-        "lease_batch": 2, "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0,
-        "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
     }})
     args = ["pool", "run", "--config", str(config)]
     return _http(name, "pool", args, plan.run_dir / "logs" / f"pool-{name}.log", port)
@@ -137,13 +138,12 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
     cfg = plan.config
     assert plan.broker is not None
     origin = plan.gateways[cfg.topology.origin.region]
-    config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {
-        "trainer": {"model_id": model_id, "seed": cfg.seed, "optim": {"lr": cfg.lr}},
-        "train": {"broker": plan.broker.url, "gateway": origin.url, "model": str(plan.model_dir),
-                  "key": str(plan.private_key), "batch_size": cfg.batch_size, "max_steps": cfg.steps,
-                  "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
-                  "metrics_file": str(plan.metrics_file(model_id))},
-    })
+    config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {"trainer": {
+        "model_id": model_id, "seed": cfg.seed, "broker": plan.broker.url, "gateway": origin.url,
+        "model": str(plan.model_dir), "key": str(plan.private_key), "batch_size": cfg.batch_size,
+        "max_steps": cfg.steps, "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
+        "metrics_file": str(plan.metrics_file(model_id)), "optim": {"lr": cfg.lr},
+    }})
     # The trainer may use both cores for the real model; the tiny one gains nothing from a second thread.
     return Service(f"trainer-{model_id}", "trainer", ["train", "--config", str(config)],
                    plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)

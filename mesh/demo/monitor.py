@@ -1,9 +1,10 @@
 """Polling the running mesh: every service's JSON endpoints and the trainers' step files, into `MeshState`.
 
-One `poll` reads, concurrently: each model's version listing at every gateway (the origin's gives
-payload sizes and weights hashes, a relay's what came over its upstream link), every gateway's link
-monitor (RTT of its upstream link, bytes served to each of its pools), every pool's own status, the
-broker's status and balance report, and the new lines of each trainer's metrics file. A service
+One `poll` reads, concurrently: each model's version listing at the origin (payload sizes and
+weights hashes), each relay gateway's per-version traffic (what came over its upstream link for each
+version), every gateway's link monitor (RTT of its upstream link, bytes served to each of its pools),
+every pool's own status, the broker's status and balance report, and the new lines of each trainer's
+metrics file. A service
 that does not answer is skipped for this round (it may be busy or still starting); the view shows
 what is known.
 """
@@ -74,7 +75,7 @@ class Monitor:
         for spec in topo.gateways:
             gw = plan.gateways[spec.region].url
             for model_id in plan.config.model_ids:
-                jobs.append(self._versions(gw, model_id, spec.link))
+                jobs.append(self._version_facts(gw, model_id, spec.link))
             jobs.append(self._links(gw, spec.region, spec.link))
         for name, service in plan.pools.items():
             jobs.append(self._pool(name, service.url))
@@ -90,13 +91,14 @@ class Monitor:
             for record in steps.new_records():
                 self.state.trainer_step(model_id, record, self.upload_link)
 
-    async def _versions(self, gateway: str, model_id: str, link: str) -> None:
-        answer = await self._get(f"{gateway}/v1/models/{model_id}/versions")
-        if answer is None:
-            return
+    async def _version_facts(self, gateway: str, model_id: str, link: str) -> None:
         if link:
-            self.state.relay_listing(model_id, link, answer["versions"])
-        else:
+            answer = await self._get(f"{gateway}/v1/models/{model_id}/traffic")
+            if answer is not None:
+                self.state.relay_traffic(model_id, link, answer["versions"])
+            return
+        answer = await self._get(f"{gateway}/v1/models/{model_id}/versions")
+        if answer is not None:
             self.state.origin_listing(model_id, answer["versions"])
 
     async def _links(self, gateway: str, region: str, link: str) -> None:

@@ -4,7 +4,8 @@ Per step of each policy: reward, version, the bytes each link carried for that v
 full snapshot's size, the trainer's wait fraction and timings, how far behind each pool was, how
 many samples each pool contributed, and how long after the step the last pool served the version.
 The chart (matplotlib, Agg backend, no display needed) shows reward per step and, on a log scale,
-bytes per version on each link with the full-sync size as a dashed line.
+bytes per version on each link with the full-sync size as a dashed line. The summary also lists, per
+version published as delta + full (the periodic full syncs), what each link carried for it.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def summary(models: dict[str, Any], checks: list[FinalCheck]) -> dict[str, Any]:
             "mean_wait_fraction": statistics.fmean(r["wait_fraction"] for r in m["steps"]) if m["steps"] else None,
             "mean_link_bytes_per_version": {k: statistics.fmean(v) for k, v in per_link.items()},
             "full_bytes": statistics.median(fulls) if fulls else None,
+            # The periodic full syncs: what each link carried for a version published as delta + full.
+            "periodic_full_versions": [{"version": row["version"], "full_bytes": row["full_bytes"],
+                                        "link_bytes": row["link_bytes"]}
+                                       for row in m["steps"] if "full" in row["publish_kinds"] and row["version"]],
         }
     return out
 
@@ -158,7 +163,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax_bytes.set_yscale("log")
     ax_bytes.set_xlabel("version")
     ax_bytes.set_ylabel("bytes on the link for this version")
-    ax_bytes.set_title("bytes per version on each link (deltas; periodic full syncs show as spikes)")
+    ax_bytes.set_title("bytes per version on each link (the upload spikes with each periodic full;\n"
+                       "relays carry a full only when a pool asks for one)")
     ax_bytes.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -2,9 +2,10 @@
 
 The monitor feeds it what the services report; nothing here does I/O. Per version of each model it
 keeps the bytes each link carried for it (the trainer's upload to the origin; for every relay link,
-the payload of the kinds of that version the downstream gateway holds complete, since a relay mirrors
-every kind it keeps), the size a full snapshot would have cost, the trainer's step record, and when
-each pool's engine first served it. Per pool it keeps the latest status and the bytes it pulled from
+the piece bytes the downstream gateway received from its upstream for that version, as its
+`/v1/models/{model}/traffic` counts them: a delta, and a full only when a pool or the relay's anchor
+needed one), the size a full snapshot would have cost, the trainer's step record, and when each
+pool's engine first served it. Per pool it keeps the latest status and the bytes it pulled from
 its gateway each time its engine moved to a newer version.
 """
 
@@ -113,17 +114,14 @@ class MeshState:
             if e["kind"] == "full":
                 run.full_bytes = int(e["payload_bytes"])
 
-    def relay_listing(self, model_id: str, link: str, listing: list[dict[str, Any]]) -> None:
-        """A relay gateway's versions: what is complete there came over its upstream link."""
+    def relay_traffic(self, model_id: str, link: str, versions: list[dict[str, Any]]) -> None:
+        """A relay gateway's per-version traffic: what it received came over its upstream link."""
         run = self.models[model_id]
-        held: dict[int, int] = {}
-        for e in listing:
-            if e.get("complete"):
-                held[int(e["version"])] = held.get(int(e["version"]), 0) + int(e["payload_bytes"])
-        for v, nbytes in held.items():
-            facts = run.version(v)
-            # Retention may drop a version's delta later; keep the largest amount ever seen.
-            facts.link_bytes[link] = max(facts.link_bytes.get(link, 0), nbytes)
+        for e in versions:
+            facts = run.version(int(e["version"]))
+            # The gateway forgets its oldest versions' figures (and all of them on a restart); keep
+            # the largest amount ever seen.
+            facts.link_bytes[link] = max(facts.link_bytes.get(link, 0), int(e["received_bytes"]))
 
     def trainer_step(self, model_id: str, record: dict[str, Any], upload_link: str) -> None:
         run = self.models[model_id]

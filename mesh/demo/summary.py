@@ -36,6 +36,10 @@ def print_summary(console: Console, result: DemoResult) -> None:
         for link, mean in sorted(facts.get("mean_link_bytes_per_version", {}).items()):
             table.add_row(link, human_bytes(mean), human_bytes(full), f"{full / mean:.1f}x" if full and mean else "-")
         console.print(table)
+        for row in facts.get("periodic_full_versions", []):
+            links = ", ".join(f"{link} {human_bytes(n)}" for link, n in sorted(row["link_bytes"].items()))
+            console.print(f"  v{row['version']} (published as delta + full, full {human_bytes(row['full_bytes'])}): "
+                          f"{links or '-'}")
     checks = report["final_checks"]
     if checks:
         exact = sum(1 for c in checks if c["bit_exact"])

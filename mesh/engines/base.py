@@ -4,10 +4,12 @@ An engine serves one model_id. It generates for a batch of token prompts with sa
 returns, for each prompt, the generated tokens, the behaviour log-probability of each token and the
 policy version that produced each token: a generation may straddle a weight swap, and then its early
 tokens carry the old version and its later ones the new. Weights change in one of two ways:
-`load_version` reloads a whole version from a safetensors directory (what the pool agent keeps in
-sync), and `apply_update` hot-swaps a verified delta or full snapshot in place where the engine can
-(`supports_in_place`). Either way the switch is atomic: the engine serves the old version or the new
-one, never a mix, and a failed update leaves the old version serving.
+`load_version` reloads a whole version from the safetensors directory the pool keeps in sync, and
+`apply_update` hot-swaps a version the pool has already verified and decoded once
+(`deltamesh.delta.DecodedVersion`, the same object the pool then applies to its directory) into the
+live weights, where the engine can (`supports_in_place`). Either way the switch is atomic: the
+engine serves the old version or the new one, never a mix, and a failed update leaves the old
+version serving, bit for bit.
 
 Behaviour log-probabilities are those of the temperature-scaled distribution (log_softmax of
 logits / temperature) before top-p/top-k truncation; this is what SGLang returns and what the trainer
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
-    from deltamesh.delta import Manifest
+    from deltamesh.delta import DecodedVersion
 
 FinishReason = Literal["stop", "length"]
 
@@ -109,8 +111,9 @@ class Engine(Protocol):
         """Serve the full weights in safetensors directory `path` as `version` from the next step on."""
         ...
 
-    async def apply_update(self, manifest: Manifest, pieces: Sequence[bytes]) -> None:
-        """Apply one verified delta (onto the version served now) or full snapshot in place."""
+    async def apply_update(self, version: DecodedVersion) -> None:
+        """Apply one decoded delta (onto the version served now) or full snapshot in place; on any
+        error the engine still serves what it served before, bit for bit."""
         ...
 
     async def close(self) -> None:

@@ -29,7 +29,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from deltamesh.config import http_url
-from deltamesh.delta import Manifest, dir_manifest
+from deltamesh.delta import DecodedVersion, dir_manifest
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams
 from deltamesh.mesh.engines.metrics import EngineMetrics
@@ -193,7 +193,7 @@ class SGLangEngine:
         self.metrics.version.set(version)
         log.info("%s: SGLang now serving v%d from %s (%.3f s paused)", self.model_id, version, path, seconds)
 
-    async def apply_update(self, manifest: Manifest, pieces: Sequence[bytes]) -> None:
+    async def apply_update(self, version: DecodedVersion) -> None:
         raise EngineError("the SGLang engine cannot apply updates in place: sync a directory, then load_version")
 
     async def close(self) -> None:

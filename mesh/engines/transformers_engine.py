@@ -5,8 +5,10 @@ rather than `model.generate`, because weights may change between two decode step
 under the engine's step lock, and a weight update takes the same lock, so an update lands exactly at
 a step boundary (FIFO: it waits for at most the step in progress of each running generation). Each
 token is tagged with the version that was live when its step ran; in-flight generations carry on
-with the new weights over the KV cache built so far. Pieces are decoded and verified before the lock
-is taken, so generation pauses only for the in-place write and the hash check.
+with the new weights over the KV cache built so far. The pool verifies and decodes a version before
+handing it over (`DecodedVersion`), so generation pauses only for the in-place write and the hash
+check, both done by the codec's one applier (`deltamesh.delta.swap_in_place`), which restores every
+written word if the result does not hash right.
 
 Calls that touch the model run in a worker thread (`asyncio.to_thread`) under `torch.inference_mode`,
 keeping the pool's event loop free for network I/O meanwhile.
@@ -26,16 +28,20 @@ from typing import Any, Literal, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-from deltamesh.delta import BaseMismatchError, CorruptError, Manifest, dir_manifest, read_weights, tensor_digest
-from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
-from deltamesh.mesh.engines.hotswap import (
-    copy_weights_in_place,
-    decode_delta,
-    decode_full,
+from deltamesh.delta import (
+    BaseMismatchError,
+    CorruptError,
+    DecodedVersion,
+    Manifest,
+    copy_in,
+    dir_manifest,
+    live_hash,
     live_tensors,
-    verify_base,
-    write_delta_in_place,
+    read_weights,
+    swap_in_place,
+    tensor_digest,
 )
+from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sampling import sample_next
 from deltamesh.trainer.models import load_causal_lm, load_tokenizer
@@ -162,7 +168,7 @@ class TransformersEngine:
             weights, manifest = await asyncio.to_thread(_read_verified, Path(path), version)
             async with self._lock:
                 paused = time.perf_counter()
-                await asyncio.to_thread(copy_weights_in_place, self._live, weights)
+                await asyncio.to_thread(copy_in, self._live, weights)
                 self._set_version(version, manifest.weights_hash if manifest is not None else None)
         except Exception:
             self.metrics.update_done("disk", False, 0.0)
@@ -171,36 +177,28 @@ class TransformersEngine:
         log.info("%s: now serving v%d from %s (%.3f s, %.3f s paused)", self.model_id, version, path,
                  time.perf_counter() - started, time.perf_counter() - paused)
 
-    async def apply_update(self, manifest: Manifest, pieces: Sequence[bytes]) -> None:
-        """Hot-swap delta or full snapshot `manifest` into the live model between two decode steps."""
+    async def apply_update(self, version: DecodedVersion) -> None:
+        """Hot-swap decoded delta or full snapshot `version` into the live model between two decode steps."""
         self._check_open()
+        manifest = version.manifest
         if manifest.model_id != self.model_id:
             raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
-        way = manifest.kind
         try:
-            if manifest.kind == "delta":
-                decoded = await asyncio.to_thread(decode_delta, manifest, pieces)
-                async with self._lock:
-                    paused = time.perf_counter()
-                    self._weights_hash = await asyncio.to_thread(
-                        verify_base, self._live, manifest, self._version, self._weights_hash)
-                    stats = await asyncio.to_thread(write_delta_in_place, self._live, decoded)
-                    self._set_version(manifest.version, manifest.weights_hash)
-                log.info("%s: hot-swapped v%d -> v%d in place (%d words in %d tensors, %.3f s paused)",
-                         self.model_id, manifest.base_version, manifest.version, stats.words_changed,
-                         stats.tensors_written, time.perf_counter() - paused)
-            else:
-                weights = await asyncio.to_thread(decode_full, manifest, pieces)
-                async with self._lock:
-                    paused = time.perf_counter()
-                    await asyncio.to_thread(copy_weights_in_place, self._live, weights)
-                    self._set_version(manifest.version, manifest.weights_hash)
-                log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version,
-                         time.perf_counter() - paused)
+            async with self._lock:
+                paused = time.perf_counter()
+                base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
+                stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash)
+                self._set_version(manifest.version, manifest.weights_hash)
         except Exception:
-            self.metrics.update_done(way, False, 0.0)
+            self.metrics.update_done(manifest.kind, False, 0.0)
             raise
-        self.metrics.update_done(way, True, time.perf_counter() - paused)
+        seconds = time.perf_counter() - paused
+        self.metrics.update_done(manifest.kind, True, seconds)
+        if manifest.kind == "delta":
+            log.info("%s: hot-swapped v%d -> v%d in place (%d words in %d tensors, %.3f s paused)", self.model_id,
+                     manifest.base_version, manifest.version, stats.words_changed, stats.tensors_written, seconds)
+        else:
+            log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version, seconds)
 
     async def close(self) -> None:
         async with self._lock:
@@ -213,6 +211,19 @@ class TransformersEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"{self.model_id}: engine is closed")
+
+    def _check_base(self, manifest: Manifest) -> str:
+        """The `weights_hash` of the served weights, once delta `manifest` is known to apply onto them
+        (hashing the live model the first time, when they did not come with a manifest)."""
+        if manifest.base_version != self._version:
+            raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} is a delta from "
+                                    f"v{manifest.base_version}, the engine serves v{self._version}")
+        if self._weights_hash is None:
+            self._weights_hash = live_hash(self._live, manifest)
+        if manifest.base_hash != self._weights_hash:
+            raise BaseMismatchError(f"{manifest.model_id} v{manifest.version}: its base v{manifest.base_version} has "
+                                    f"weights {manifest.base_hash}, the engine serves {self._weights_hash}")
+        return self._weights_hash
 
     def _set_version(self, version: int, weights_hash: str | None) -> None:
         self._version = version

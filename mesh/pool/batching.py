@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from deltamesh.delta import Manifest
+    from deltamesh.delta import DecodedVersion
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class BatchingEngine:
     async def load_version(self, path: str | Path, version: int) -> None:
         await self.inner.load_version(path, version)
 
-    async def apply_update(self, manifest: "Manifest", pieces: Sequence[bytes]) -> None:
-        await self.inner.apply_update(manifest, pieces)
+    async def apply_update(self, version: "DecodedVersion") -> None:
+        await self.inner.apply_update(version)
 
     async def close(self) -> None:
         await self.__aexit__(None, None, None)

@@ -1,10 +1,14 @@
 """Typed settings of a rollout pool (`deltamesh pool run --config FILE`, table `[pool]`).
 
 A pool serves one or more policies (model_ids), each with its own engine and its own weight stream
-from the region's gateway, and runs one workflow over the tasks it leases from the broker. Flags
-given on the command line override the file; every value is checked here, so a bad setting fails at
-start-up naming the key. A single-policy pool needs no file: `--model PATH` (and optionally
-`--model-id`) describe its one policy.
+from the region's gateway, and runs one workflow over the tasks it leases from the broker. `[pool]`
+holds what the pool is (name, broker, engine, where weights live) and has three sections:
+`[pool.sync]` how each weight stream follows the gateways (`WeightSyncSettings`, shared with
+`deltamesh pool sync`), `[pool.worker]` how the rollout worker leases, runs and submits, and
+`[pool.sampling]` how the engines sample; `[[pool.models]]` lists the policies. Flags derived from
+these fields override the file; every value is checked here, so a bad setting fails at start-up
+naming the key. A single-policy pool needs no file: `--model PATH` (and optionally `--model-id`)
+describe its one policy.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deltamesh.config import http_url
+from deltamesh.config_flags import flag
 from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import parse_listen
 
@@ -45,10 +50,15 @@ class SamplingConfig:
     """How the pool samples (see `deltamesh.mesh.engines.base.SamplingParams`)."""
 
     max_new_tokens: int = 256
+    """Most tokens generated per completion."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this (1: all)."""
     top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
     ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token up to max_new_tokens."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,60 +68,92 @@ class SamplingConfig:
 
 
 @dataclass
-class PoolConfig(WeightSyncSettings):
-    """Everything `deltamesh pool run` needs: how it follows the gateways (`WeightSyncSettings`) and the rest."""
+class WorkerConfig:
+    """The rollout worker: which workflow it runs, and how it leases tasks and submits trajectories."""
 
-    name: str = ""
-    broker: str = ""
-    dir: str = "pool-weights"
-    """Root of the synced weights: each policy's directory is DIR/<model_id>, kept at the gateway's
-    head atomically; a restarted pool resumes from it without downloading what it already holds."""
-    region: str = ""
-    """Empty: the region of the first gateway that answers."""
-    engine: Literal["transformers", "sglang"] = "transformers"
-    device: str = "cpu"
-    """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
-    threads: int = 0
-    """Torch CPU threads of this process (0: torch's default)."""
-    seed: int | None = None
-    """Seed of the transformers engine's sampling (None: random, so pools do not sample alike)."""
-    hot_swap: bool = True
-    """Apply new versions into a live transformers engine in place; False reloads every version from
-    the synced directory (what an engine without hot swap does)."""
-    listen: str = "127.0.0.1:0"
-    """HOST:PORT of the pool's own status and /metrics server (port 0: any free port)."""
-    advertise: str = ""
-    """The status server's URL as the gateway should reach it (its RTT probes); default: the listen address."""
-    models: list[PolicyConfig] = field(default_factory=list)
-    workflow: str = "math"
+    workflow: str = field(default="math", metadata=flag("--workflow"))
+    """Workflow name: math, solver_verifier, or module:SPEC."""
     workflow_options: dict[str, Any] = field(default_factory=dict)
-    roles: dict[str, str] = field(default_factory=dict)
+    """The workflow's options (a table in the file)."""
+    roles: dict[str, str] = field(default_factory=dict, metadata=flag("--role", metavar="ROLE=MODEL_ID"))
     """Workflow role -> model_id. A role left out is played by the model_id of the same name, or by
     the only policy when there is one."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_staleness: int | None = None
     """Stop leasing while a policy's engine is more than this many versions behind the newest version
-    known (the trainer's, as the broker reports it, or the gateway's head); None: no bound."""
+    known (the trainer's, as the broker reports it, or the gateway's head); unset: no bound."""
     lease_batch: int = 4
     """Most tasks asked for in one lease request."""
     max_episodes: int = 8
     """Episodes run at once; their generate calls are merged into shared engine batches."""
-    batch_window_s: float = 0.005
-    """How long the transformers engine's batcher waits for more generate calls to join a batch (0: no merging)."""
-    max_batch: int = 64
-    """Most prompts one engine batch decodes together."""
     idle_s: float = 0.5
     """Pause before asking again when the broker had no task (or the pool may not lease)."""
     broker_refresh_s: float = 1.0
     """How often the trainer versions are read from the broker for the staleness bound."""
     submit_retries: int = 10
+    """Retries of a submission the broker could not take (submission is idempotent)."""
     drain_s: float = 30.0
     """On stop: how long running episodes may take to finish and submit (unfinished leases expire)."""
 
     def __post_init__(self) -> None:
+        if not self.workflow:
+            raise ValueError("worker.workflow must name a workflow")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("worker.max_staleness must be >= 0")
+        if min(self.lease_batch, self.max_episodes) < 1:
+            raise ValueError("worker.lease_batch and worker.max_episodes must be >= 1")
+        if self.submit_retries < 0 or self.drain_s < 0:
+            raise ValueError("worker.submit_retries and worker.drain_s must be >= 0")
+        if min(self.idle_s, self.broker_refresh_s) <= 0:
+            raise ValueError("worker.idle_s and worker.broker_refresh_s must be > 0")
+
+
+@dataclass
+class PoolConfig:
+    """Everything `deltamesh pool run` needs: the pool itself, its policies, and its three sections."""
+
+    sync: WeightSyncSettings
+    """How each policy's weight stream follows the region's gateways (`[pool.sync]`)."""
+    name: str = ""
+    """Pool name (registered with the gateway and the broker)."""
+    broker: str = field(default="", metadata=flag(metavar="URL"))
+    """Base URL of the dataflow broker."""
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    """Bearer token for the broker (`deltamesh tokens add --role pool --name NAME`); empty for an anonymous broker."""
+    dir: str = "pool-weights"
+    """Root of the synced weights: each policy's directory is DIR/<model_id>, kept at the gateway's
+    head atomically; a restarted pool resumes from it without downloading what it already holds."""
+    region: str = ""
+    """Region name; empty: the region of the first gateway that answers."""
+    engine: Literal["transformers", "sglang"] = "transformers"
+    """The inference engine of every policy."""
+    device: str = "cpu"
+    """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
+    threads: int = 0
+    """Torch CPU threads of this process (0: torch's default)."""
+    seed: int | None = None
+    """Seed of the transformers engine's sampling (unset: random, so pools do not sample alike)."""
+    hot_swap: bool = True
+    """Apply new versions into a live transformers engine in place; off reloads every version from
+    the synced directory (what an engine without hot swap does)."""
+    listen: str = field(default="127.0.0.1:0", metadata=flag(metavar="HOST:PORT"))
+    """The pool's own status and /metrics server (port 0: any free port)."""
+    advertise: str = field(default="", metadata=flag(metavar="URL"))
+    """The status server's URL as the gateway should reach it (its RTT probes); default: the listen address."""
+    batch_window_s: float = 0.005
+    """How long the transformers engine's batcher waits for more generate calls to join a batch (0: no
+    merging)."""
+    max_batch: int = 64
+    """Most prompts one engine batch decodes together."""
+    models: list[PolicyConfig] = field(default_factory=list)
+    """The policies served (`[[pool.models]]`; on the command line `--model` / `--model-id`)."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    """The rollout worker (`[pool.worker]`)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How the engines sample (`[pool.sampling]`)."""
+
+    def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name is required")
-        super().__post_init__()
         self.broker = http_url(self.broker, "broker")
         if not self.models:
             raise ValueError("models must describe at least one policy (or give --model)")
@@ -123,22 +165,14 @@ class PoolConfig(WeightSyncSettings):
                 raise ValueError(f"policy {m.model_id or '(default)'}: the transformers engine needs model_path")
             if self.engine == "sglang" and not (m.model_path or m.engine_url):
                 raise ValueError(f"policy {m.model_id or '(default)'}: the SGLang engine needs model_path or engine_url")
-        unknown = sorted(set(self.roles.values()) - set(ids))
+        unknown = sorted(set(self.worker.roles.values()) - set(ids))
         if unknown:
-            raise ValueError(f"roles name model_ids the pool does not serve: {unknown}")
+            raise ValueError(f"worker.roles name model_ids the pool does not serve: {unknown}")
         parse_listen(self.listen)
         if self.advertise:
             self.advertise = http_url(self.advertise, "advertise")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
-        if min(self.lease_batch, self.max_episodes, self.max_batch) < 1:
-            raise ValueError("lease_batch, max_episodes and max_batch must be >= 1")
-        if self.threads < 0 or self.submit_retries < 0:
-            raise ValueError("threads and submit_retries must be >= 0")
-        if self.batch_window_s < 0 or self.drain_s < 0:
-            raise ValueError("batch_window_s and drain_s must be >= 0")
-        if min(self.idle_s, self.broker_refresh_s) <= 0:
-            raise ValueError("idle_s and broker_refresh_s must be > 0")
+        if self.max_batch < 1 or self.threads < 0 or self.batch_window_s < 0:
+            raise ValueError("max_batch must be >= 1, threads and batch_window_s >= 0")
 
     def policy_dir(self, model_id: str) -> Path:
         """The synced weights directory of one policy."""

@@ -34,7 +34,7 @@ from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.pool.status import status_app
 from deltamesh.mesh.pool.weights import PolicyWeights
-from deltamesh.mesh.pool.worker import RolloutWorker, WorkerSettings
+from deltamesh.mesh.pool.worker import RolloutWorker
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,14 @@ def resolve_roles(workflow_roles: Sequence[str], model_ids: Sequence[str], roles
     return resolved
 
 
-async def gateway_info(gateways: Sequence[str], stop: asyncio.Event, retry_s: float = 1.0) -> dict[str, Any] | None:
-    """The first answer of `GET /v1/models` ({"region", "models"}) from the gateways; None if stopped first."""
-    async with client_session(timeout_s=10.0) as session:
+async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: float = 1.0) -> dict[str, Any] | None:
+    """The first answer of `GET /v1/models` ({"region", "models"}) from the pool's gateways, asked with its
+    token over its TLS settings; None if stopped first."""
+    async with client_session(timeout_s=10.0, tls=sync.tls) as session:
         while not stop.is_set():
-            for url in gateways:
+            for url in sync.gateways:
                 try:
-                    return await GatewayClient(url, session).models()
+                    return await GatewayClient(url, session, token=sync.token, insecure=sync.tls.insecure).models()
                 except HttpError as e:
                     log.warning("gateway %s: %s", url, e)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -98,8 +99,8 @@ class RolloutPool:
         worker = dataclasses.asdict(self.worker.counts) if self.worker is not None else {}
         verdict = self.gate.last if self.gate is not None else None
         return {
-            "name": cfg.name, "region": self.region, "tier": cfg.tier, "engine": cfg.engine, "gpus": cfg.gpus,
-            "started_at": self.started_at, "models": models,
+            "name": cfg.name, "region": self.region, "tier": cfg.sync.tier, "engine": cfg.engine,
+            "gpus": cfg.sync.gpus, "started_at": self.started_at, "models": models,
             "leasing": None if verdict is None else {"may_lease": verdict.may_lease, "reason": verdict.reason,
                                                      "behind": verdict.behind},
             "running_episodes": self.worker.running if self.worker is not None else 0, "worker": worker,
@@ -117,9 +118,9 @@ class RolloutPool:
             policies = await self._resolve(stop)
             if policies is None:
                 return
-            workflow = make_workflow(cfg.workflow, cfg.workflow_options)
+            workflow = make_workflow(cfg.worker.workflow, cfg.worker.workflow_options)
             model_ids = [p.model_id for p in policies]
-            roles = resolve_roles(workflow.roles, model_ids, cfg.roles)
+            roles = resolve_roles(workflow.roles, model_ids, cfg.worker.roles)
 
             engines: dict[str, Engine] = {}
             registries = []
@@ -143,15 +144,13 @@ class RolloutPool:
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, ignore_eos=s.ignore_eos)
             ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region)
-            client = BrokerClient(cfg.broker, pool=cfg.name, region=self.region, gpus=cfg.gpus)
+            client = BrokerClient(cfg.broker, token=cfg.broker_token, tls=cfg.sync.tls,
+                                  pool=cfg.name, region=self.region, gpus=cfg.sync.gpus)
             stack.push_async_callback(client.close)
-            self.gate = LeaseGate(self.weights, client.status, max_staleness=cfg.max_staleness,
-                                  refresh_s=cfg.broker_refresh_s, metrics=self.metrics)
-            self.worker = RolloutWorker(
-                client, workflow, ctx, self.gate,
-                WorkerSettings(lease_batch=cfg.lease_batch, max_episodes=cfg.max_episodes, idle_s=cfg.idle_s,
-                               submit_retries=cfg.submit_retries, drain_s=cfg.drain_s, tier=cfg.tier),
-                metrics=self.metrics)
+            self.gate = LeaseGate(self.weights, client.status, max_staleness=cfg.worker.max_staleness,
+                                  refresh_s=cfg.worker.broker_refresh_s, metrics=self.metrics)
+            self.worker = RolloutWorker(client, workflow, ctx, self.gate, cfg.worker, tier=cfg.sync.tier,
+                                        metrics=self.metrics)
             await self._run_loops(stop)
 
     async def _run_loops(self, stop: asyncio.Event) -> None:
@@ -184,7 +183,7 @@ class RolloutPool:
         policies = list(cfg.models)
         if self.region and all(p.model_id for p in policies):
             return policies
-        info = await gateway_info(cfg.gateways, stop)
+        info = await gateway_info(cfg.sync, stop)
         if info is None:
             return None
         self.region = self.region or str(info.get("region", ""))
@@ -198,7 +197,8 @@ class RolloutPool:
 
     def _sync_config(self, model_id: str) -> PoolSyncConfig:
         cfg = self.config
-        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(WeightSyncSettings)}
-        return PoolSyncConfig(**shared, name=cfg.registration_name(model_id), dir=str(cfg.policy_dir(model_id)),
-                              model=model_id, engine=cfg.engine, endpoint=cfg.advertise or self.url)
+        # The pool's [pool.sync] section, plus what is this policy's own: its name, directory and model.
+        return PoolSyncConfig(**dataclasses.asdict(cfg.sync), name=cfg.registration_name(model_id),
+                              dir=str(cfg.policy_dir(model_id)), model=model_id, engine=cfg.engine,
+                              endpoint=cfg.advertise or self.url)
 

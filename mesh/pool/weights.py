@@ -1,21 +1,26 @@
-"""The pool's weight-sync loop for one policy: keep its engine and its synced directory at the head.
+"""The pool's weight stream for one policy: each new version into its engine and its synced directory.
 
-`PolicyWeights` drives the gateway puller (`deltamesh.gateway.weight_sync.WeightSync`: register,
-long-poll the head, fetch a plan's verified manifests and pieces, apply them to the directory
-atomically, heartbeat) and brings every new version into the engine:
+`PolicyWeights.sync_round` is the whole way of a version into the pool, in one place, top to bottom
+(the gateway-talking steps are `deltamesh.gateway.weight_sync.WeightSync`'s):
 
-- an engine that swaps in place (the transformers engine) gets each plan's steps as soon as they
-  are fetched and verified, before the directory is written: a delta chain is applied step by step
-  with `apply_update`, a full snapshot is swapped in whole. Generation moves to the new version
-  without waiting for the disk, which is then written for restarts.
-- otherwise, or when an in-place update cannot be applied (the engine does not hold the delta's
-  base, e.g. it started from other weights), the engine reloads the version from the directory with
-  `load_version` once the directory holds it. SGLang always takes this way.
+1. plan: long-poll the gateway for a head newer than the directory, ask for a transfer plan;
+2. fetch and decode: each step's signed manifest and pieces, verified, then decoded once;
+3. engine: an engine that swaps in place (the transformers engine) takes the decoded versions into
+   its live weights (`apply_update`: a delta chain step by step, a full snapshot copied in whole),
+   so generation moves on without waiting for the disk. A failed update leaves the engine
+   bit-identical on what it served, and is logged;
+4. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
+   and for engines that load from disk;
+5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
+   delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
+   fails too, the next round retries it first and polls the head only briefly until it succeeds;
+6. report: `status` and the pool metrics (steps fetched, swaps by way).
 
-Start-up order: a directory that already holds a version (a restarted pool) is loaded into the
-engine first, so only what is newer is fetched; then the pool registers and syncs to the gateway's
-head. `ready` turns true only after that first round, once the engine serves a published version,
-and the rollout worker leases nothing before.
+A delta that does not verify, or does not fit what the directory holds, sends the round back to
+step 2 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
+is loaded into the engine first, so only what is newer is fetched; then the pool registers and syncs
+to the gateway's head. `ready` turns true only after that first round, once the engine serves a
+published version, and the rollout worker leases nothing before.
 """
 
 from __future__ import annotations
@@ -27,16 +32,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from deltamesh.delta import CodecError, Manifest, dir_manifest
+from deltamesh.delta import CodecError, DecodedVersion, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.weight_sync import RETRY_S, SyncError, WeightSync, sleep_or_stop, until_stopped
 from deltamesh.http import HttpError
-from deltamesh.gateway.weight_sync import Step, SyncError, WeightSync
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
 
 log = logging.getLogger(__name__)
-
-RETRY_S = 1.0
 
 
 @dataclass
@@ -54,7 +57,8 @@ class WeightsStatus:
 
 
 class PolicyWeights:
-    """One policy's weight stream (see the module docstring). `await run(stop)` until stopped."""
+    """One policy's weight stream (see the module docstring). `await run(stop)` until stopped; rounds
+    never run concurrently (`run` drives them one after another)."""
 
     def __init__(self, engine: Engine, sync_config: PoolSyncConfig, *, hot_swap: bool = True,
                  metrics: PoolMetrics | None = None) -> None:
@@ -62,11 +66,10 @@ class PolicyWeights:
         self.model_id = engine.model_id
         self.hot_swap = hot_swap and engine.supports_in_place
         self.metrics = metrics
-        self.sync = WeightSync(sync_config, on_fetched=self._swap_in_place, on_applied=self._reload_if_behind)
+        self.sync = WeightSync(sync_config)
         self.status = WeightsStatus()
         self._engine_synced = False  # the engine serves a version of the gateway's lineage
         self._started = False  # the first sync round after start-up is done
-        self._update_lock = asyncio.Lock()
 
     @property
     def dir(self) -> str:
@@ -101,100 +104,117 @@ class PolicyWeights:
     async def __aexit__(self, *exc: object) -> None:
         await self.sync.__aexit__(*exc)
 
-    async def sync_round(self, wait_s: float = 0.0) -> bool:
-        """One round: wait up to `wait_s` for a head newer than the directory, fetch it and bring it into
-        the engine and the directory; True if a new version was applied. Raises SyncError/HttpError."""
-        return await self.sync.sync_once(wait_s)
-
     async def run(self, stop: asyncio.Event) -> None:
         """Resume from the directory, register, sync to the head, then follow the head until `stop`
-        (the long poll in progress may keep it a while: cancel the task to end it at once)."""
+        (the long poll in progress is cut short when `stop` is set)."""
         async with self:
             with contextlib.suppress(HttpError, SyncError):
                 await self.sync.heartbeat()  # registers; the heartbeat loop keeps retrying if this fails
-            while not stop.is_set():
-                try:
-                    await self.sync_round()
-                    break
-                except (SyncError, HttpError, CodecError, OSError) as e:
-                    self._note_error(f"start-up sync: {e}")
-                    await _wait_event(stop, RETRY_S)
-            self._started = True
-            await asyncio.gather(self._follow(stop), self._keep_engine_current(stop))
-
-    async def _follow(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+            heartbeats = asyncio.create_task(self.sync.heartbeat_loop(stop))
             try:
-                await self.sync.run(stop)
-            except Exception as e:  # noqa: BLE001 - the pool must keep following the head whatever broke
-                self._note_error(f"weight sync stopped: {type(e).__name__}: {e}; restarting it")
-                await _wait_event(stop, RETRY_S)
+                await self._follow(stop)
+            finally:
+                heartbeats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeats
 
-    # -- bringing versions into the engine ---------------------------------------------------------
+    # -- the way of a version into the pool ------------------------------------------------------
+    async def sync_round(self, wait_s: float = 0.0) -> bool:
+        """One round (steps 1-6 of the module docstring): wait up to `wait_s` for a head newer than the
+        directory and bring it into the engine and the directory; True if a new version came in.
+        Raises SyncError/HttpError/CodecError/OSError when the transfer fails (the directory is then
+        where it was)."""
+        if self._engine_behind():
+            await self._reload_from_dir()  # a reload that failed in an earlier round
+            if self._engine_behind():
+                wait_s = min(wait_s, RETRY_S)
+        head = await self.sync.wait_for_head(wait_s)
+        if head is None:
+            return False
+        plan = await self.sync.fetch_plan(head)
+        while True:
+            try:
+                versions = await self.sync.fetch_decoded(plan)  # verified, decoded once for both below
+                self._count_fetched(versions)
+                if self.hot_swap:
+                    await self._update_engine(versions)
+                await self.sync.persist(versions)
+                break
+            except CodecError as e:
+                plan = await self.sync.fallback_plan(plan, e)  # a full snapshot; raises if that was one
+        if self._engine_behind():
+            await self._reload_from_dir()
+        return True
+
+    async def _update_engine(self, versions: Sequence[DecodedVersion]) -> None:
+        """Hot-swap the versions into the engine, in order; stop at the first that cannot go in (the
+        engine keeps what it serves and catches up from the directory once it is written)."""
+        for version in versions:
+            if self._engine_synced and version.version <= self.engine.version:
+                continue  # already served (an earlier round swapped it in but could not persist it)
+            if version.kind == "delta" and not self._engine_synced:
+                log.info("%s: the engine does not serve a published version; it will load v%d from %s",
+                         self.model_id, versions[-1].version, self.dir)
+                return
+            try:
+                await self.engine.apply_update(version)
+            except (CodecError, EngineError) as e:
+                self._note_error(f"in-place update to v{version.version} failed, the engine stays on "
+                                 f"v{self.engine.version} and will load from the directory: {e}")
+                return
+            self._swapped("in_place")
+
+    async def _reload_from_dir(self) -> None:
+        """Load the version the directory holds into the engine; a failure is logged, not raised (the
+        directory did move), and retried at the start of the next round."""
+        held = self.sync.version
+        try:
+            await self.engine.load_version(self.dir, held)
+        except (EngineError, CodecError, OSError) as e:
+            self._note_error(f"loading v{held} from {self.dir} failed, the next round tries again: {e}")
+            return
+        self._swapped("reload")
+
+    def _engine_behind(self) -> bool:
+        held = self.sync.version
+        return held is not None and not (self._engine_synced and self.engine.version >= held)
+
+    # -- start-up and following the head ---------------------------------------------------------
     async def _resume_from_dir(self) -> None:
         held = await asyncio.to_thread(dir_manifest, self.dir)
         if held is None or held.model_id != self.model_id:
             return
         try:
-            await self._reload(held.version)
+            await self.engine.load_version(self.dir, held.version)
         except (EngineError, CodecError, OSError) as e:
             self._note_error(f"cannot load v{held.version} from {self.dir}: {e}")
             return
+        self._swapped("reload")
         self.status.resumed_from_dir = held.version
         log.info("%s: resumed v%d from %s", self.model_id, held.version, self.dir)
 
-    async def _swap_in_place(self, steps: Sequence[Step]) -> None:
-        """`on_fetched`: count the steps; hot-swap them into the engine when it can take them."""
-        for manifest, pieces in steps:
-            self.status.fetched[manifest.kind] += 1
-            if self.metrics is not None:
-                self.metrics.transfers.labels(self.model_id, manifest.kind).inc()
-                self.metrics.transfer_bytes.labels(self.model_id).inc(sum(len(p) for p in pieces))
-        if not self.hot_swap:
-            return
-        async with self._update_lock:
-            for manifest, pieces in steps:
-                if self._engine_synced and manifest.version <= self.engine.version:
-                    continue  # already served (an earlier round swapped it but could not write the directory)
-                if manifest.kind == "delta" and not self._engine_synced:
-                    log.info("%s: engine does not hold a published version; it will load v%d from disk",
-                             self.model_id, steps[-1][0].version)
-                    return
-                try:
-                    await self.engine.apply_update(manifest, pieces)
-                except (CodecError, EngineError) as e:
-                    # The engine stays on what it served; `_reload_if_behind` loads the version from disk.
-                    self._note_error(f"in-place update to v{manifest.version} failed: {e}")
-                    return
-                self._swapped("in_place")
-
-    async def _reload_if_behind(self, final: Manifest) -> None:
-        """`on_applied`: the directory now holds `final`; load it unless the engine already serves it."""
-        if self._engine_synced and self.engine.version >= final.version:
-            return
-        try:
-            await self._reload(final.version)
-        except (EngineError, CodecError, OSError) as e:
-            # Must not abort the puller's round (the directory did move); `_keep_engine_current` retries.
-            self._note_error(f"loading v{final.version} from {self.dir} failed: {e}")
-
-    async def _reload(self, version: int) -> None:
-        async with self._update_lock:
-            if self._engine_synced and self.engine.version >= version:
-                return
-            await self.engine.load_version(self.dir, version)
-            self._swapped("reload")
-
-    async def _keep_engine_current(self, stop: asyncio.Event) -> None:
-        """Retry a failed reload: the engine must end up serving at least what the directory holds."""
+    async def _follow(self, stop: asyncio.Event) -> None:
+        """Rounds until `stop`: the first without waiting (the start-up sync), then long polls."""
         while not stop.is_set():
-            await _wait_event(stop, RETRY_S)
-            held = self.sync.version
-            if held is not None and not (self._engine_synced and self.engine.version >= held):
-                try:
-                    await self._reload(held)
-                except (EngineError, CodecError, OSError) as e:
-                    self._note_error(f"loading v{held} from {self.dir} failed again: {e}")
+            wait_s = self.sync.config.poll_wait_s if self._started else 0.0
+            try:
+                await until_stopped(self.sync_round(wait_s), stop)
+                self._started = True
+            except (SyncError, HttpError, CodecError, OSError) as e:
+                # Engine and directory hold what they held (every apply is atomic): try again from there.
+                self._round_failed(f"{type(e).__name__}: {e}")
+                await sleep_or_stop(stop, RETRY_S)
+            except Exception as e:  # noqa: BLE001 - the pool must keep following the head whatever broke
+                self._round_failed(f"unexpected {type(e).__name__}: {e}")
+                await sleep_or_stop(stop, RETRY_S)
+
+    # -- report ----------------------------------------------------------------------------------
+    def _count_fetched(self, versions: Sequence[DecodedVersion]) -> None:
+        for version in versions:
+            self.status.fetched[version.kind] += 1
+            if self.metrics is not None:
+                self.metrics.transfers.labels(self.model_id, version.kind).inc()
+                self.metrics.transfer_bytes.labels(self.model_id).inc(version.manifest.payload_bytes)
 
     def _swapped(self, way: str) -> None:
         self._engine_synced = True
@@ -203,11 +223,11 @@ class PolicyWeights:
         if self.metrics is not None:
             self.metrics.swaps.labels(self.model_id, way).inc()
 
+    def _round_failed(self, reason: str) -> None:
+        reason = f"{'sync' if self._started else 'start-up sync'}: {reason}"
+        self.status.last_error = reason
+        self.sync.set_error(reason)  # logs it, and heartbeats report the error state
+
     def _note_error(self, reason: str) -> None:
         self.status.last_error = reason
         log.warning("%s: %s", self.model_id, reason)
-
-
-async def _wait_event(event: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), seconds)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient, TaskLease
+from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
@@ -55,24 +56,15 @@ class WorkerCounts:
     last_submit_at: float | None = None
 
 
-@dataclass
-class WorkerSettings:
-    lease_batch: int = 4
-    max_episodes: int = 8
-    idle_s: float = 0.5
-    submit_retries: int = 10
-    drain_s: float = 30.0
-    tier: str = ""
-
-
 class RolloutWorker:
     def __init__(self, client: BrokerClient, workflow: Workflow, ctx: EpisodeContext, gate: LeaseGate,
-                 settings: WorkerSettings, *, metrics: PoolMetrics | None = None) -> None:
+                 settings: WorkerConfig, *, tier: str = "", metrics: PoolMetrics | None = None) -> None:
         self.client = client
         self.workflow = workflow
         self.ctx = ctx
         self.gate = gate
         self.settings = settings
+        self.tier = tier
         self.metrics = metrics
         self.counts = WorkerCounts()
         self._running: set[asyncio.Task[None]] = set()
@@ -140,8 +132,8 @@ class RolloutWorker:
         for t in trajectories:
             t.timings["leased_at"] = leased_at
             t.timings["lease_deadline"] = lease.deadline
-            if self.settings.tier:
-                t.metadata["tier"] = self.settings.tier
+            if self.tier:
+                t.metadata["tier"] = self.tier
         if time.time() > lease.deadline:
             log.warning("task %s finished after its lease %s expired; the broker may have handed it out again",
                         lease.task_id, lease.lease_id)

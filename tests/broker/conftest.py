@@ -3,6 +3,7 @@ broker run as its own `deltamesh broker` process (for kill and disk-full tests),
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def serve_broker(tmp_path: Path):
 
     @asynccontextmanager
     async def serve(config: BrokerConfig | None = None, db: Path | None = None) -> AsyncIterator[tuple[str, Broker]]:
-        app = build_app(config or BrokerConfig(models=["m"]), db or tmp_path / "broker.db")
+        config = config or BrokerConfig(models=["m"])
+        if not config.tokens_file:  # these tests are not about authentication (tests/broker/test_auth.py is)
+            config = dataclasses.replace(config, anonymous=True)
+        app = build_app(config, db or tmp_path / "broker.db")
         runner = web.AppRunner(app)
         await runner.setup()
         try:
@@ -88,7 +92,7 @@ class BrokerProcess:
         cfg = self.workdir / "broker.toml"
         cfg.write_text(self.config)
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([*DELTAMESH, "broker", "--listen", f"127.0.0.1:{self.port}", "--db",
+            self.proc = subprocess.Popen([*DELTAMESH, "broker", "--anonymous", "--listen", f"127.0.0.1:{self.port}", "--db",
                                           str(self.db), "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

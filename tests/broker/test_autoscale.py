@@ -118,7 +118,7 @@ def test_autoscale_command_runs_as_a_process(serve_broker, tmp_path):
             await trainer.report_step(wait_s=9.0, step_s=10.0)  # w = 0.9: 1 pool -> 10, clamped to 3
             cfg.write_text(f'[autoscale]\nbroker = "{url}"\nlauncher = "command"\n'
                            f'command = ["sh", "-c", "echo {{count}} >> {out}"]\ninitial_pools = 1\nmax_pools = 3\n')
-            proc = subprocess.Popen([*DELTAMESH, "autoscale", "--config", str(cfg), "--interval", "0.2"])
+            proc = subprocess.Popen([*DELTAMESH, "autoscale", "--config", str(cfg), "--interval-s", "0.2"])
             try:
                 for _ in range(100):
                     if out.exists():

@@ -26,7 +26,7 @@ def test_bad_settings_exit_2_with_the_reason(tmp_path, caplog):
              ("", ["--dataset", str(tmp_path / "missing.jsonl")], "cannot read dataset")]
     for text, extra, reason in cases:
         cfg.write_text(text)
-        args = build_parser().parse_args(["broker", "--db", str(tmp_path / "b.db"), "--config", str(cfg),
+        args = build_parser().parse_args(["broker", "--anonymous", "--db", str(tmp_path / "b.db"), "--config", str(cfg),
                                           "--listen", "127.0.0.1:0", *extra])
         caplog.clear()
         assert args.run(args) == 2 and reason in caplog.text, caplog.text
@@ -36,6 +36,6 @@ def test_bad_settings_exit_2_with_the_reason(tmp_path, caplog):
 def test_a_second_broker_cannot_share_the_database(broker_process, tmp_path):
     first = broker_process()
     first.start()
-    done = run("broker", "--db", str(first.db), "--listen", "127.0.0.1:0")
+    done = run("broker", "--anonymous", "--db", str(first.db), "--listen", "127.0.0.1:0")
     assert done.returncode == 2 and "database is locked" in done.stderr, done.stderr
     assert first.get("/v1/status")["models"]["m"]["version"] == 0  # the first one is unharmed

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from deltamesh.delta import (
-    BaseMismatchError, CodecError, CorruptError, apply_to_dir, dir_manifest, encode_delta, encode_full,
+    BaseMismatchError, CodecError, CorruptError, apply_to_dir, decode_version, dir_manifest, encode_delta, encode_full,
     read_weights, save_keypair, weights_hash, write_weights,
 )
 
@@ -109,6 +109,24 @@ def test_wrong_base_leaves_directory_untouched(tmp_path, key, same_weights):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert same_weights(read_weights(target), v1) and dir_manifest(target).version == 1
     assert apply_to_dir(target, []).version == 1
+
+
+def test_decoded_versions_are_only_read(tmp_path, key, same_weights):
+    """A full snapshot then two deltas, decoded once, persisted to two directories: each gets the right
+    weights and the decoded versions (whose full tensors the chain builds on) are left as decoded."""
+    v1 = _model(20, tensors=3)
+    v2 = _next(v1, 21)
+    v3 = _next(v2, 22)
+    full = encode_full(v1, model_id="m", version=1, key=key)
+    d12 = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key)
+    d23 = encode_delta(v2, v3, model_id="m", version=3, base_version=2, key=key)
+    decoded = [decode_version(e.manifest, e.pieces) for e in (full, d12, d23)]
+    for target in (tmp_path / "a", tmp_path / "b"):
+        assert apply_to_dir(target, decoded).version == 3
+        assert same_weights(read_weights(target), v3)
+        whole = {full.manifest.tensors[i].name: t for i, t in decoded[0].whole.items()}
+        assert same_weights(whole, v1)
+    assert apply_to_dir(tmp_path / "a", decoded[:0]).version == 3
 
 
 @pytest.fixture

@@ -75,3 +75,40 @@ def test_check_piece():
         m.check_piece(0, payload[:-1])
     with pytest.raises(CorruptError, match="out of range"):
         m.check_piece(1, payload)
+
+
+def _signed_body(key, **changes) -> bytes:
+    """A signed envelope of `_manifest()`'s body with `changes` written into it, past the constructor's
+    checks (as a buggy or compromised signer could send it)."""
+    from deltamesh.delta.keys import key_id, sign
+
+    body = _manifest().body()
+    body.update(changes)
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({"body": raw.decode(), "key_id": key_id(key), "signature": sign(key, raw).hex()}).encode()
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"tensors": [["w", "BF16", [2**40, 2**20], H]]}, "over the limit"),
+        ({"tensors": [["w", "U8", [1] * 17, H]]}, "bad shape"),
+        ({"tensors": [[f"w{i}", "F64", [2**32], H] for i in range(200)]}, "tensors total"),
+        ({"pieces": [[2**33, H, [0]]]}, "bad length"),
+        ({"pieces": [[2**32, H, [0]]] * 1025}, "pieces total"),
+    ],
+    ids=["huge-tensor", "too-many-dims", "huge-total", "huge-piece", "huge-payload"],
+)
+def test_signed_manifests_declaring_oversized_shapes_or_sizes_are_corrupt(changes, reason):
+    key = generate_key()
+    with pytest.raises(CorruptError, match=reason):
+        load_manifest(_signed_body(key, **changes), [key.public_key()])
+
+
+def test_deeply_nested_envelopes_and_bodies_are_corrupt_not_a_crash():
+    key = generate_key()
+    with pytest.raises(CorruptError, match="nested deeper"):
+        load_manifest_unverified(b"[" * 100_000 + b"]" * 100_000)
+    nested = json.loads("[" * 70 + "]" * 70)  # signed, so it reaches the body's parser
+    with pytest.raises(CorruptError, match="nested deeper"):
+        load_manifest(_signed_body(key, tensors=nested), [key.public_key()])

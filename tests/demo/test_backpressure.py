@@ -31,7 +31,7 @@ async def broker(tmp_path: Path, cap: int | None) -> AsyncIterator[str]:
     dataset = tmp_path / "tasks.jsonl"
     dataset.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+0=", "answer": str(i)}) + "\n"
                                for i in range(20)))
-    config = from_dict(BrokerConfig, {"models": ["m"], "durability": "process", "tasks": {
+    config = from_dict(BrokerConfig, {"models": ["m"], "durability": "process", "anonymous": True, "tasks": {
         "dataset": str(dataset), "n_samples": GROUP, "max_buffered_groups": cap}})
     runner = web.AppRunner(build_app(config, tmp_path / "broker.db"))
     await runner.setup()

@@ -1,7 +1,7 @@
 """The demo's accounting and report from service answers as the monitor receives them (no processes).
 
-The inputs are the JSON shapes the gateways, pools and trainer really produce (version listings, pool
-status, step records); the test checks what each link is charged per version, when every pool served a
+The inputs are the JSON shapes the gateways, pools and trainer really produce (version listings,
+per-version traffic, pool status, step records); the test checks what each link is charged per version, when every pool served a
 version, how far behind each pool was, the bit-exact verdict, and that report.json and report.png are
 written.
 """
@@ -23,10 +23,15 @@ def entry(version: int, kind: str, payload: int, complete: bool = True, weights_
             "weights_hash": weights_hash or f"h{version}"}
 
 
-def step(version: int, reward: float, at: float, pools: dict[str, int]) -> dict:
+def traffic(version: int, received: int) -> dict:
+    """One version of a gateway's `/v1/models/{model}/traffic`."""
+    return {"version": version, "received_bytes": received, "received": [], "served_bytes": 0, "served": []}
+
+
+def step(version: int, reward: float, at: float, pools: dict[str, int], kinds: tuple[str, ...] = ("delta",)) -> dict:
     return {"time": at, "step": version, "version": version, "samples": 8, "reward_mean": reward, "pools": pools,
             "wait_fraction": 0.25, "wait_seconds": 0.1, "train_seconds": 0.3, "staleness_mean": 1.0,
-            "published": True, "publish_seconds": 0.05, "publish_bytes": 60 + version, "publish_kinds": ["delta"]}
+            "published": True, "publish_seconds": 0.05, "publish_bytes": 60 + version, "publish_kinds": list(kinds)}
 
 
 def pool_status(version: int, swapped_at: float) -> dict:
@@ -39,11 +44,11 @@ def mesh_state() -> MeshState:
     state.pools = {"p1": PoolReading("p1", "a"), "p2": PoolReading("p2", "b")}
     state.origin_listing("policy", [entry(0, "full", 1000), entry(1, "delta", 50), entry(2, "delta", 40),
                                     entry(2, "full", 1010)])
-    # The relay holds v2's delta complete but its full only in part: the link is charged what arrived whole.
-    state.relay_listing("policy", "a->b", [entry(0, "full", 1000), entry(1, "delta", 50), entry(2, "delta", 40),
-                                           entry(2, "full", 1010, complete=False)])
+    # The relay received v2's delta, and part of its full (a pool asked for it): the link is charged
+    # what arrived.
+    state.relay_traffic("policy", "a->b", [traffic(0, 1000), traffic(1, 50), traffic(2, 40 + 300)])
     state.trainer_step("policy", step(1, 0.1, at=100.0, pools={"p1": 8}), "trainer->a")
-    state.trainer_step("policy", step(2, 0.5, at=110.0, pools={"p2": 8}), "trainer->a")
+    state.trainer_step("policy", step(2, 0.5, at=110.0, pools={"p2": 8}, kinds=("delta", "full")), "trainer->a")
     state.pool_status("p1", pool_status(1, 100.5), now=101.0)
     state.pool_status("p2", pool_status(1, 101.0), now=101.0)
     state.pool_status("p1", pool_status(2, 110.2), now=111.0)
@@ -55,13 +60,16 @@ def test_links_are_charged_per_version_and_pool_timings_follow_the_swaps():
     state = mesh_state()
     run = state.models["policy"]
     assert run.versions[1].link_bytes == {"a->b": 50, "trainer->a": 61}
-    assert run.versions[2].link_bytes == {"a->b": 40, "trainer->a": 62}
+    assert run.versions[2].link_bytes == {"a->b": 340, "trainer->a": 62}
     assert run.full_bytes_at(1) == 1000 and run.full_bytes_at(2) == 1010
     assert state.all_pools_at("policy", 2) == 111.5
     assert state.served_at_time("p2", "policy", 110.0) == 1
     assert state.pool_behind("p2", "policy") == 0
-    # A later, complete relay of v2's full adds to what the link carried for v2.
-    state.relay_listing("policy", "a->b", [entry(2, "delta", 40), entry(2, "full", 1010)])
+    # The rest of v2's full arrives later: the link is charged it too; a gateway that forgot its
+    # figures (restarted) takes nothing back.
+    state.relay_traffic("policy", "a->b", [traffic(2, 40 + 1010)])
+    assert run.versions[2].link_bytes["a->b"] == 1050
+    state.relay_traffic("policy", "a->b", [traffic(2, 0)])
     assert run.versions[2].link_bytes["a->b"] == 1050
 
 
@@ -77,6 +85,8 @@ def test_report_rows_checks_and_files(tmp_path):
     assert report["models"]["policy"]["trained_samples_by_pool"] == {"p1": 8, "p2": 8}
     assert [c["bit_exact"] for c in report["final_checks"]] == [True, False]
     assert report["summary"]["all_pools_bit_exact"] is False
+    assert report["summary"]["policy"]["periodic_full_versions"] == [
+        {"version": 2, "full_bytes": 1010, "link_bytes": {"a->b": 340, "trainer->a": 62}}]
     json_path, chart = write_report(tmp_path, report)
     assert json.loads(json_path.read_text())["outcome"] == "completed"
     assert chart is not None and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

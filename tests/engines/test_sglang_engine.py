@@ -88,7 +88,7 @@ def test_launch_generate_and_swap_from_disk(model_dirs, free_port):
             assert after[0].tokens[0] == expected(model_dirs[1], prompts[0], [])
 
             with pytest.raises(EngineError, match="in place"):
-                await engine.apply_update(None, [])  # type: ignore[arg-type]
+                await engine.apply_update(None)  # type: ignore[arg-type]
         finally:
             await engine.close()
         assert not port_open(free_port)  # the launched server is gone

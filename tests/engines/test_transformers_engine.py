@@ -1,5 +1,8 @@
 """The in-process transformers engine: batched decoding, logprobs, and hot weight swaps in place.
 
+Updates reach the engine decoded once (`decode_version`), as the pool hands them over; the applier
+itself (rollback, torch and numpy paths) is tested in tests/delta/test_hot_swap.py.
+
 Tiny random-init models (character tokenizer, bf16 on the CPU) keep every test well under a second.
 A "next version" (`rl_step`, from tests/conftest.py) is the current bf16 weights with ~2% of words
 moved by one or two ulps, the way one RL optimizer step moves them.
@@ -18,15 +21,16 @@ from deltamesh.delta import (
     BaseMismatchError,
     CodecError,
     apply_to_dir,
+    decode_version,
     dir_manifest,
     encode_delta,
     encode_full,
     generate_key,
+    live_tensors,
     read_weights,
     write_weights,
 )
 from deltamesh.mesh.engines.base import Engine, SamplingParams
-from deltamesh.mesh.engines.hotswap import decode_delta, live_tensors, write_delta_in_place
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
@@ -107,7 +111,7 @@ def test_in_place_delta_is_bit_identical_to_loading_the_new_version(base_dir, tm
     engine = engine_at(base_dir)
     enc = encode_delta(v0, v1, model_id=MODEL, version=1, base_version=0, key=KEY, piece_bytes=512)
     assert len(enc.pieces) > 1
-    asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+    asyncio.run(engine.apply_update(decode_version(enc.manifest, enc.pieces)))
     assert engine.version == 1 and engine.weights_hash == enc.manifest.weights_hash
 
     from_disk = engine_at(version_dir(base_dir, tmp_path / "v1", v1), version=1)
@@ -131,7 +135,7 @@ def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir, rl_step):
     async def main():
         task = asyncio.create_task(engine.generate([prompt], params))
         await asyncio.sleep(0)  # the generation holds the step lock now; the update queues behind it
-        await engine.apply_update(enc.manifest, enc.pieces)
+        await engine.apply_update(decode_version(enc.manifest, enc.pieces))
         return (await task)[0]
 
     gen = asyncio.run(main())
@@ -150,13 +154,13 @@ def test_chain_of_deltas_then_full_snapshot(base_dir, rl_step):
     for v in (1, 2, 3):
         new = rl_step(weights, seed=10 + v)
         enc = encode_delta(weights, new, model_id=MODEL, version=v, base_version=v - 1, key=KEY)
-        asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+        asyncio.run(engine.apply_update(decode_version(enc.manifest, enc.pieces)))
         weights = new
     assert engine.version == 3
     assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in weights}, weights)
     fresh = rl_step(weights, seed=99, share=0.5)
     full = encode_full(fresh, model_id=MODEL, version=10, key=KEY)
-    asyncio.run(engine.apply_update(full.manifest, full.pieces))
+    asyncio.run(engine.apply_update(decode_version(full.manifest, full.pieces)))
     assert engine.version == 10 and engine.weights_hash == full.manifest.weights_hash
     assert_bit_identical({k: v for k, v in live_tensors(engine.model).items() if k in fresh}, fresh)
 
@@ -169,9 +173,9 @@ def test_corrupt_piece_changes_nothing(base_dir, rl_step):
     pieces = list(enc.pieces)
     pieces[-1] = pieces[-1][:-1] + bytes([pieces[-1][-1] ^ 1])
     with pytest.raises(CodecError):
-        asyncio.run(engine.apply_update(enc.manifest, pieces))
+        asyncio.run(engine.apply_update(decode_version(enc.manifest, pieces)))
     with pytest.raises(CodecError):
-        asyncio.run(engine.apply_update(enc.manifest, enc.pieces[:-1]))
+        asyncio.run(engine.apply_update(decode_version(enc.manifest, enc.pieces[:-1])))
     assert engine.version == 0
     assert_bit_identical(snapshot(engine), before)
 
@@ -183,10 +187,10 @@ def test_delta_for_another_base_or_model_is_refused(base_dir, rl_step):
     v1, v2 = rl_step(v0, seed=4), rl_step(rl_step(v0, seed=4), seed=5)
     skip = encode_delta(v1, v2, model_id=MODEL, version=2, base_version=1, key=KEY)
     with pytest.raises(BaseMismatchError, match="from v1"):
-        asyncio.run(engine.apply_update(skip.manifest, skip.pieces))
+        asyncio.run(engine.apply_update(decode_version(skip.manifest, skip.pieces)))
     other = encode_delta(v0, v1, model_id="other", version=1, base_version=0, key=KEY)
     with pytest.raises(BaseMismatchError, match="other"):
-        asyncio.run(engine.apply_update(other.manifest, other.pieces))
+        asyncio.run(engine.apply_update(decode_version(other.manifest, other.pieces)))
     assert engine.version == 0
     assert_bit_identical(snapshot(engine), before)
 
@@ -199,24 +203,25 @@ def test_delta_for_other_weights_of_the_same_version_is_refused(base_dir, rl_ste
     stranger = rl_step(read_weights(base_dir), seed=6)  # a different "v0"
     enc = encode_delta(stranger, rl_step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY)
     with pytest.raises(BaseMismatchError, match="base v0"):
-        asyncio.run(engine.apply_update(enc.manifest, enc.pieces))
+        asyncio.run(engine.apply_update(decode_version(enc.manifest, enc.pieces)))
     assert engine.version == 0
     assert_bit_identical(snapshot(engine), before)
     (gen,) = asyncio.run(engine.generate([engine.encode("ok")], SamplingParams(max_new_tokens=2)))
     assert gen.versions == [0, 0]
 
 
-def test_failed_result_hash_rolls_every_written_word_back(base_dir, rl_step):
-    """Below the base check: a delta written onto other weights fails its result hashes and the
-    undo record restores the live tensors bit for bit."""
+def test_failed_result_hash_leaves_the_engine_serving_the_old_weights(base_dir, rl_step):
+    """Below the base check: a delta written onto other weights fails its result hashes; the engine
+    restores every written word and keeps serving its version."""
     engine = engine_at(base_dir)
-    live = live_tensors(engine.model)
     before = snapshot(engine)
     stranger = rl_step(read_weights(base_dir), seed=6)
     enc = encode_delta(stranger, rl_step(stranger, seed=7), model_id=MODEL, version=1, base_version=0, key=KEY,
                        piece_bytes=512)
-    with pytest.raises(CodecError, match="does not hash"):
-        write_delta_in_place(live, decode_delta(enc.manifest, enc.pieces))
+    engine._weights_hash = enc.manifest.base_hash  # the engine believes it serves the stranger's v0
+    with pytest.raises(CodecError, match="does not match the manifest's hash"):
+        asyncio.run(engine.apply_update(decode_version(enc.manifest, enc.pieces)))
+    assert engine.version == 0
     assert_bit_identical(snapshot(engine), before)
 
 

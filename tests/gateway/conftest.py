@@ -2,7 +2,8 @@
 
 Gateways run as real `deltamesh gateway` processes on free loopback ports (or in-process on a real
 socket for the quick route tests); every process started here is killed by the fixture's finalizer,
-whatever the test did.
+whatever the test did. Gateways run `anonymous` unless a test asks for tokens or TLS: the tests whose
+subject is authentication (test_auth_*.py, test_tls.py) make real tokens and certificates.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,7 +30,7 @@ from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import serving
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server import create_app, ssl_context
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 POOL_TOKEN = "region-token-1"
@@ -57,13 +59,14 @@ def trainer_key(tmp_path: Path) -> TrainerKey:
 
 def fake_version(key, model: str, version: int, kind: str = "delta", *, pieces: int = 3, piece_size: int = 1000,
                  seed: int = 0) -> tuple[Manifest, bytes, list[bytes]]:
-    """A signed manifest with random piece bytes: enough for store, relay and protocol tests."""
+    """A signed manifest with random piece bytes: enough for store, relay and protocol tests. The delta
+    and the full of one (seed, version) name the same weights (one weights hash per version)."""
     rng = __import__("random").Random(seed * 1000 + version * 2 + (kind == "full"))
     data = [rng.randbytes(piece_size) for _ in range(pieces)]
     manifest = Manifest(
         model_id=model, version=version, base_version=None if kind == "full" else version - 1, kind=kind,
         codec="test", base_hash=None if kind == "full" else "1" * 32,
-        tensors=(TensorEntry("w", "U8", (pieces * piece_size,), digest(b"".join(data))),),
+        tensors=(TensorEntry("w", "U8", (1000,), digest(f"weights {seed} v{version}".encode())),),
         pieces=tuple(PieceEntry(len(d), digest(d), (0,)) for d in data),
     )
     return manifest, manifest.signed(key), data
@@ -78,6 +81,8 @@ class GatewayProc:
     log_path: Path
     proc: subprocess.Popen | None = None
     extra_env: dict = field(default_factory=dict)
+    ssl: ssl.SSLContext | None = None
+    """How a health check speaks to an https:// gateway (its CA, and a client cert for mTLS)."""
 
     def launch(self) -> "GatewayProc":
         log = open(self.log_path, "ab")
@@ -88,7 +93,7 @@ class GatewayProc:
         return self
 
     def wait(self, timeout: float = 60.0) -> "GatewayProc":
-        wait_healthy(self.url, timeout, self)
+        wait_healthy(self.url, timeout, self, context=self.ssl)
         return self
 
     def start(self, timeout: float = 60.0) -> "GatewayProc":
@@ -113,13 +118,14 @@ class GatewayProc:
             return ""
 
 
-def wait_healthy(url: str, timeout: float, proc: GatewayProc | None = None) -> None:
+def wait_healthy(url: str, timeout: float, proc: GatewayProc | None = None,
+                 context: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.proc is not None and proc.proc.poll() is not None:
             raise RuntimeError(f"gateway {url} exited with {proc.proc.returncode}:\n{proc.log_tail()}")
         try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=1, context=context) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -131,30 +137,32 @@ def wait_healthy(url: str, timeout: float, proc: GatewayProc | None = None) -> N
 def spawn_gateway(tmp_path: Path, trainer_key: TrainerKey) -> Callable[..., GatewayProc]:
     """Start a real gateway process: spawn_gateway("A", upstreams=[origin.url], extra=["--keep-deltas", "5"]).
 
-    With start=False the process is launched but not waited for, so several can boot at once.
+    With start=False the process is launched but not waited for, so several can boot at once. The
+    gateway runs `--anonymous` unless `anonymous=False` (then `extra` names its tokens file or client
+    CA). With `https`, its URL is https:// and `health` is how the health check connects.
     """
     started: list[GatewayProc] = []
 
     def spawn(region: str, *, upstreams: list[str] = (), port: int | None = None, store: Path | None = None,
-              tokens: list[str] = (POOL_TOKEN,), extra: list[str] = (), start: bool = True,
-              args: list[str] | None = None) -> GatewayProc:
+              anonymous: bool = True, extra: list[str] = (), start: bool = True, args: list[str] | None = None,
+              https: bool = False, health: ssl.SSLContext | None = None) -> GatewayProc:
         """`args`, when given, replace every default flag (then pass `port` and `store` to match them)."""
         port = port or free_port()
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
         store = store or tmp_path / f"store-{region}"
         if args is not None:
-            g = GatewayProc(region, url, store, list(args), tmp_path / f"gateway-{region}.log")
+            g = GatewayProc(region, url, store, list(args), tmp_path / f"gateway-{region}.log", ssl=health)
             started.append(g)
             return g.start() if start else g.launch()
         args = ["--region", region, "--listen", f"127.0.0.1:{port}", "--store", str(store),
                 "--trusted-key", str(trainer_key.public), "--advertise", url,
-                "--stall-timeout", "3", "--piece-wait", "1.5", "--probe-interval", "0.5",
-                "--heartbeat-timeout", "3"]
+                "--stall-timeout-s", "3", "--piece-wait-s", "1.5", "--probe-interval-s", "0.5",
+                "--heartbeat-timeout-s", "3"]
         for u in upstreams:
             args += ["--upstream", u]
-        for t in tokens:
-            args += ["--pool-token", t]
-        g = GatewayProc(region, url, store, args + list(extra), tmp_path / f"gateway-{region}.log")
+        if anonymous:
+            args.append("--anonymous")
+        g = GatewayProc(region, url, store, args + list(extra), tmp_path / f"gateway-{region}.log", ssl=health)
         started.append(g)
         return g.start() if start else g.launch()
 
@@ -201,7 +209,7 @@ def spawn_pool(tmp_path: Path, trainer_key: TrainerKey) -> Callable[..., PoolPro
     def spawn(name: str, gateways: list[str], *, token: str = POOL_TOKEN, extra: list[str] = ()) -> PoolProc:
         directory = tmp_path / "pools" / name
         args = ["--token", token, "--name", name, "--dir", str(directory), "--trusted-key", str(trainer_key.public),
-                "--heartbeat", "0.5", "--stall-timeout", "3", *extra]
+                "--heartbeat-s", "0.5", "--stall-timeout-s", "3", *extra]
         for g in gateways:
             args += ["--gateway", g]
         pool = PoolProc(name, directory, args, tmp_path / f"pool-{name}.log")
@@ -215,8 +223,8 @@ def spawn_pool(tmp_path: Path, trainer_key: TrainerKey) -> Callable[..., PoolPro
 
 @contextlib.asynccontextmanager
 async def running_gateway(config: GatewayConfig) -> AsyncIterator[str]:
-    """A gateway in this process on a real loopback socket; yields its base URL."""
-    async with serving(create_app(config), "127.0.0.1:0") as url:
+    """A gateway in this process on a real loopback socket (TLS as its config says); yields its base URL."""
+    async with serving(create_app(config), "127.0.0.1:0", ssl_context=ssl_context(config)) as url:
         yield url
 
 
@@ -286,9 +294,11 @@ class GatewayTestKit:
         return fake_version(self.key.key, model, version, kind, **kw)
 
     def config(self, tmp: Path, **kw) -> GatewayConfig:
+        """A gateway's config for an in-process gateway: anonymous unless it names a tokens file or client CA."""
         kw.setdefault("store", str(tmp / "store"))
         kw.setdefault("trusted_keys", [str(self.key.public)])
-        kw.setdefault("pool_tokens", [POOL_TOKEN])
+        tls = kw.get("tls")
+        kw.setdefault("anonymous", not kw.get("tokens_file") and not (tls is not None and tls.client_ca))
         kw.setdefault("piece_wait_s", 1.0)
         kw.setdefault("probe_interval_s", 0.5)
         return GatewayConfig(**kw)

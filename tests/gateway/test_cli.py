@@ -29,7 +29,7 @@ def test_gateway_config_publish_sync_and_tables(kit, spawn_gateway, tmp_path):
     config.write_text(
         "[gateway]\n"
         f'region = "eu-1"\nlisten = "127.0.0.1:{port}"\nstore = "{tmp_path / "store"}"\n'
-        f'trusted_keys = ["{kit.key.public}"]\npool_tokens = ["cli-token"]\nkeep_deltas = 4\n'
+        f'trusted_keys = ["{kit.key.public}"]\nanonymous = true\nkeep_deltas = 4\n'
     )
     bad = tmp_path / "bad.toml"
     bad.write_text('[gateway]\nregion = "x"\nkeep_deltaz = 4\n')

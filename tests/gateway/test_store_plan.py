@@ -8,7 +8,7 @@ import pytest
 
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.keys import generate_key
-from deltamesh.gateway.plan import NoPlanError, make_plan
+from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.store import ConflictError, VersionStore
 
 MODEL = "m"
@@ -109,9 +109,24 @@ def test_retention_keeps_newest_and_never_collects_what_is_in_use(kit, tmp_path)
     asyncio.run(main())
 
 
+def test_retention_keeps_the_newest_complete_full_while_a_newer_one_arrives(kit, tmp_path):
+    async def main():
+        store = VersionStore(tmp_path, [kit.key.key.public_key()])
+        store.load()
+        await _put(store, kit, 0, "full")
+        _, raw, pieces = kit.version(MODEL, 3, "full")
+        arriving, _ = await store.put_manifest(raw)
+        assert store.collect(keep_deltas=3, keep_fulls=1) == []
+        for i, p in enumerate(pieces):
+            await store.put_piece(arriving, i, p)
+        assert [(e.version, e.kind) for e in store.collect(keep_deltas=3, keep_fulls=1)] == [(0, "full")]
+
+    asyncio.run(main())
+
+
 def _manifests(kit, spec):
-    """spec: [(version, kind, pieces)] -> manifests (payload: 1000 bytes per piece)."""
-    return [kit.version(MODEL, v, k, pieces=n)[0] for v, k, n in spec]
+    """spec: [(version, kind, pieces)] -> plan steps of signed manifests (payload: 1000 bytes per piece)."""
+    return [PlanStep.of(kit.version(MODEL, v, k, pieces=n)[0]) for v, k, n in spec]
 
 
 def test_plan_picks_the_cheapest_route(kit):

@@ -34,8 +34,7 @@ def test_publish_then_sync_by_plans(kit, tmp_path):
                 w.append(kit.next_step(w[-1], v))
             first = await pub.publish(w[0])
             assert first.version == 0 and [m.kind for m in first.manifests] == ["full"]
-            applied = []
-            async with WeightSync(_pool(kit, tmp_path, "p1", [url]), on_applied=applied.append) as sync:
+            async with WeightSync(_pool(kit, tmp_path, "p1", [url])) as sync:
                 assert await sync.sync_once() is True
                 assert sync.version == 0 and kit.same_bits(read_weights(sync.config.dir), w[0])
                 for v in (1, 2, 3):
@@ -44,9 +43,12 @@ def test_publish_then_sync_by_plans(kit, tmp_path):
                 # Three versions behind: a chain of three deltas, not the full snapshot of v3.
                 plan = await sync.fetch_plan()
                 assert plan.reason == "delta chain" and [s.version for s in plan.steps] == [1, 2, 3]
-                await sync.apply(await sync.fetch_plan_steps(plan))
+                decoded = await sync.fetch_decoded(plan)
+                assert [(d.version, d.kind) for d in decoded] == [(1, "delta"), (2, "delta"), (3, "delta")]
+                assert sync.version == 0, "nothing is applied before persist"
+                final = await sync.persist(decoded)
+                assert final.version == 3 and sync.version == 3 and sync.since_full == 3
                 assert kit.same_bits(read_weights(sync.config.dir), w[3])
-                assert [m.version for m in applied] == [0, 3]
                 # Nothing newer: a sync with no wait returns at once without moving.
                 assert await sync.sync_once() is False
                 await pub.publish(w[4])
@@ -161,19 +163,20 @@ def test_run_follows_the_head_heartbeats_and_stops_promptly(kit, tmp_path):
             pub = Publisher(url, kit.key.key, MODEL, piece_bytes=PIECE)
             w = kit.tiny_weights()
             await pub.publish(w)
-            applied = asyncio.Queue()
-
-            async def hook(manifest):
-                await applied.put(manifest.version)
-
             stop = asyncio.Event()
-            async with WeightSync(_pool(kit, tmp_path, "runner", [url], poll_wait_s=30), on_applied=hook) as sync:
+
+            async def reaches(sync: WeightSync, version: int) -> None:
+                while sync.version != version:
+                    assert sync.version is None or sync.version < version, "versions come in order"
+                    await asyncio.sleep(0.02)
+
+            async with WeightSync(_pool(kit, tmp_path, "runner", [url], poll_wait_s=30)) as sync:
                 task = asyncio.create_task(sync.run(stop))
-                assert await asyncio.wait_for(applied.get(), 10) == 0
+                await asyncio.wait_for(reaches(sync, 0), 10)
                 for v in (1, 2):
                     w = kit.next_step(w, v)
                     await pub.publish(w)
-                    assert await asyncio.wait_for(applied.get(), 10) == v
+                    await asyncio.wait_for(reaches(sync, v), 10)
                 assert kit.same_bits(read_weights(sync.config.dir), w)
                 await asyncio.sleep(0.5)
                 pools = (await request_json(sync._session, "GET", f"{url}/v1/pools"))["pools"]

@@ -53,7 +53,7 @@ def _no_delta(url: str, version: int) -> bool:
 
 
 def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway, spawn_pool, tmp_path):
-    keep = ["--keep-deltas", "8", "--keep-fulls", "2", "--lease", "2"]
+    keep = ["--keep-deltas", "8", "--keep-fulls", "2", "--lease-s", "2"]
     origin = spawn_gateway("origin", extra=keep, start=False)
     a = spawn_gateway("A", upstreams=[origin.url], extra=keep + ["--bandwidth-cap-mbps", "16"], start=False)
     c = spawn_gateway("C", upstreams=[origin.url], extra=keep, start=False)
@@ -99,7 +99,7 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
                 if v == 13:  # away since v9: four versions behind, a chain of four deltas
                     plan = await away.fetch_plan()
                     assert plan.reason == "delta chain" and [s.version for s in plan.steps] == [10, 11, 12, 13]
-                    await away.apply(await away.fetch_plan_steps(plan))
+                    await away.persist(await away.fetch_decoded(plan))
                     assert kit.same_bits(read_weights(away.config.dir), history[13])
                 if v == 20:  # away since v2, beyond every relay's retention of deltas: a full snapshot
                     # Retention runs when a version completes or a lease lapses; on a loaded machine
@@ -107,7 +107,7 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
                     await asyncio.to_thread(kit.wait_until, lambda: _no_delta(b.url, 3), 40, "B to collect v3's delta")
                     plan = await far.fetch_plan()
                     assert plan.is_full and plan.reason == "full: delta chain broken", plan
-                    await far.apply(await far.fetch_plan_steps(plan))
+                    await far.persist(await far.fetch_decoded(plan))
                     assert kit.same_bits(read_weights(far.config.dir), history[20])
 
         def pb1_reported() -> bool:
@@ -121,7 +121,10 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
         links = kit.get_json(f"{a.url}/v1/links")["links"]
         roles = {(l["role"], l["peer"]) for l in links}
         assert ("upstream", origin.url) in roles and ("downstream", "B") in roles
-        assert all(l["rtt_ms"]["samples"] > 0 for l in links if l["role"] in ("upstream", "downstream"))
+        assert all(l["rtt_ms"]["samples"] > 0 for l in links if l["role"] == "upstream")
+        # These gateways run anonymous: B's announcement names its link but its URL is never probed
+        # (test_announce.py has an authenticated downstream measured).
+        assert all(l["rtt_ms"]["samples"] == 0 and not l["url"] for l in links if l["role"] == "downstream")
 
         # A large version (a new 4 MiB tensor) crosses A slowly (16 Mbit/s): kill A in the middle.
         pub.full_every = 0

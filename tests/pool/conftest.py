@@ -7,6 +7,7 @@ handed to test modules as one `PoolKit` fixture (test modules cannot import a co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -156,7 +157,7 @@ class PoolKit:
         config.write_text(f"[broker]\ndurability = \"process\"\n[broker.tasks]\nn_samples = {n_samples}\n"
                           f"lease_timeout_s = {lease_timeout_s}\nepochs = {epochs}\n")
         port = free_port()
-        return self._spawn("broker", ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(self.tmp / "broker.db"),
+        return self._spawn("broker", ["broker", "--anonymous", "--listen", f"127.0.0.1:{port}", "--db", str(self.tmp / "broker.db"),
                                       "--config", str(config), "--model", MODEL, "--dataset", str(dataset)],
                            f"http://127.0.0.1:{port}", health="/v1/status")
 
@@ -164,8 +165,8 @@ class PoolKit:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         args = ["gateway", "--region", region, "--listen", f"127.0.0.1:{port}", "--store", str(self.tmp / f"store-{region}"),
-                "--trusted-key", str(self.public_key), "--pool-token", TOKEN, "--advertise", url,
-                "--stall-timeout", "3", "--piece-wait", "1.5", "--heartbeat-timeout", "5"]
+                "--trusted-key", str(self.public_key), "--anonymous", "--advertise", url,
+                "--stall-timeout-s", "3", "--piece-wait-s", "1.5", "--heartbeat-timeout-s", "5"]
         if upstream:
             args += ["--upstream", upstream]
         return self._spawn(f"gateway-{region}", args, url)
@@ -175,13 +176,14 @@ class PoolKit:
         args = ["pool", "run", "--gateway", gateway, "--broker", broker, "--token", TOKEN, "--name", name,
                 "--model", str(self.model_dir), "--dir", str(self.tmp / "weights" / name),
                 "--trusted-key", str(self.public_key), "--listen", f"127.0.0.1:{port}", "--threads", "1",
-                "--max-new-tokens", str(max_new_tokens), "--heartbeat", "0.5", "--stall-timeout", "3", *extra]
+                "--sampling.max-new-tokens", str(max_new_tokens), "--sync.heartbeat-s", "0.5",
+                "--sync.stall-timeout-s", "3", *extra]
         return self._spawn(name, args, f"http://127.0.0.1:{port}")
 
     def gateway_config(self, **kw) -> GatewayConfig:
         kw.setdefault("store", str(self.tmp / "store"))
         kw.setdefault("trusted_keys", [str(self.public_key)])
-        kw.setdefault("pool_tokens", [TOKEN])
+        kw.setdefault("anonymous", True)
         kw.setdefault("piece_wait_s", 1.0)
         kw.setdefault("probe_interval_s", 0.5)
         return GatewayConfig(**kw)
@@ -194,7 +196,7 @@ class PoolKit:
     @staticmethod
     def running_broker(config: BrokerConfig, db: Path):
         """A broker in this process on a real loopback socket: `async with ... as url`."""
-        return serving(build_app(config, db), "127.0.0.1:0")
+        return serving(build_app(dataclasses.replace(config, anonymous=True), db), "127.0.0.1:0")
 
 
 @pytest.fixture(scope="session")

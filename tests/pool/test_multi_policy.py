@@ -11,7 +11,8 @@ import time
 from deltamesh.http import client_session, request_json
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
-from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig
+from deltamesh.gateway.config import WeightSyncSettings
+from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
@@ -31,10 +32,12 @@ def test_a_pool_serves_two_policies_each_following_its_own_weights(kit):
             for model_id, weights in versions.items():
                 await Publisher(gateway, kit.private_key, model_id, piece_bytes=32768).publish(weights, 3)
             config = PoolConfig(
-                name="sv", gateways=[gateway], broker=broker, token=kit.token, trusted_keys=[str(kit.public_key)],
-                dir=str(kit.tmp / "weights"), workflow="solver_verifier", max_episodes=4, lease_batch=2,
+                name="sv", broker=broker, dir=str(kit.tmp / "weights"),
+                sync=WeightSyncSettings(gateways=[gateway], token=kit.token, trusted_keys=[str(kit.public_key)],
+                                        heartbeat_s=0.5, poll_wait_s=1.0),
+                worker=WorkerConfig(workflow="solver_verifier", max_episodes=4, lease_batch=2),
                 models=[PolicyConfig("solver", str(kit.model_dir)), PolicyConfig("verifier", str(kit.model_dir))],
-                sampling=SamplingConfig(max_new_tokens=3), heartbeat_s=0.5, poll_wait_s=1.0)
+                sampling=SamplingConfig(max_new_tokens=3))
             pool = RolloutPool(config)
             stop = asyncio.Event()
             running = asyncio.create_task(pool.run(stop))

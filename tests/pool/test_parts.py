@@ -33,30 +33,32 @@ def _config(argv: list[str], path=None) -> PoolConfig:
 
 
 def test_flags_make_a_single_policy_pool_and_a_file_a_multi_policy_one(tmp_path):
-    c = _config(["--model", "/m", "--max-new-tokens", "16", "--max-staleness", "2", "--no-hot-swap",
-                 "--workflow-options", '{"format_reward": 0.1}'])
+    c = _config(["--model", "/m", "--sampling.max-new-tokens", "16", "--worker.max-staleness", "2", "--no-hot-swap",
+                 "--worker.workflow-options", '{"format_reward": 0.1}', "--tier", "big", "--sync.heartbeat-s", "0.5"])
     assert [(m.model_id, m.model_path) for m in c.models] == [("", "/m")]
-    assert c.sampling.max_new_tokens == 16 and c.max_staleness == 2 and c.hot_swap is False
-    assert c.workflow_options == {"format_reward": 0.1} and c.registration_name("x") == "p1"
+    assert c.sampling.max_new_tokens == 16 and c.worker.max_staleness == 2 and c.hot_swap is False
+    assert c.worker.workflow_options == {"format_reward": 0.1} and c.registration_name("x") == "p1"
+    assert (c.sync.gateways, c.sync.token, c.sync.trusted_keys) == (["http://127.0.0.1:1"], "t", ["k.pem"])
+    assert (c.sync.tier, c.sync.heartbeat_s) == ("big", 0.5)
 
     c = _config(["--model", "/m", "--model-id", "solver", "--model-id", "verifier", "--workflow", "solver_verifier"])
     assert [(m.model_id, m.model_path) for m in c.models] == [("solver", "/m"), ("verifier", "/m")]
     assert c.policy_dir("solver").name == "solver" and c.registration_name("solver") == "p1.solver"
 
     config = tmp_path / "pool.toml"
-    config.write_text('[pool]\nworkflow = "solver_verifier"\nroles = {solver = "a", verifier = "b"}\n'
+    config.write_text('[pool.worker]\nworkflow = "solver_verifier"\nroles = {solver = "a", verifier = "b"}\n'
                       '[[pool.models]]\nmodel_id = "a"\nmodel_path = "/a"\n'
                       '[[pool.models]]\nmodel_id = "b"\nmodel_path = "/b"\n')
     c = _config([], config)
-    assert [m.model_id for m in c.models] == ["a", "b"] and c.roles == {"solver": "a", "verifier": "b"}
+    assert [m.model_id for m in c.models] == ["a", "b"] and c.worker.roles == {"solver": "a", "verifier": "b"}
 
 
 @pytest.mark.parametrize("argv, message", [
     ([], "models must describe"),
     (["--model", "/m", "--model-id", "a", "--model-id", "a"], "distinct model_ids"),
     (["--model", "/m", "--role", "solver=zzz"], "roles name model_ids"),
-    (["--model", "/m", "--max-staleness", "-1"], "max_staleness"),
-    (["--model", "/m", "--lease-batch", "0"], "lease_batch"),
+    (["--model", "/m", "--worker.max-staleness", "-1"], "max_staleness"),
+    (["--model", "/m", "--worker.lease-batch", "0"], "lease_batch"),
     (["--engine", "transformers", "--model-id", "a"], "needs model_path"),
     (["--model", "/m", "--listen", "nope"], "HOST:PORT"),
 ])
@@ -65,13 +67,14 @@ def test_bad_settings_fail_naming_the_key(argv, message):
         _config(argv)
 
 
-def test_flag_pairs_that_do_not_line_up_are_refused():
+def test_flag_pairs_that_do_not_line_up_are_refused(capsys):
     args = build_parser().parse_args(BASE + ["--model", "/a", "--model", "/b", "--model-id", "x", "--model-id", "y",
                                              "--model-id", "z"])
     with pytest.raises(ValueError, match="once per --model-id"):
         overrides(args)
-    with pytest.raises(ValueError, match="ROLE=MODEL_ID"):
-        overrides(build_parser().parse_args(BASE + ["--model", "/a", "--role", "solver"]))
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(BASE + ["--model", "/a", "--role", "solver"])
+    assert refused.value.code == 2 and "wants ROLE=MODEL_ID, got 'solver'" in capsys.readouterr().err
 
 
 def test_roles_resolve_by_setting_by_name_or_to_the_only_policy():
@@ -171,7 +174,7 @@ def test_pool_run_refuses_bad_settings_with_exit_code_2(caplog):
         args = build_parser().parse_args(BASE + argv)
         return args.run(args)
 
-    assert run(["--lease-batch", "0", "--model", "/m"]) == 2
+    assert run(["--worker.lease-batch", "0", "--model", "/m"]) == 2
     assert "lease_batch" in caplog.text
     # Two policies, and the workflow's verifier role is played by neither: refused before any engine loads.
     assert run(["--model", "/m", "--model-id", "a", "--model-id", "b", "--workflow", "solver_verifier",

@@ -98,8 +98,8 @@ def test_a_killed_pool_loses_nothing_its_tasks_are_completed_by_another(kit):
     pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
     _publish(pub, kit.next_version(kit.base_weights(), 1), 1)
     # A slow pool (long generations) that leases several tasks at once.
-    slow = kit.pool("p-slow", gateway.url, broker.url, "--ignore-eos", "--lease-batch", "4", "--episodes", "4",
-                    max_new_tokens=400)
+    slow = kit.pool("p-slow", gateway.url, broker.url, "--sampling.ignore-eos", "--worker.lease-batch", "4",
+                    "--worker.max-episodes", "4", max_new_tokens=400)
     leases = kit.wait_until(
         lambda: [le for le in kit.get_json(f"{broker.url}/v1/leases?pool=p-slow")["leases"] if le["state"] == "active"],
         120, "the slow pool to lease", interval=0.05, procs=(broker, gateway, slow))
@@ -130,7 +130,7 @@ def test_staleness_bound_stops_leasing_and_a_restarted_pool_syncs_before_it_gene
     for v in range(1, 5):
         w.append(kit.next_version(w[-1], v))
     _publish(pub, w[1], 1)
-    pool = kit.pool("p1", gateway.url, broker.url, "--max-staleness", "1")
+    pool = kit.pool("p1", gateway.url, broker.url, "--worker.max-staleness", "1")
     procs = (broker, gateway, pool)
     pool.wait_healthy()
     kit.wait_until(lambda: _submitted(pool) > 0, 120, "the pool to submit", procs=procs)

@@ -17,9 +17,10 @@ import urllib.request
 from pathlib import Path
 
 from deltamesh.delta import dir_manifest
+from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
-from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig
+from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
@@ -44,9 +45,11 @@ def test_an_sglang_pool_reloads_each_version_from_the_synced_directory(kit):
             pub = Publisher(gateway, kit.private_key, kit.model, piece_bytes=32768)
             await pub.publish(v1, 1)
             config = PoolConfig(
-                name="sg", gateways=[gateway], broker=broker, token=kit.token, trusted_keys=[str(kit.public_key)],
-                dir=str(kit.tmp / "weights"), engine="sglang", max_episodes=2, lease_batch=2, heartbeat_s=0.5,
-                poll_wait_s=1.0, models=[PolicyConfig(kit.model, str(kit.model_dir), engine_url=engine_url)],
+                name="sg", broker=broker, dir=str(kit.tmp / "weights"), engine="sglang",
+                sync=WeightSyncSettings(gateways=[gateway], token=kit.token, trusted_keys=[str(kit.public_key)],
+                                        heartbeat_s=0.5, poll_wait_s=1.0),
+                worker=WorkerConfig(max_episodes=2, lease_batch=2),
+                models=[PolicyConfig(kit.model, str(kit.model_dir), engine_url=engine_url)],
                 sampling=SamplingConfig(max_new_tokens=4))
             pool = RolloutPool(config)
             stop = asyncio.Event()

@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from deltamesh.delta import dir_manifest, read_weights
+from deltamesh.delta import dir_manifest, live_tensors, read_weights
+from deltamesh.delta import decode as decode_module
+from deltamesh.delta import decoded as decoded_module
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.mesh.engines.hotswap import live_tensors
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
 
@@ -138,6 +139,121 @@ def test_without_hot_swap_every_version_is_reloaded_from_disk(kit):
                 await _until(lambda: engine.version == 2, 30, "v2")
                 assert _same(engine, v2) and read_weights(w.dir).keys() == v2.keys()
                 assert w.status.swaps == {"in_place": 0, "reload": 2}
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_each_piece_is_decoded_once_per_round_for_engine_and_directory(kit, monkeypatch):
+    """A chain of two multi-piece deltas goes into the live engine and the directory, and every piece is
+    decoded exactly once for both (counted at the decoder, which every decode goes through)."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+    v3 = kit.next_version(v2, 3)
+
+    async def main():
+        async with kit.running_gateway(kit.gateway_config()) as url:
+            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=512)
+            await pub.publish(v1, 1)
+            engine = _engine(kit)
+            async with PolicyWeights(engine, _sync_config(kit, url)) as w:
+                assert await w.sync_round() and engine.version == 1
+                published = [await pub.publish(v2), await pub.publish(v3)]
+                pieces = sum(len(m.pieces) for r in published for m in r.manifests if m.kind == "delta")
+                assert pieces >= 4
+                decoded: list[tuple[int, int]] = []
+                real = decode_module.decode_checked
+
+                def counting(manifest, index, data):
+                    decoded.append((manifest.version, index))
+                    return real(manifest, index, data)
+
+                monkeypatch.setattr(decode_module, "decode_checked", counting)
+                monkeypatch.setattr(decoded_module, "decode_checked", counting)
+                assert await w.sync_round() is True
+                monkeypatch.undo()
+                assert len(decoded) == pieces and len(set(decoded)) == pieces, "every piece decoded exactly once"
+                assert engine.version == 3 and _same(engine, v3)
+                assert w.status.swaps == {"in_place": 3, "reload": 0} and w.status.fetched == {"full": 1, "delta": 2}
+                on_disk = read_weights(w.dir)
+                assert dir_manifest(w.dir).version == 3 and on_disk.keys() == v3.keys()
+                assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v3.items())
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_engine_update_leaves_it_bit_identical_and_the_directory_brings_the_version(kit):
+    """The in-place update fails its result hashes (a live word changed behind the pool's back): the engine
+    is exactly as it was when the round reloads it from the freshly written directory, and ends on v2."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+
+    async def main():
+        async with kit.running_gateway(kit.gateway_config()) as url:
+            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
+            await pub.publish(v1, 1)
+            engine = _engine(kit)
+            async with PolicyWeights(engine, _sync_config(kit, url)) as w:
+                assert await w.sync_round() and engine.version == 1
+                name = next(n for n, t in v2.items() if not torch.equal(t.view(torch.int16), v1[n].view(torch.int16)))
+                with torch.no_grad():
+                    live_tensors(engine.model)[name].view(-1)[0] += 1.0
+                before = {n: t.clone() for n, t in live_tensors(engine.model).items()}
+                seen_at_reload: dict[str, torch.Tensor] = {}
+                load_version = engine.load_version
+
+                async def reload(path, version):
+                    assert dir_manifest(path).version == version == 2, "the directory is written first"
+                    seen_at_reload.update({n: t.clone() for n, t in live_tensors(engine.model).items()})
+                    await load_version(path, version)
+
+                engine.load_version = reload
+                await pub.publish(v2)
+                assert await w.sync_round() is True
+                assert seen_at_reload.keys() == before.keys()
+                for n, t in before.items():
+                    assert torch.equal(seen_at_reload[n].view(torch.int16), t.view(torch.int16)), n
+                assert engine.version == 2 and w.version == 2 and _same(engine, v2)
+                assert w.status.swaps == {"in_place": 1, "reload": 1}
+                assert "in-place update to v2 failed" in w.status.last_error
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_reload_is_retried_by_the_next_round(kit):
+    """No hot swap, and reloading from the directory fails twice: the round still persists the version;
+    the next round retries first and, failing again, polls the head only briefly; the one after that
+    brings the engine there."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+
+    async def main():
+        async with kit.running_gateway(kit.gateway_config()) as url:
+            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
+            await pub.publish(v1, 1)
+            engine = _engine(kit)
+            async with PolicyWeights(engine, _sync_config(kit, url), hot_swap=False) as w:
+                load_version = engine.load_version
+                calls = []
+
+                async def flaky(path, version):
+                    calls.append(version)
+                    if len(calls) <= 2:
+                        raise OSError("disk hiccup")
+                    await load_version(path, version)
+
+                engine.load_version = flaky
+                assert await w.sync_round() is True
+                assert w.sync.version == 1 and w.version is None and not _same(engine, v1)
+                assert "loading v1" in w.status.last_error and "disk hiccup" in w.status.last_error
+                started = time.monotonic()
+                assert await w.sync_round(wait_s=30) is False
+                assert time.monotonic() - started < 10, "the poll is cut short while the engine is behind"
+                assert calls == [1, 1] and w.version is None
+                assert await w.sync_round() is False
+                assert calls == [1, 1, 1] and w.version == 1 and _same(engine, v1)
+                assert w.status.swaps == {"in_place": 0, "reload": 1}
             await engine.close()
 
     asyncio.run(main())

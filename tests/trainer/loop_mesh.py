@@ -133,7 +133,7 @@ class Mesh:
     def broker(self, models: Sequence[str]) -> str:
         """Launch the broker (serving `models`); `ready()` waits for it."""
         port = free_port()
-        cmd = [DELTAMESH, "broker", "--listen", f"127.0.0.1:{port}", "--db", str(self.root / "broker.db"),
+        cmd = [DELTAMESH, "broker", "--anonymous", "--listen", f"127.0.0.1:{port}", "--db", str(self.root / "broker.db"),
                "--durability", "process"]
         for m in models:
             cmd += ["--model", m]
@@ -148,7 +148,7 @@ class Mesh:
         proc = self._spawn("gateway", [
             DELTAMESH, "gateway", "--region", "origin", "--listen", f"127.0.0.1:{port}",
             "--store", str(self.root / "gateway-store"), "--trusted-key", str(self.public_key),
-            "--pool-token", POOL_TOKEN, "--advertise", url, "--piece-wait", "1.5", "--stall-timeout", "3"])
+            "--anonymous", "--advertise", url, "--piece-wait-s", "1.5", "--stall-timeout-s", "3"])
         self._pending.append((url + "/healthz", proc))
         return url
 
@@ -163,7 +163,7 @@ class Mesh:
         self._spawn(f"pool-{name}", [
             DELTAMESH, "pool", "sync", "--gateway", gateway, "--token", POOL_TOKEN, "--name", name,
             "--dir", str(directory), "--trusted-key", str(self.public_key), "--model", model_id,
-            "--heartbeat", "0.5", "--stall-timeout", "3"])
+            "--heartbeat-s", "0.5", "--stall-timeout-s", "3"])
         return directory
 
     def trainer(self, name: str, *, broker: str, gateway: str, model_id: str, args: Sequence[str] = (),

@@ -36,22 +36,24 @@ mesh = _load("loop_mesh")
 MODEL = "policy"
 
 
-def test_one_config_file_holds_the_trainer_and_train_tables(tmp_path):
+def test_one_trainer_table_holds_the_core_and_the_loop_settings(tmp_path):
     from deltamesh.config import ConfigError, load_config
-    from deltamesh.trainer.config import TrainerConfig
     from deltamesh.trainer.loop_config import TrainLoopConfig
 
     path = tmp_path / "mesh.toml"
-    path.write_text('[trainer]\nmodel_id = "solver"\n[trainer.optim]\nlr = 2e-6\n'
-                    '[train]\nbroker = "http://b:1/"\ngateway = "http://g:2"\nmodel = "m"\nkey = "k"\n'
-                    'batch_size = 32\n[gateway]\nregion = "x"\n')
-    cfg = load_config(TrainerConfig, path, section="trainer", overrides={"checkpoint.dir": "ck"})
-    loop_cfg = load_config(TrainLoopConfig, path, section="train", overrides={"max_steps": 5})
+    path.write_text('[trainer]\nmodel_id = "solver"\nbroker = "http://b:1/"\ngateway = "http://g:2"\nmodel = "m"\n'
+                    'key = "k"\nbatch_size = 32\n[trainer.optim]\nlr = 2e-6\n[gateway]\nregion = "x"\n')
+    cfg = load_config(TrainLoopConfig, path, section="trainer", overrides={"checkpoint.dir": "ck", "max_steps": 5})
     assert (cfg.model_id, cfg.optim.lr, cfg.checkpoint.dir) == ("solver", 2e-6, Path("ck"))
-    assert (loop_cfg.broker, loop_cfg.batch_size, loop_cfg.max_steps) == ("http://b:1", 32, 5)
-    for bad in ({"broker": "b:1"}, {"batch_size": 0}, {"device": "tpu"}, {"key": ""}):
+    assert (cfg.broker, cfg.batch_size, cfg.max_steps) == ("http://b:1", 32, 5)
+    for bad in ({"broker": "b:1"}, {"batch_size": 0}, {"device": "tpu"}, {"key": ""}, {"optim.lr": 0.0}):
         with pytest.raises(ConfigError):
-            load_config(TrainLoopConfig, path, section="train", overrides=bad)
+            load_config(TrainLoopConfig, path, section="trainer", overrides=bad)
+    # The loop's settings once had a table of their own: such a file says where they went.
+    old = tmp_path / "old.toml"
+    old.write_text('[trainer]\nmodel_id = "solver"\n[train]\nbroker = "http://b:1"\n')
+    with pytest.raises(ConfigError, match=r"\[train\] moved to \[trainer\]"):
+        load_config(TrainLoopConfig, old, section="trainer")
 
 
 @pytest.mark.slow
@@ -113,8 +115,8 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
     gateway = real_mesh.gateway()
     pool_dir = real_mesh.pool("p1", gateway, MODEL)
     metrics_file = tmp_path / "steps.jsonl"
-    args = ["--batch-size", str(BATCH), "--max-steps", "9", "--checkpoint-dir", str(tmp_path / "ckpt"),
-            "--checkpoint-every", "2", "--full-every", "4", "--lr", "1e-5", "--poll", "1",
+    args = ["--batch-size", str(BATCH), "--max-steps", "9", "--checkpoint.dir", str(tmp_path / "ckpt"),
+            "--checkpoint.every", "2", "--full-every", "4", "--optim.lr", "1e-5", "--poll-s", "1",
             "--metrics-file", str(metrics_file)]
     # Everything boots side by side; the trainer retries the gateway and the broker until they answer.
     first = real_mesh.trainer("trainer-1", broker=broker, gateway=gateway, model_id=MODEL, args=args)
@@ -179,15 +181,15 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
     model = tiny_lm[1]
     broker = real_mesh.broker(["solver", "verifier"])
     gateway = real_mesh.gateway()
-    common = ["--lr", "1e-5", "--poll", "1", "--full-every", "0"]
+    common = ["--optim.lr", "1e-5", "--poll-s", "1", "--full-every", "0"]
     solver = real_mesh.trainer(
         "solver", broker=broker, gateway=gateway, model_id="solver",
-        args=[*common, "--batch-size", str(BATCH), "--checkpoint-dir", str(tmp_path / "ckpt-solver"),
-              "--checkpoint-every", "100", "--metrics-file", str(tmp_path / "solver.jsonl")])
+        args=[*common, "--batch-size", str(BATCH), "--checkpoint.dir", str(tmp_path / "ckpt-solver"),
+              "--checkpoint.every", "100", "--metrics-file", str(tmp_path / "solver.jsonl")])
     verifier = real_mesh.trainer(
         "verifier", broker=broker, gateway=gateway, model_id="verifier", ranks=2,
-        args=[*common, "--batch-size", "3", "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt-verifier"),
-              "--checkpoint-every", "1", "--metrics-file", str(tmp_path / "verifier.jsonl")])
+        args=[*common, "--batch-size", "3", "--max-steps", "2", "--checkpoint.dir", str(tmp_path / "ckpt-verifier"),
+              "--checkpoint.every", "1", "--metrics-file", str(tmp_path / "verifier.jsonl")])
 
     real_mesh.ready()
     # Rewards tell the policies' data apart: solver batch means are k/8, verifier ones lie in [0.01, 0.02].

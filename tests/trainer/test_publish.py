@@ -39,7 +39,7 @@ def weights_at(step: int, *, seed: int = 0, names: tuple[str, ...] = ("embed.wei
 
 def running_gateway(store: Path, public_key: Path) -> contextlib.AbstractAsyncContextManager[str]:
     """A real gateway in this process on a loopback socket: `async with ... as url`."""
-    config = GatewayConfig(store=str(store), trusted_keys=[str(public_key)], piece_wait_s=0.5)
+    config = GatewayConfig(store=str(store), trusted_keys=[str(public_key)], piece_wait_s=0.5, anonymous=True)
     return serving(create_app(config), "127.0.0.1:0")
 
 
@@ -175,7 +175,7 @@ def test_gateway_holding_other_weights_becomes_the_base_of_the_next_delta(tmp_pa
         published = await publisher.publish(weights_at(2), 2)
         assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
         # Pools that hold the gateway's v1 reach exactly the trainer's weights.
-        rebuilt = await gateway_weights(url, MODEL, 2, [key.public_key()], have=(1, weights_at(1, seed=9)))
+        rebuilt = await gateway_weights(publisher, 2, [key.public_key()], have=(1, weights_at(1, seed=9)))
         assert_same(rebuilt, weights_at(2))
 
     run_with_gateway(tmp_path, public, scenario)
@@ -263,5 +263,6 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
         versions = asyncio.run(listing(url))
         assert sorted(versions) == [0, 1, 3]
         assert versions[3]["delta"]["base_version"] == 1
-        rebuilt = asyncio.run(gateway_weights(url, MODEL, 3, [key.public_key()], have=(1, weights_at(1))))
+        rebuilt = asyncio.run(gateway_weights(Publisher(url, key, MODEL), 3, [key.public_key()],
+                                              have=(1, weights_at(1))))
         assert_same(rebuilt, weights_at(3))

@@ -1,0 +1,85 @@
+"""Spreading one version's pieces over parallel connections so that they all finish together.
+
+Each request asks for at most 1/`connections` of the bytes not yet asked for (and at least
+`MIN_SPAN`): whole pieces while much is left, and at the end the last pieces split into ranges over
+every connection, so that they all finish together instead of a few connections carrying the last
+whole pieces while the others sit idle. No byte is requested twice. How one piece or range is
+fetched (sources, deadlines, verification) is the caller's: `deltamesh.gateway.fetch.Fetcher.pieces`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Awaitable, Callable, Collection, Sequence
+
+from deltamesh.delta.errors import CorruptError
+from deltamesh.delta.manifest import Manifest
+from deltamesh.gateway.fetch_http import Span
+
+MIN_SPAN = 1024 * 1024
+"""Smallest range of a piece a request asks for when the last pieces are split over the connections:
+about one connection's share of a long link's bytes in flight, so splitting never starves them."""
+
+
+async def run_lanes(
+    manifest: Manifest,
+    order: Sequence[int],
+    connections: int,
+    whole_first: Collection[int],
+    *,
+    whole: Callable[[int], Awaitable[bytearray]],
+    fill_range: Callable[[int, Span], Awaitable[None]],
+    assembled_bad: Callable[[int, list, CorruptError], Awaitable[bytearray]],
+    on_piece: Callable[[int, bytearray], Awaitable[None]],
+) -> None:
+    """Fetch the pieces `order` names over `connections` lanes: `whole(i)` a verified whole piece (always
+    for those in `whole_first`, already on their way), `fill_range(i, span)` one range of a split piece;
+    a split piece that fails its hash once assembled goes to `assembled_bad(i, senders, error)`, which
+    returns it fetched again. Every verified piece goes to `on_piece`."""
+    unasked = sum(manifest.pieces[i].length for i in order)
+    todo = deque((i, 0, manifest.pieces[i].length) for i in order)
+    lanes = max(1, min(connections, -(-unasked // MIN_SPAN)))
+    split: dict[int, tuple[bytearray, list[int], list]] = {}  # piece -> (buffer, [bytes to come], senders)
+
+    async def part(i: int, start: int, end: int) -> bytearray | None:
+        """Receive one range of a split piece; the piece once its last range is in, else None."""
+        length = manifest.pieces[i].length
+        data, left, senders = split.setdefault(i, (bytearray(length), [length], []))
+        span = Span(data, start, end)
+        await fill_range(i, span)
+        senders.extend(s for s in span.sources if s not in senders)
+        left[0] -= end - start
+        if left[0]:
+            return None
+        del split[i]
+        try:
+            manifest.check_piece(i, data)
+            return data
+        except CorruptError as e:
+            return await assembled_bad(i, senders, e)
+
+    async def worker() -> None:
+        nonlocal unasked
+        while todo:
+            i, start, end = todo.popleft()
+            share = max(MIN_SPAN, -(-unasked // lanes))
+            if start == 0 and (i in whole_first or end <= share + MIN_SPAN // 2):
+                unasked -= end
+                await on_piece(i, await whole(i))
+                continue
+            if end - start > share + MIN_SPAN // 2:  # leave the rest for the next free connection
+                todo.appendleft((i, start + share, end))
+                end = start + share
+            unasked -= end - start
+            data = await part(i, start, end)
+            if data is not None:
+                await on_piece(i, data)
+
+    workers = [asyncio.create_task(worker()) for _ in range(lanes)]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)

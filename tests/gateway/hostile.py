@@ -1,0 +1,114 @@
+"""A hostile upstream for tests: an HTTP proxy in front of a real gateway that misbehaves on demand.
+
+Everything is passed through to the real gateway, except that piece bodies can be trickled, stalled
+mid-piece, cut short or have a byte flipped, and control-plane answers (heads, listings, plans, pool
+registration) can be slowed down. What it does can change while a test runs (`mode`), and it counts
+every piece request it got, so a test can bound how often a bad source is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from deltamesh.http import serving
+
+PIECE_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/pieces/([0-9]+)$")
+MANIFEST_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/manifest$")
+FORWARDED = ("Range", "If-Range", "If-None-Match", "X-Deltamesh-Peer", "Authorization", "Content-Type")
+
+
+@dataclass
+class Mode:
+    """How the proxy misbehaves; every field off is an honest pass-through."""
+
+    trickle_bps: float = 0.0
+    """Send piece bodies at this many bytes per second."""
+    stall_after: int | None = None
+    """Send this many bytes of a piece body, then nothing more (the connection stays open)."""
+    short_after: int | None = None
+    """Send this many bytes of a piece body, then close the connection."""
+    flip: bool = False
+    """Flip one byte in the middle of every piece body."""
+    control_delay_s: float = 0.0
+    """Delay every answer that is neither a manifest nor a piece by this long."""
+    versions: set[int] | None = None
+    """Misbehave on the pieces of these versions only (None: all)."""
+
+
+@dataclass
+class Hostile:
+    real: str
+    mode: Mode = field(default_factory=Mode)
+    piece_requests: Counter = field(default_factory=Counter)
+    """(version, kind, index) -> requests received."""
+    ranges: list[tuple[int, str, int, str | None]] = field(default_factory=list)
+    """(version, kind, index, Range header) of every piece request, in order."""
+    url: str = ""
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        piece = PIECE_PATH.match(request.path)
+        if piece is None and not MANIFEST_PATH.match(request.path) and self.mode.control_delay_s:
+            await asyncio.sleep(self.mode.control_delay_s)
+        headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+        body = await request.read() if request.can_read_body else None
+        async with self._session.request(request.method, f"{self.real}{request.path_qs}", headers=headers,
+                                         data=body) as upstream:
+            data = await upstream.read()
+            out = {k: upstream.headers[k] for k in ("Content-Type", "Content-Range", "ETag", "Retry-After")
+                   if k in upstream.headers}
+            status = upstream.status
+        if piece is None:
+            return web.Response(body=data, status=status, headers=out)
+        version, kind, index = int(piece.group(2)), piece.group(3), int(piece.group(4))
+        self.piece_requests[(version, kind, index)] += 1
+        self.ranges.append((version, kind, index, request.headers.get("Range")))
+        mode = self.mode
+        if status not in (200, 206) or (mode.versions is not None and version not in mode.versions):
+            return web.Response(body=data, status=status, headers=out)
+        if mode.flip and data:
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0x40
+            data = bytes(data)
+        resp = web.StreamResponse(status=status, headers=out)
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        limit = min(x for x in (mode.stall_after, mode.short_after, len(data)) if x is not None)
+        if mode.trickle_bps:
+            for i in range(limit):
+                await resp.write(data[i:i + 1])
+                await asyncio.sleep(1 / mode.trickle_bps)
+        else:
+            await resp.write(data[:limit])
+        if mode.stall_after is not None and limit < len(data):
+            await self._closing.wait()  # hold the connection, send nothing (until the client gives up)
+        if mode.short_after is not None and limit < len(data):
+            request.transport.close()  # the body ends early: a short read at the client
+            return resp
+        await resp.write_eof()
+        return resp
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator["Hostile"]:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._closing = asyncio.Event()
+        try:
+            async with serving(app, "127.0.0.1:0") as url:
+                self.url = url
+                try:
+                    yield self
+                finally:
+                    # End stalled answers and the long polls passed through, so the server stops at once.
+                    self._closing.set()
+                    await self._session.close()
+        finally:
+            await self._session.close()
