@@ -25,13 +25,11 @@ import aiohttp
 
 from deltamesh.delta import (
     CodecError,
-    CorruptError,
     DecodedVersion,
     Manifest,
     apply_to_dir,
     decode_version,
     dir_manifest,
-    load_manifest,
     load_public_key,
 )
 from deltamesh.gateway.config import PoolSyncConfig
@@ -40,10 +38,10 @@ from deltamesh.gateway.sources import Source
 from deltamesh.http import HttpError, bearer, client_session, request_json
 from deltamesh.gateway.links import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
+from deltamesh.gateway.verified import Step, fetch_verified
 
 log = logging.getLogger(__name__)
 
-Step = tuple[Manifest, list[bytes]]
 RETRY_S = 1.0
 """Pause after a failed round before the next one."""
 
@@ -166,27 +164,14 @@ class WeightSync:
 
     async def fetch_step(self, step: PlanStep) -> Step:
         """The verified manifest and pieces of one plan step."""
-        fetcher = self._fetcher()
-
-        async def accept(raw: bytes) -> Manifest:
-            m = load_manifest(raw, self.trusted_keys)
-            if (m.model_id, m.version, m.kind) != (self.model, step.version, step.kind):
-                raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
-            return m
+        def progress(n: int) -> None:
+            self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + n
 
         try:
-            manifest = await fetcher.manifest_bytes(self.model, step.version, step.kind, accept,
-                                                    prefetch=self.config.connections)
-            pieces: list[bytes | None] = [None] * len(manifest.pieces)
-
-            async def keep(index: int, data: bytes) -> None:
-                pieces[index] = data
-                self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + len(data)
-
-            await fetcher.pieces(manifest, range(len(pieces)), self.config.connections, keep)
+            return await fetch_verified(self._fetcher(), self.model, step, self.trusted_keys,
+                                        self.config.connections, progress)
         except FetchError as e:
             raise SyncError(str(e)) from e
-        return manifest, pieces
 
     async def persist(self, versions: Sequence[DecodedVersion]) -> Manifest:
         """Apply decoded versions to the directory atomically; returns the manifest it now holds."""

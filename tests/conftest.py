@@ -1,10 +1,28 @@
-"""Shared test fixtures: free ports, temporary directories, process clean-up and weight versions."""
+"""Shared test fixtures: free ports, weight versions, trajectories, and a broker in this process on a real
+loopback socket or as its own `deltamesh broker` process (for kill and disk-full tests), always cleaned up."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
+import numpy as np
 import pytest
+from aiohttp import web
+
+from deltamesh.data import Trajectory
+from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.broker.server import BROKER_KEY, build_app
+from deltamesh.mesh.broker.service import Broker
 
 
 @pytest.fixture
@@ -38,3 +56,119 @@ def next_bf16_version(weights: dict, seed: int, share: float = 0.02) -> dict:
 def rl_step():
     """`next_bf16_version`, for test modules (they cannot import a conftest)."""
     return next_bf16_version
+
+
+DELTAMESH = [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
+
+
+def trajectory(tid: str, group_id: str, *, model_id: str = "m", group_size: int = 4, reward: float = 1.0,
+               version: int = 0, tokens: int = 12, task_id: str | None = None, seed: int = 0) -> Trajectory:
+    """A small valid trajectory: a third prompt (mask 0, version -1), the rest generated at `version`."""
+    rng = np.random.default_rng(seed)
+    prompt = tokens // 3
+    mask = np.r_[np.zeros(prompt, np.uint8), np.ones(tokens - prompt, np.uint8)]
+    return Trajectory(
+        id=tid, task_id=task_id or f"task-{group_id}", group_id=group_id, group_size=group_size, model_id=model_id,
+        tokens=rng.integers(0, 32000, tokens, dtype=np.int32), logprobs=-rng.random(tokens, dtype=np.float32),
+        loss_mask=mask, versions=np.where(mask == 1, version, -1).astype(np.int32), reward=reward, pool="p",
+        region="r", timings={"generate_s": 0.5}, metadata={"turn": 1})
+
+
+def group(group_id: str, rewards: list[float], **kw: Any) -> list[Trajectory]:
+    """One complete group: a trajectory per reward, ids `<group_id>-<i>`."""
+    return [trajectory(f"{group_id}-{i}", group_id, group_size=len(rewards), reward=r, seed=i, **kw)
+            for i, r in enumerate(rewards)]
+
+
+@pytest.fixture
+def make_group() -> Callable[..., list[Trajectory]]:
+    return group
+
+
+@pytest.fixture
+def make_trajectory() -> Callable[..., Trajectory]:
+    return trajectory
+
+
+@pytest.fixture
+def serve_broker(tmp_path: Path):
+    """Factory: `async with serve_broker(config) as (url, broker)` runs a broker in this process on a
+    real 127.0.0.1 socket with a real SQLite file; it is shut down when the block ends."""
+
+    @asynccontextmanager
+    async def serve(config: BrokerConfig | None = None, db: Path | None = None) -> AsyncIterator[tuple[str, Broker]]:
+        config = config or BrokerConfig(models=["m"])
+        if not config.tokens_file:  # these tests are not about authentication (tests/broker/test_auth.py is)
+            config = dataclasses.replace(config, anonymous=True)
+        app = build_app(config, db or tmp_path / "broker.db")
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            yield f"http://{host}:{port}", app[BROKER_KEY]
+        finally:
+            await runner.cleanup()
+
+    return serve
+
+
+class BrokerProcess:
+    """A `deltamesh broker` child process; `start` waits until it answers, `kill` sends SIGKILL."""
+
+    def __init__(self, workdir: Path, db: Path, config: str, port: int):
+        self.workdir, self.db, self.config, self.port = workdir, db, config, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = workdir / f"broker-{port}.log"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        cfg = self.workdir / "broker.toml"
+        cfg.write_text(self.config)
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([*DELTAMESH, "broker", "--anonymous", "--listen", f"127.0.0.1:{self.port}", "--db",
+                                          str(self.db), "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                self.get("/v1/status")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)
+        raise RuntimeError(f"broker did not answer within {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def broker_process(tmp_path: Path, free_port: int):
+    """Factory of `BrokerProcess`es (not yet started); every one is killed at the end of the test."""
+    made: list[BrokerProcess] = []
+
+    def make(config: str = '[broker]\nmodels = ["m"]\n', db: Path | None = None) -> BrokerProcess:
+        bp = BrokerProcess(tmp_path, db or tmp_path / "broker.db", config, free_port)
+        made.append(bp)
+        return bp
+
+    yield make
+    for bp in made:
+        bp.kill()

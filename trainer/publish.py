@@ -25,16 +25,18 @@ after the head instead, with the reason logged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from deltamesh.delta import Applier, CodecError, Manifest, load_manifest, weights_hash
+from deltamesh.delta import CodecError, apply, weights_hash
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.sources import Source
+from deltamesh.gateway.verified import fetch_verified
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 from deltamesh.gateway.plan import Plan
@@ -161,26 +163,10 @@ async def gateway_weights(
         fetcher = Fetcher(session, [Source(client.base)], f"trainer/{model_id}", give_up_s=give_up_s)
         weights: Mapping[str, torch.Tensor] | None = None if have is None else have[1]
         for step in plan.steps:
-            manifest = await fetcher.manifest_bytes(model_id, step.version, step.kind,
-                                                    lambda raw: _verified(raw, trusted_keys, model_id, step),
-                                                    prefetch=connections)
-            applier = Applier(manifest, weights if manifest.kind == "delta" else None)
-
-            async def add(index: int, data: bytearray, applier: Applier = applier) -> None:
-                applier.add_piece(index, data)
-
-            await fetcher.pieces(manifest, range(len(manifest.pieces)), connections, add)
-            weights = applier.finish()
+            manifest, pieces = await fetch_verified(fetcher, model_id, step, trusted_keys, connections)
+            weights = await asyncio.to_thread(apply, weights if manifest.kind == "delta" else None, manifest, pieces)
         log.info("%s: rebuilt the gateway's v%d (%s, %d steps, %d bytes)", model_id, version, plan.reason,
                  len(plan.steps), plan.payload_bytes)
     if weights is None:
         raise FetchError(f"{model_id}: the gateway's plan to v{version} is empty")
     return dict(weights)
-
-
-async def _verified(raw: bytes, trusted_keys: Sequence[Ed25519PublicKey], model_id: str, step) -> Manifest:
-    manifest = load_manifest(raw, trusted_keys)
-    if (manifest.model_id, manifest.version, manifest.kind) != (model_id, step.version, step.kind):
-        raise CodecError(f"gateway sent {manifest.model_id} v{manifest.version} {manifest.kind} "
-                         f"for v{step.version} {step.kind}")
-    return manifest

@@ -8,39 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 import numpy as np
 import pytest
-from aiohttp import web
 
 from deltamesh.config import ConfigError, from_dict
 from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BrokerConfig
-from deltamesh.mesh.broker.server import build_app
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Trajectory
 
 GROUP = 2
 
 
-@asynccontextmanager
-async def broker(tmp_path: Path, cap: int | None) -> AsyncIterator[str]:
+def bounded(tmp_path: Path, cap: int | None) -> BrokerConfig:
+    """A broker serving 20 tasks whose buffer holds at most `cap` groups (None: no bound)."""
     dataset = tmp_path / "tasks.jsonl"
     dataset.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+0=", "answer": str(i)}) + "\n"
                                for i in range(20)))
-    config = from_dict(BrokerConfig, {"models": ["m"], "durability": "process", "anonymous": True, "tasks": {
+    return from_dict(BrokerConfig, {"models": ["m"], "durability": "process", "tasks": {
         "dataset": str(dataset), "n_samples": GROUP, "max_buffered_groups": cap}})
-    runner = web.AppRunner(build_app(config, tmp_path / "broker.db"))
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 def answers(lease) -> list[Trajectory]:
@@ -53,9 +41,10 @@ def answers(lease) -> list[Trajectory]:
             for i in range(GROUP)]
 
 
-def test_no_leases_beyond_the_bound_until_a_trainer_takes_a_batch(tmp_path):
+def test_no_leases_beyond_the_bound_until_a_trainer_takes_a_batch(tmp_path, serve_broker):
     async def scenario() -> None:
-        async with broker(tmp_path, cap=3) as url, BrokerClient(url, pool="p") as pool, BatchClient(url, "m") as trainer:
+        async with serve_broker(bounded(tmp_path, 3)) as (url, _), BrokerClient(url, pool="p") as pool, \
+                BatchClient(url, "m") as trainer:
             first = await pool.lease(max_tasks=5)
             assert len(first) == 3  # the bound caps even a single request
             assert await pool.lease(max_tasks=5) == []
@@ -70,9 +59,9 @@ def test_no_leases_beyond_the_bound_until_a_trainer_takes_a_batch(tmp_path):
     asyncio.run(scenario())
 
 
-def test_without_a_bound_pools_lease_freely(tmp_path):
+def test_without_a_bound_pools_lease_freely(tmp_path, serve_broker):
     async def scenario() -> None:
-        async with broker(tmp_path, cap=None) as url, BrokerClient(url, pool="p") as pool:
+        async with serve_broker(bounded(tmp_path, None)) as (url, _), BrokerClient(url, pool="p") as pool:
             assert len(await pool.lease(max_tasks=8)) == 8
             assert len(await pool.lease(max_tasks=8)) == 8
 

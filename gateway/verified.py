@@ -1,0 +1,40 @@
+"""Fetching one step of a transfer plan, verified: the trainer-signed manifest, then its hash-checked pieces.
+
+The one way a version's bytes are taken from gateways, for a pool's weight sync and for a trainer
+that rebuilds the gateway's weights at start-up alike: the manifest must be signed by a trusted key
+and name exactly the model, version and kind the plan asked for (a relay cannot substitute another
+version), and every piece is checked against the manifest by the fetcher before it is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from deltamesh.delta import CorruptError, Manifest, load_manifest
+from deltamesh.delta.keys import Ed25519PublicKey
+from deltamesh.gateway.fetch import Fetcher
+from deltamesh.gateway.plan import PlanStep
+
+Step = tuple[Manifest, list[bytes]]
+
+
+async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
+                         connections: int, on_piece: Callable[[int], None] | None = None) -> Step:
+    """The verified manifest and pieces of `step`; raises FetchError or CodecError (CorruptError)."""
+
+    async def accept(raw: bytes) -> Manifest:
+        m = load_manifest(raw, trusted_keys)
+        if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
+            raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
+        return m
+
+    manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=connections)
+    pieces: list[bytes] = [b""] * len(manifest.pieces)
+
+    async def keep(index: int, data: bytes) -> None:
+        pieces[index] = data
+        if on_piece is not None:
+            on_piece(len(data))
+
+    await fetcher.pieces(manifest, range(len(pieces)), connections, keep)
+    return manifest, pieces
