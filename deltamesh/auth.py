@@ -108,9 +108,11 @@ def identity(request: web.Request) -> Identity | None:
 
 
 def require_name(request: web.Request, name: str, what: str = "pool") -> None:
-    """Refuse (403) a caller that speaks for another `what` than itself; admins may speak for anyone."""
+    """Refuse (403) a caller that speaks for another `what` than itself; admins may speak for anyone.
+    A caller NAME also speaks for `NAME.SUFFIX`: a pool with several policies registers one weight
+    stream per policy as `NAME.MODEL_ID`."""
     who = identity(request)
-    if who is None or who.role == "admin" or who.name == name:
+    if who is None or who.role == "admin" or name == who.name or name.startswith(who.name + "."):
         return
     raise web.HTTPForbidden(text=json.dumps({"error": f"{who.role} {who.name!r} may not speak for {what} {name!r}"}),
                             content_type="application/json")

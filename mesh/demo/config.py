@@ -73,6 +73,9 @@ class DemoConfig:
     """Largest digit in the digit-sum prompts (0..4)."""
     full_every: int = 10
     """The trainer also publishes a full snapshot every N versions (0: only v0)."""
+    tls: bool = True
+    """Gateways and broker serve HTTPS with the run's own CA (RUN_DIR/pki) and every caller presents a
+    token of its role; --no-tls: plain HTTP and anonymous services, on loopback only."""
     pools: int | None = None
     """Run only the topology's first N pools (unset: all)."""
     run_dir: str = ""

@@ -20,6 +20,7 @@ import tomli_w
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
+from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 
@@ -33,7 +34,10 @@ class MeshPlan:
     model_dir: Path
     private_key: Path
     public_key: Path
-    token: str
+    pool_token: str
+    """The pools' token on an anonymous (plain-HTTP) mesh, where gateways take any."""
+    creds: MeshCredentials | None = None
+    """The run's CA, server certificates and tokens; None for a plain-HTTP, anonymous mesh."""
     broker: Service | None = None
     gateways: dict[str, Service] = field(default_factory=dict)
     """Region -> its gateway."""
@@ -50,6 +54,18 @@ class MeshPlan:
     def registration(self, pool: str, model_id: str) -> str:
         """The name a pool's weight stream registers with at its gateway (see PoolConfig)."""
         return pool if len(self.config.model_ids) == 1 else f"{pool}.{model_id}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.creds is not None else "http"
+
+    def token(self, caller: str) -> str:
+        """The token of `caller` (`pool/NAME`, `trainer/MODEL`, `gateway/REGION`, `admin`); "" without TLS."""
+        return self.creds.tokens[caller] if self.creds is not None else ""
+
+    def tls_table(self) -> dict[str, str]:
+        """The `[SECTION.tls]` table of a client config: the run's CA, or nothing."""
+        return {"ca": str(self.creds.ca)} if self.creds is not None else {}
 
     @property
     def services(self) -> list[Service]:
@@ -70,6 +86,9 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
     key_path.parent.mkdir(exist_ok=True)
     public = save_keypair(generate_key(), key_path)
     plan = MeshPlan(config, run_dir, model_dir(config.model), key_path, Path(public), secrets.token_hex(16))
+    if config.tls:
+        plan.creds = make_credentials(run_dir / "pki", [g.region for g in config.topology.gateways],
+                                      [p.name for p in config.topology.pools], list(config.model_ids))
     # Enough prompts that the trainers never run dry (backpressure keeps production near consumption).
     count = (config.steps + 20) * config.groups_per_step * 4
     tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
@@ -83,8 +102,8 @@ def _write_toml(path: Path, tables: dict) -> Path:
     return path
 
 
-def _http(name: str, kind: str, args: list[str], log_path: Path, port: int, health: str = "/healthz") -> Service:
-    return Service(name, kind, args, log_path, url=f"http://127.0.0.1:{port}", health=health, ports=[port])
+def _http(name: str, kind: str, args: list[str], log_path: Path, port: int, scheme: str = "http") -> Service:
+    return Service(name, kind, args, log_path, url=f"{scheme}://127.0.0.1:{port}", ports=[port])
 
 
 def broker_service(plan: MeshPlan) -> Service:
@@ -94,38 +113,43 @@ def broker_service(plan: MeshPlan) -> Service:
         "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": 1,
                   "lease_timeout_s": 60.0, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
     }})
-    args = ["broker", "--anonymous", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
+    args = ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
             "--config", str(config)]
-    return _http("broker", "broker", args, plan.run_dir / "logs" / "broker.log", port, health="/v1/status")
+    args += plan.creds.server_flags("broker") if plan.creds is not None else ["--anonymous"]
+    return _http("broker", "broker", args, plan.run_dir / "logs" / "broker.log", port, plan.scheme)
 
 
 def gateway_service(plan: MeshPlan, spec: GatewaySpec) -> Service:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{plan.scheme}://127.0.0.1:{port}"
     args = ["gateway", "--region", spec.region, "--listen", f"127.0.0.1:{port}", "--advertise", url,
             "--store", str(plan.run_dir / "gateways" / spec.region), "--trusted-key", str(plan.public_key),
-            "--anonymous", "--probe-interval-s", "1", "--heartbeat-timeout-s", "10",
-            "--stall-timeout-s", "10", "--piece-wait-s", "2"]
+            "--probe-interval-s", "1", "--heartbeat-timeout-s", "10", "--stall-timeout-s", "10", "--piece-wait-s", "2"]
+    args += plan.creds.server_flags(f"gateway-{spec.region}") if plan.creds is not None else ["--anonymous"]
     if spec.upstream:
         args += ["--upstream", plan.gateways[spec.upstream].url]
+        if plan.creds is not None:
+            args += ["--upstream-token", plan.token(f"gateway/{spec.region}")]
         if spec.bandwidth_mbps:
             args += ["--bandwidth-cap-mbps", str(spec.bandwidth_mbps)]
         if spec.delay_ms:
             args += ["--link-delay-ms", str(spec.delay_ms)]
     return _http(f"gateway-{spec.region}", "gateway", args, plan.run_dir / "logs" / f"gateway-{spec.region}.log",
-                 port)
+                 port, plan.scheme)
 
 
 def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
     cfg, port = plan.config, free_port()
     assert plan.broker is not None
     config = _write_toml(plan.run_dir / "pools" / f"{name}.toml", {"pool": {
-        "name": name, "broker": plan.broker.url, "dir": str(plan.pool_dir(name)), "region": region,
+        "name": name, "broker": plan.broker.url, "broker_token": plan.token(f"pool/{name}"),
+        "dir": str(plan.pool_dir(name)), "region": region,
         "engine": "transformers", "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
         "listen": f"127.0.0.1:{port}",
         "models": [{"model_id": m, "model_path": str(plan.model_dir)} for m in cfg.model_ids],
-        "sync": {"gateways": [plan.gateways[region].url], "token": plan.token,
-                 "trusted_keys": [str(plan.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0},
+        "sync": {"gateways": [plan.gateways[region].url], "token": plan.token(f"pool/{name}") or plan.pool_token,
+                 "trusted_keys": [str(plan.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
+                 "tls": plan.tls_table()},
         "worker": {"workflow": cfg.workflow, "workflow_options": cfg.workflow_options(), "lease_batch": 2,
                    "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0},
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
@@ -140,6 +164,8 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
     origin = plan.gateways[cfg.topology.origin.region]
     config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {"trainer": {
         "model_id": model_id, "seed": cfg.seed, "broker": plan.broker.url, "gateway": origin.url,
+        "broker_token": plan.token(f"trainer/{model_id}"), "gateway_token": plan.token(f"trainer/{model_id}"),
+        "tls": plan.tls_table(),
         "model": str(plan.model_dir), "key": str(plan.private_key), "batch_size": cfg.batch_size,
         "max_steps": cfg.steps, "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
         "metrics_file": str(plan.metrics_file(model_id)), "optim": {"lr": cfg.lr},

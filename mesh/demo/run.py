@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.live import Live
 
-from deltamesh.http import client_session
+from deltamesh.http import bearer, client_session
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
@@ -182,7 +182,9 @@ async def _run(config: DemoConfig, run_dir: Path, console: Console, live: bool) 
     monitor: Monitor | None = None
     try:
         plan = await asyncio.to_thread(prepare, config, run_dir)
-        async with client_session(timeout_s=10.0) as session:
+        # The monitor reads every service as an admin, verifying the servers against the run's CA.
+        async with client_session(timeout_s=10.0, tls=plan.creds.client_tls() if plan.creds else None,
+                                  headers=bearer(plan.token("admin")) if plan.creds else None) as session:
             monitor = Monitor(plan, session)
             start(plan, services)
             try:

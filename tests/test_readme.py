@@ -1,0 +1,62 @@
+"""README.md's two-region mesh, run as written: keys, a CA and certificates, tokens, a TLS origin and a
+TLS relay pulling from it with a gateway token, a publish with the trainer's token, a pool syncing
+through the relay bit-exact, the admin's tables and a TLS broker. The lines use fixed ports, so they
+run in a network namespace of their own, where nothing else listens."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltamesh.delta import read_weights, write_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
+
+WAIT_PORT = """import socket, sys, time
+deadline = time.monotonic() + 60
+while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
+    if time.monotonic() > deadline:
+        sys.exit(f"nothing listens on port {sys.argv[1]}")
+    time.sleep(0.1)
+"""
+
+
+def readme_lines() -> list[str]:
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+                if "deltamesh certs" in b]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_mesh_runs_as_written(tmp_path):
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
+    gen = torch.Generator().manual_seed(3)
+    weights = {"layer.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
+               "layer.bias": torch.randn(64, generator=gen).to(torch.bfloat16)}
+    write_weights(tmp_path / "weights", weights)
+    lines = readme_lines()
+    ports = [re.search(r"--listen 127\.0\.0\.1:(\d+)", line).group(1) for line in lines if line.endswith("&")]
+    script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
+    for line in lines:
+        script.append(line)
+        if line.endswith("&"):  # a server: the next line needs it listening
+            script.append(f"python -c {shlex.quote(WAIT_PORT)} {ports.pop(0)}")
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    ran = subprocess.run(["unshare", "--net", "bash", "-c", "\n".join(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    synced = read_weights(tmp_path / "pool-eu-1")
+    assert all(torch.equal(synced[name].view(torch.int16), w.view(torch.int16)) for name, w in weights.items())
+    assert "eu-1" in ran.stdout  # the admin's pools table lists the pool
+    for secret in ("pool.token", "admin.token", "trainer.token"):
+        assert (tmp_path / secret).read_text().strip() not in (tmp_path / "tokens.toml").read_text()
