@@ -31,14 +31,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import ssl
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from common import wait_healthy
+
 from deltamesh.http import client_session, request_bytes
+from deltamesh.mesh.demo.processes import free_port
 from deltamesh.broker_client import BrokerClient
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.certs import issue, make_ca
@@ -51,14 +52,6 @@ GROUP = 8
 BATCH = 256
 POOLS = 8
 DELTAMESH = [sys.executable, "-c", "import sys; from deltamesh.mesh.cli import main; sys.exit(main())"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -98,18 +91,12 @@ def start_broker(workdir: Path, config: str, secured: bool) -> tuple[subprocess.
                              "--listen", f"127.0.0.1:{port}", "--db", str(workdir / "broker.db"), "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
     access.url = f"{'https' if secured else 'http'}://127.0.0.1:{port}"
-    context = ssl.create_default_context(cafile=access.tls.ca) if secured else None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited: {(workdir / 'broker.log').read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"{access.url}/healthz", timeout=1, context=context).read()
-            return proc, access
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("broker did not start")
+    try:
+        wait_healthy(access.url, proc, tls=access.tls if secured else None, timeout=30)
+    except RuntimeError as e:
+        proc.kill()
+        raise RuntimeError(f"broker: {e}: {(workdir / 'broker.log').read_text()[-2000:]}") from None
+    return proc, access
 
 
 def make_group(pool: int, n: int, rng: np.random.Generator) -> list[Trajectory]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import statistics
@@ -32,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from baselines import BASELINES, Codec, encoded_size
+from common import bench_parser, emit, parse_bench_args
 from inputs import Case, qwen3_shapes, real_cases, adam_run_case, synthetic_case
 
 log = logging.getLogger("benchmarks.codec")
@@ -43,20 +43,14 @@ LRS = (1e-6, 5e-6, 1e-5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
-    p.add_argument("--quick", action="store_true", help="one repeat, a 4-layer synthetic model, 256 MiB XOR")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 3, quick 1)")
+    p = bench_parser(__doc__, quick="one repeat, a 4-layer synthetic model, 256 MiB XOR",
+                     repeats="timed runs per measurement")
     p.add_argument("--lrs", type=float, nargs="*", default=list(LRS), help="learning rates of the real deltas")
     p.add_argument("--run-steps", type=int, default=4,
                    help="also the delta of this step of one Adam run at lr 5e-6 (0: skip)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    args = p.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
-    return args
+    return parse_bench_args(p, argv)
 
 
 def median_time(fn: Callable[..., Any], repeats: int, setup: Callable[[], Any] | None = None) -> tuple[float, Any]:
@@ -317,13 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "apply": synth[0]["apply_gbps"] / report["xor_gbps"]}
     report["targets"] = evaluate_targets(report)
     exact = all(r["exact"] for c in report["cases"] for r in c["results"].values())
-    if args.save:
-        with open(args.save, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
+    emit(report, args, print_report)
     return 0 if exact else 1
 
 

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from common import emit, stop_processes, wait_healthy
 
 from deltamesh.certs import issue, make_ca
 from deltamesh.delta.hashing import digest
@@ -46,8 +44,9 @@ from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.fetch import Fetcher
 from deltamesh.gateway.sources import Source
 from deltamesh.http import client_session, request_json
+from deltamesh.mesh.demo.processes import free_port
 from deltamesh.gateway.upload import upload_version
-from deltamesh.tls import TlsSettings, client_context
+from deltamesh.tls import TlsSettings
 
 MODEL = "bench"
 PIECE = 4 * 1024 * 1024
@@ -58,28 +57,6 @@ app = web.Application()
 app.router.add_static("/", sys.argv[1])
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=None, access_log=None)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None) -> None:
-    deadline = time.monotonic() + 60
-    context = client_context(tls) if tls is not None else None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + path, timeout=1, context=context):
-                return
-        except urllib.error.HTTPError:
-            return  # it answers
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def make_version(key, version: int, pieces: list[bytes]) -> tuple[Manifest, bytes]:
@@ -203,19 +180,9 @@ def main() -> int:
                 wait_healthy(urls[name], proc, "/healthz" if name != "static" else "/", tls["pool"])
             results = asyncio.run(run_all(urls, tls, key, pieces, counts, args.repeats))
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs)
     results["version_mb"] = round(n_pieces * PIECE / 1e6, 1)
-    if args.json:
-        print(json.dumps(results))
-    else:
-        print_table(results)
+    emit(results, args, print_table)
     return 0
 
 

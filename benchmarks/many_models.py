@@ -18,43 +18,24 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from common import stop_processes, wait_healthy
 
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.upload import upload_version
 from deltamesh.http import client_session, request_json
+from deltamesh.mesh.demo.processes import free_port
 
 PIECE = 256 * 1024
 PIECES = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def make_version(key, model: str, version: int) -> tuple[Manifest, bytes, list[bytes]]:
@@ -118,14 +99,7 @@ def run_pair(n_models: int, repeats: int) -> list[float]:
                 wait_healthy(urls[name], proc)
             return asyncio.run(measure(urls["origin"], urls["relay"], key, n_models, repeats))
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs)
 
 
 def main() -> int:

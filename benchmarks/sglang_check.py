@@ -33,7 +33,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -59,12 +58,6 @@ def import_deltamesh_from_checkout() -> None:
     for part in ("delta", "gateway", "trainer", "mesh"):
         (shim / part).symlink_to(ROOT / part)
     sys.path.insert(0, str(shim.parent))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Checks:
@@ -134,6 +127,7 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
     from deltamesh.mesh.engines.base import EngineError, SamplingParams
     from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
     from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
+    from deltamesh.mesh.demo.processes import free_port
 
     model_id = "sglang-check"
     key = generate_key()
@@ -167,6 +161,17 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
     try:
         prompts = [engine.encode(t) for t in ("1+2=", "The capital of France is", "def f(x):", "abc")]
         greedy = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+
+        async def check_reference(synced: Path | None, version: int, generated: list) -> None:
+            """The engine's logprobs of `generated` (at `version`) beside transformers' own, unless skipped."""
+            if args.no_reference:
+                return
+            ref = await reference_logprobs(base, synced, version, args.device, prompts, [g.tokens for g in generated])
+            mean, worst = compare([g.logprobs for g in generated], ref)
+            figures[f"logprob_mean_abs_diff_v{version}"] = round(mean, 4)
+            checks.add(f"logprobs agree with transformers (v{version})", mean < args.logprob_tolerance,
+                       f"mean |diff| {mean:.4f}, max {worst:.4f}")
+
         t0 = time.perf_counter()
         before = await engine.generate(prompts, greedy)
         figures["decode_tokens_per_s"] = round(sum(len(g.tokens) for g in before) / (time.perf_counter() - t0), 1)
@@ -174,12 +179,7 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
                  for g in before)
         checks.add("generate: tokens, logprobs, versions", ok,
                    f"{len(prompts)} prompts x 32 tokens, versions {sorted({v for g in before for v in g.versions})}")
-        if not args.no_reference:
-            ref = await reference_logprobs(base, None, 0, args.device, prompts, [g.tokens for g in before])
-            mean, worst = compare([g.logprobs for g in before], ref)
-            figures["logprob_mean_abs_diff_v0"] = round(mean, 4)
-            checks.add("logprobs agree with transformers (v0)", mean < args.logprob_tolerance,
-                       f"mean |diff| {mean:.4f}, max {worst:.4f}")
+        await check_reference(None, 0, before)
 
         t0 = time.perf_counter()
         await engine.load_version(v1, 1)
@@ -188,12 +188,7 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
         changed = sum(a.tokens != b.tokens for a, b in zip(after, before))
         ok = engine.version == 1 and all(set(g.versions) == {1} for g in after) and changed > 0
         checks.add("swap from disk to v1", ok, f"{swaps[-1]:.2f} s; {changed}/{len(prompts)} outputs changed")
-        if not args.no_reference:
-            ref = await reference_logprobs(base, v1, 1, args.device, prompts, [g.tokens for g in after])
-            mean, worst = compare([g.logprobs for g in after], ref)
-            figures["logprob_mean_abs_diff_v1"] = round(mean, 4)
-            checks.add("logprobs agree with transformers (v1)", mean < args.logprob_tolerance,
-                       f"mean |diff| {mean:.4f}, max {worst:.4f}")
+        await check_reference(v1, 1, after)
 
         long = SamplingParams(max_new_tokens=args.straddle_tokens, temperature=1.0, ignore_eos=True)
 

@@ -24,6 +24,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from common import emit
 from simulate_model import Tcp
 from simulate_scenarios import (
     MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
@@ -81,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "papers": paper_rows(tcp, codec, mesh),
         "assumptions": assumptions(tcp, codec, mesh),
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
+    emit(report, args, print_report)
     return 0
 
 

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import statistics
 import sys
@@ -45,6 +44,7 @@ from typing import Sequence
 
 import torch
 
+from common import bench_parser, emit, parse_bench_args
 from inputs import qwen3_shapes, synthetic_case
 
 from deltamesh.delta import generate_key, read_weights, save_keypair, write_weights
@@ -80,11 +80,8 @@ class ModelInput:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
-    p.add_argument("--quick", action="store_true", help="one repeat, a 4-layer synthetic model (well under 1 GiB)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per case and way (default 3, quick 1)")
+    p = bench_parser(__doc__, quick="one repeat, a 4-layer synthetic model (well under 1 GiB)",
+                     repeats="timed runs per case and way")
     p.add_argument("--lr", type=float, default=5e-6, help="Adam learning rate of SmolLM2's real step")
     p.add_argument("--no-smollm2", action="store_true", help="skip SmolLM2-135M")
     p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
@@ -92,10 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ways", nargs="+", choices=list(MODES), default=list(MODES), help="which ways in to time")
     p.add_argument("--verbose", action="store_true", help="show the services' own logs")
     p.add_argument("--workdir", help="where model copies, gateway store and synced directories go (default: a temp dir)")
-    args = p.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
-    return args
+    return parse_bench_args(p, argv)
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -305,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             result["cases"] += asyncio.run(measure_model(model, args.repeats, workdir, args.kinds, args.ways))
             del model
             gc.collect()
-    if args.save:
-        Path(args.save).write_text(json.dumps(result, indent=2))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    emit(result, args, print_table)
     return 0
 
 

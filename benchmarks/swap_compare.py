@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import emit
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PARTS = ("delta", "gateway", "trainer", "mesh")  # setup.py maps each top-level folder to deltamesh.<part>
@@ -138,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(commits={"before": commit_of(args.before), "after": commit_of(args.after)}, rounds=args.rounds,
                   repeats=args.repeats, runs_per_side=args.rounds * args.repeats, payload_bytes=payload,
                   command=" ".join([".venv/bin/python", "benchmarks/swap_compare.py", *(argv or sys.argv[1:])]))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    emit(result, args, print_table)
     return 0
 
 

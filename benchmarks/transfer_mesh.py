@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltamesh.delta import generate_key, save_keypair
+from deltamesh.mesh.demo.processes import log_tail
 from wan import Host, Wan, WanError
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,7 @@ class Agent:
         return json.loads(self.out.read_text())
 
     def log_tail(self, n: int = 2000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log, n)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .hashing import digest, tensor_digest
 from .keys import generate_key, key_id, load_private_key, load_public_key, save_keypair
 from .live import SwapStats, copy_in, live_hash, live_tensors, swap_in_place
 from .manifest import Manifest, PieceEntry, TensorEntry, load_manifest, load_manifest_unverified
+from .statement import HeadStatement, StaleStatementError, check_fresh, load_statement, sign_statement
 from .storage import read_weights, write_weights
 from .tensors import weights_hash
 
@@ -33,10 +34,12 @@ __all__ = [
     "CorruptError",
     "DecodedVersion",
     "Encoded",
+    "HeadStatement",
     "Manifest",
     "PIECE_BYTES",
     "PieceEntry",
     "SignatureError",
+    "StaleStatementError",
     "SwapStats",
     "TensorEntry",
     "TensorUpdate",
@@ -44,6 +47,7 @@ __all__ = [
     "apply",
     "apply_to_dir",
     "apply_version",
+    "check_fresh",
     "copy_in",
     "decode_piece",
     "decode_version",
@@ -59,8 +63,10 @@ __all__ = [
     "load_manifest_unverified",
     "load_private_key",
     "load_public_key",
+    "load_statement",
     "read_weights",
     "save_keypair",
+    "sign_statement",
     "swap_in_place",
     "tensor_digest",
     "weights_hash",

@@ -99,4 +99,4 @@ def verify(message: bytes, signature: bytes, signer_id: str, trusted: Iterable[E
         except InvalidSignature as e:
             raise SignatureError(f"bad signature by key {signer_id}") from e
         return key
-    raise SignatureError(f"manifest signed by key {signer_id}, which is not trusted")
+    raise SignatureError(f"signed by key {signer_id}, which is not trusted")

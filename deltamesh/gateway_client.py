@@ -32,6 +32,11 @@ def version_url(base: str, model: str, version: int, kind: str) -> str:
     return f"{base.rstrip('/')}/v1/models/{model}/versions/{version}/{kind}"
 
 
+def statement_url(base: str, model: str) -> str:
+    """Where a gateway at `base` serves (GET) and, the origin, takes (PUT) `model`'s signed head statement."""
+    return f"{base.rstrip('/')}/v1/models/{model}/statement"
+
+
 class GatewayClient:
     """JSON calls to one gateway at `base` over `session`, as `peer`, with `token` (if any) on every call."""
 

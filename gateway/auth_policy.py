@@ -2,12 +2,12 @@
 
 The weights are the lab's asset, so every route but `/healthz` needs a credential: a bearer token
 from the gateway's tokens file or, on an mTLS connection, a client certificate whose common name is
-`ROLE/NAME`. `trainer` publishes (scoped to the model ids of its token), `pool` reads what a pool
-needs and speaks for its own name only (the handlers bind it with `require_name`), `gateway` is a
-downstream relay (it follows, fetches and announces itself), `admin` reads everything, and `metrics`
-scrapes. A route missing from `ROUTES` is refused by the middleware, and a test asserts that none
-is. A gateway with no way to tell its callers apart (no tokens file, no client CA) refuses to start
-unless it is explicitly `anonymous`.
+`ROLE/NAME`. `trainer` publishes versions and head statements (scoped to the model ids of its
+token), `pool` reads what a pool needs and speaks for its own name only (the handlers bind it with
+`require_name`), `gateway` is a downstream relay (it follows, fetches and announces itself), `admin`
+reads everything, and `metrics` scrapes. A route missing from `ROUTES` is refused by the middleware,
+and a test asserts that none is. A gateway with no way to tell its callers apart (no tokens file, no
+client CA) refuses to start unless it is explicitly `anonymous`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", _VERSION + "/pieces/{index}"): READ_WEIGHTS,
     ("PUT", _VERSION + "/manifest"): ("trainer",),
     ("PUT", _VERSION + "/pieces/{index}"): ("trainer",),
+    ("GET", _MODEL + "/statement"): ("pool", "gateway", "admin"),
+    ("PUT", _MODEL + "/statement"): ("trainer",),
     ("POST", "/v1/pools"): ("pool",),
     ("POST", "/v1/pools/{name}/heartbeat"): ("pool",),
     ("DELETE", "/v1/pools/{name}"): ("pool", "admin"),

@@ -164,6 +164,15 @@ class WeightSyncSettings:
     """How long a piece may stay unavailable from every gateway before the transfer is abandoned and retried."""
     full_every: int = 0
     """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
+    stale_after_s: float = 60.0
+    """Freeze check: a gateway whose head stays below a version the pool has known of for this long (from
+    another of its gateways' heads, or a signed head statement) is flagged stale and the pool turns to
+    its next gateway. Far above a relay's normal lag (it announces a version once its manifest is in);
+    0: off."""
+    statement_max_age_s: float = 0.0
+    """Require each gateway's signed head statement to have been issued at most this many seconds ago; a
+    gateway serving none or an older one is flagged stale. Set it above the trainer's statement period
+    (docs/SECURITY.md); 0: not required (a statement that is served is still verified)."""
     tls: TlsSettings = field(default_factory=TlsSettings)
     """TLS towards the gateways (`tls` section): `--ca` verifies https:// gateways, `cert` (common name
     pool/NAME) is presented to gateways that require client certificates."""
@@ -175,6 +184,11 @@ class WeightSyncSettings:
         if not self.token and not self.tls.cert:
             raise ValueError("token is required (the pool's token at its gateways), unless a client certificate "
                              "(tls cert, common name pool/NAME) identifies the pool")
+        if self.token:
+            for url in self.gateways:
+                check_token_transport(url, self.tls.insecure)
+        if self.stale_after_s < 0 or self.statement_max_age_s < 0:
+            raise ValueError("stale_after_s and statement_max_age_s must be >= 0 (0: off)")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
         if self.gpus < 0 or self.connections < 1 or self.full_every < 0:

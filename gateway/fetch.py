@@ -31,9 +31,10 @@ from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
-from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
+from deltamesh.gateway.links import LinkMonitor
 from deltamesh.gateway.scoring import Tries, penalise
-from deltamesh.gateway.sources import Source, order_sources, version_url
+from deltamesh.gateway.sources import Source, order_sources
+from deltamesh.gateway_client import PEER_HEADER, version_url
 from deltamesh.http import JSON_LIMIT, HttpError
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Fetcher:
     on_bytes: Callable[[int], None] | None = None
     on_received: Callable[[Source, Key, int], None] | None = None
     """Told of piece bytes as they arrive: from which source, for which (model, version, kind)."""
+    on_rejected: Callable[[Source, Key, CodecError], None] | None = None
+    """Told of each manifest a source served that `accept` refused, and why (a pool books refusals per gateway)."""
     _early: dict[Key, dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
     _tries: dict[tuple[Key, int], Tries] = field(default_factory=dict, init=False, repr=False)
     _avoid: dict[Key, set[Source]] = field(default_factory=dict, init=False, repr=False)
@@ -208,6 +211,8 @@ class Fetcher:
         except CodecError as e:  # malformed or badly signed: that source is not to be believed
             self._tries_of(key, MANIFEST).exclude(source, f"manifest rejected: {e}")
             self._note(source, f"{_name(key)} manifest rejected: {e}")
+            if self.on_rejected is not None:
+                self.on_rejected(source, key, e)
             return await self._manifest(key, accept)
 
     async def _manifest(self, key: Key, accept: Callable[[bytes], Awaitable[object]]):
@@ -242,6 +247,8 @@ class Fetcher:
                 except CodecError as e:  # malformed or badly signed: that source is not to be believed
                     tries.exclude(source, f"manifest rejected: {e}")
                     self._note(source, f"{_name(key)} manifest rejected: {e}")
+                    if self.on_rejected is not None:
+                        self.on_rejected(source, key, e)
             if time.monotonic() > deadline:
                 raise FetchError(f"{_name(key)}: no source served a valid manifest within {self.give_up_s:.0f}s "
                                  f"({tries.describe()})")

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
-from deltamesh.gateway_client import PEER_HEADER  # noqa: F401 - re-exported for the gateway's modules
-
 log = logging.getLogger(__name__)
 
 ROLES = ("upstream", "downstream", "pool")

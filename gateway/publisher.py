@@ -4,7 +4,10 @@
 also a full snapshot every `full_every` versions; the first version it publishes is a full
 snapshot), signs the manifests with the trainer key and streams them to the origin gateway with
 `deltamesh.gateway.upload`. The delta is uploaded first, so pools that follow the chain can start at
-once. A publisher that starts without a base (a new process) asks the gateway for its head and
+once. Once a version is up, a signed head statement naming it (`deltamesh.delta.statement`) follows,
+and `publish_statement` signs a fresh one for the same version between versions, so pools that
+require fresh statements see the trainer is alive (its failure is logged, never fatal: the version is
+published). A publisher that starts without a base (a new process) asks the gateway for its head and
 continues the numbering with a full snapshot, which is always a valid plan for every pool. It
 speaks to the gateway as the trainer: with its `token` (role trainer) on every request, and over TLS
 as `tls` says (its certificate, common name trainer/NAME, serves as the credential on an mTLS
@@ -24,14 +27,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+import aiohttp
 import torch
 
-from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, write_weights
+from deltamesh.delta import (
+    Encoded,
+    encode_delta,
+    encode_full,
+    read_weights,
+    sign_statement,
+    weights_hash,
+    write_weights,
+)
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.gateway_client import GatewayClient
-from deltamesh.http import HttpError, bearer, client_session
+from deltamesh.gateway_client import GatewayClient, statement_url
+from deltamesh.http import HttpError, bearer, client_session, request_bytes
 from deltamesh.tls import TlsSettings, check_token_transport
 from deltamesh.gateway.upload import upload_version
 
@@ -113,9 +125,33 @@ class Publisher:
                                              connections=self.connections, on_progress=self.on_progress)
                 log.info("published %s v%d %s: %d pieces, %d bytes", self.model_id, version, enc.manifest.kind,
                          len(enc.pieces), enc.manifest.payload_bytes)
-        # Remembering the hash spares hashing the base again for the next delta.
-        self.set_base(version, weights, encodings[0].manifest.weights_hash)
+            # Remembering the hash spares hashing the base again for the next delta.
+            self.set_base(version, weights, encodings[0].manifest.weights_hash)
+            await self._put_statement(s)
         return Published(version, [e.manifest for e in encodings], sent)
+
+    async def publish_statement(self) -> bool:
+        """Sign and upload a fresh head statement for the last published version (none yet: nothing to
+        say, False). A trainer calls this every so often between versions; True once the origin has it."""
+        if self.base is None:
+            return False
+        async with self.session(connections=2, timeout_s=30.0) as s:
+            return await self._put_statement(s)
+
+    async def _put_statement(self, session: aiohttp.ClientSession) -> bool:
+        version, weights = self.base
+        if self._base_hash is None:
+            self._base_hash = await asyncio.to_thread(weights_hash, weights)
+        body = sign_statement(self.key, self.model_id, version, self._base_hash)
+        try:
+            await request_bytes(session, "PUT", statement_url(self.gateway, self.model_id), data=body,
+                                headers={"Content-Type": "application/json"}, timeout_s=30.0)
+        except HttpError as e:
+            # The version is published whatever happens here; pools that require statements will report
+            # the gateway stale until one gets through.
+            log.warning("head statement of %s v%d not accepted by %s: %s", self.model_id, version, self.gateway, e)
+            return False
+        return True
 
 
 class PublishState:

@@ -35,7 +35,8 @@ import aiohttp
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.fetch import Fetcher, FetchError, NotAnnounced
-from deltamesh.gateway.links import PEER_HEADER, LinkMonitor
+from deltamesh.gateway.links import LinkMonitor
+from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
@@ -257,7 +258,7 @@ class Relay:
             if entry is None or not entry.complete:
                 self._start(key, why if entry is None else "resume")
         keys = {key for key, _ in wanted}
-        self._retry.forget_unless(lambda k: k in keys or k in self._active or self.can_fetch(*k))
+        self._retry.forget_unless(lambda k: k in keys or k in self._active)
         self.metrics.relay_retrying.set(len(self._retry))
 
     def _start(self, key: Key, why: str, lease: bool = False) -> None:
@@ -265,6 +266,7 @@ class Relay:
             return  # on its way, or failed a moment ago: its retry comes after a backoff
         if why != "resume":
             self.metrics.relay_fetches.labels(key[2], why).inc()
+        self._retry.started(key)
         task = asyncio.create_task(self._mirror(*key, lease=lease))
         self._active[key] = task
         task.add_done_callback(lambda t: self._finished(key, t))
@@ -315,6 +317,7 @@ class Relay:
                     if time.monotonic() - asked < ANTICIPATE_WAIT_S / 2:
                         return  # answered at once: a newer version came first, this one is not coming
 
+        self._retry.started(key)
         task = asyncio.create_task(wait_for_it())
         self._active[key] = task
         task.add_done_callback(lambda t: self._finished(key, t))

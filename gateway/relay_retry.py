@@ -4,11 +4,13 @@ A mirror fails when no upstream serves a piece intact within its tries, when the
 when something unexpected breaks; the relay then tries that version again after an exponential
 backoff with jitter (1 s, 2 s, 4 s ... up to a minute), while every other version and model goes on
 as usual: one stuck version never blocks the next, and a hostile upstream gets a few requests a
-minute for it instead of a stream. A success forgets the failures; `status` lists what is waiting.
+minute for it instead of a stream. A success forgets the failures; `describe` lists what is waiting
+(`retry_in_s` null while a try is under way).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -41,6 +43,11 @@ class RetrySchedule:
         failure = self._failed.get(key)
         return failure is None or failure.next_at <= time.monotonic()
 
+    def started(self, key: Key) -> None:
+        """A failed version is being tried again: no retry is due for it until this try ends."""
+        if key in self._failed:
+            self._failed[key].next_at = math.inf
+
     def failed(self, key: Key, reason: str) -> float:
         """Book a failed attempt; returns the seconds until the next one."""
         count = self._failed[key].count + 1 if key in self._failed else 1
@@ -57,10 +64,10 @@ class RetrySchedule:
             del self._failed[key]
 
     def next_due(self) -> float | None:
-        """Seconds until the earliest retry (0 if one is due), None when nothing waits."""
-        if not self._failed:
-            return None
-        return max(0.0, min(f.next_at for f in self._failed.values()) - time.monotonic())
+        """Seconds until the earliest retry (0 if one is due), None when nothing waits (tries under way
+        are not waiting)."""
+        waiting = [f.next_at for f in self._failed.values() if f.next_at != math.inf]
+        return max(0.0, min(waiting) - time.monotonic()) if waiting else None
 
     def __len__(self) -> int:
         return len(self._failed)
@@ -68,5 +75,6 @@ class RetrySchedule:
     def describe(self) -> list[dict]:
         now = time.monotonic()
         return [{"model": k[0], "version": k[1], "kind": k[2], "failures": f.count,
-                 "retry_in_s": round(max(0.0, f.next_at - now), 1), "error": f.reason}
+                 "retry_in_s": None if f.next_at == math.inf else round(max(0.0, f.next_at - now), 1),
+                 "error": f.reason}
                 for k, f in sorted(self._failed.items())]

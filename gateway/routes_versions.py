@@ -21,7 +21,7 @@ from aiohttp import web
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import MODEL_ID_RE, load_manifest
 from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
-from deltamesh.gateway.links import PEER_HEADER
+from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.service import Gateway
 from deltamesh.gateway.disk import DiskFullError

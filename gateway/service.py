@@ -1,7 +1,8 @@
 """The state and background work of one running gateway: store, pool registry, links, metrics, relay.
 
-`Gateway` owns everything the HTTP routes share (store, pools, links, metrics, the per-version byte
-counts of each link) and the tasks that run beside them: the relay (when there are upstreams),
+`Gateway` owns everything the HTTP routes share (store, head statements, pools, links, metrics, the
+per-version byte counts of each link) and the tasks that run beside them: the relay and the mirror of
+the upstreams' head statements (when there are upstreams),
 garbage collection after each completed version, link probes (of upstreams, and of the downstream
 gateways and pools that authenticated themselves), and the announcement of this gateway to its
 upstreams. Every session it opens speaks TLS as `config.tls` says. `start()` and `stop()` are hooked to the aiohttp application's start-up and
@@ -27,6 +28,8 @@ from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.registry import PoolRegistry
 from deltamesh.gateway.relay import Relay
+from deltamesh.gateway.statement_mirror import mirror_statements
+from deltamesh.gateway.statements import StatementStore
 from deltamesh.gateway.upstreams import announce_forever
 from deltamesh.gateway.store import StoredVersion, VersionStore
 from deltamesh.gateway.traffic import Traffic
@@ -43,6 +46,8 @@ class Gateway:
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.store = VersionStore(config.store, self.trusted_keys,
                                   disk_margin_bytes=int(config.disk_margin_mib * 2**20))
+        # A new statement moves the store's epoch: followers long-polling the heads pick it up at once.
+        self.statements = StatementStore(config.store, self.trusted_keys, self.store.ledger, on_change=self.store.touch)
         self.pools = PoolRegistry(config.heartbeat_timeout_s)
         self.links = LinkMonitor()
         self.metrics = GatewayMetrics()
@@ -56,6 +61,7 @@ class Gateway:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.load)
+        await asyncio.to_thread(self.statements.load)
         self.store.on_version_complete.append(self._on_complete)
         self.store.on_piece_corrupt.append(lambda entry, index: self.metrics.corrupt_pieces.labels("disk").inc())
         self._probe_session = client_session(timeout_s=max(2.0, self.config.probe_interval_s), tls=self.config.tls)
@@ -66,6 +72,7 @@ class Gateway:
         if self.relay is not None:
             await self.relay.start()
             self._tasks.append(asyncio.create_task(announce_forever(self.config)))
+            self._tasks.append(asyncio.create_task(mirror_statements(self.config, self.statements)))
         log.info("gateway %s up: %s, store %s", self.config.region,
                  "origin" if self.config.is_origin else f"relaying from {', '.join(self.config.upstreams)}",
                  self.config.store)

@@ -63,11 +63,6 @@ class Source:
             self.rate_bps = rate if not self.rate_bps else 0.7 * self.rate_bps + 0.3 * rate
 
 
-def version_url(base: str, model: str, version: int, kind: str) -> str:
-    """Where a gateway at `base` serves one version: `/manifest` and `/pieces/{index}` below it."""
-    return f"{base}/v1/models/{model}/versions/{version}/{kind}"
-
-
 def order_sources(sources: Sequence[Source], avoid: Collection[Source] = ()) -> list[Source]:
     """Every source, best first: healthy ones in preference order, then penalised ones (the one whose
     penalty ends first, first); those in `avoid` (which served bad bytes of the version at hand) last."""

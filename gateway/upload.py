@@ -17,7 +17,7 @@ import aiohttp
 from deltamesh.delta.manifest import Manifest
 from deltamesh.http import HttpError, request_bytes
 from deltamesh.peer_json import parse_json
-from deltamesh.gateway.sources import version_url
+from deltamesh.gateway_client import version_url
 
 
 async def upload_version(

@@ -3,7 +3,10 @@
 The one way a version's bytes are taken from gateways, for a pool's weight sync and for a trainer
 that rebuilds the gateway's weights at start-up alike: the manifest must be signed by a trusted key
 and name exactly the model, version and kind the plan asked for (a relay cannot substitute another
-version), and every piece is checked against the manifest by the fetcher before it is kept.
+version), and every piece is checked against the manifest by the fetcher before it is kept. A pool
+adds its own `check` of the manifest (no rollback, one weights hash per version: see
+`deltamesh.gateway.head_check`); a manifest it refuses is, to the fetcher, one more it cannot accept,
+so the fetcher turns to another gateway for it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ Step = tuple[Manifest, list[bytes]]
 
 
 async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
-                         connections: int, on_piece: Callable[[int], None] | None = None) -> Step:
-    """The verified manifest and pieces of `step`; raises FetchError or CodecError (CorruptError)."""
+                         connections: int, on_piece: Callable[[int], None] | None = None,
+                         check: Callable[[Manifest], None] | None = None) -> Step:
+    """The verified manifest and pieces of `step`; raises FetchError or CodecError (CorruptError).
+    `check` may refuse a validly signed manifest by raising a CodecError."""
 
     async def accept(raw: bytes) -> Manifest:
         m = load_manifest(raw, trusted_keys)
         if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
             raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
+        if check is not None:
+            check(m)
         return m
 
     manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=connections)

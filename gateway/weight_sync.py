@@ -11,6 +11,15 @@ to `fallback_plan`, a full snapshot. A rollout pool (mesh/pool/weights.py) calls
 its engine's update between decoding and persisting; `sync_once` and `run` are the directory-only
 round and loop that `deltamesh pool sync` runs. `version` tells what the directory holds and `head`
 the newest version seen at a gateway.
+
+Every request carries the pool's token (or its client certificate) over TLS as `tls` says. Whatever a
+gateway's plan says, the pool never moves below the version it holds nor takes another weights hash
+for a version it verified (`deltamesh.gateway.head_check`), and it checks each gateway's freshness by
+the trainer's signed head statement and its other gateways' heads (`deltamesh.gateway.head_watch`).
+A refused or stale gateway is logged once, counted (`book`, `on_refusal`) and asked last for a while,
+so the next round goes to another. Credentials every gateway refuses end the loop with one
+CredentialsError (`deltamesh.gateway.sync_errors`); a clean stop deregisters the pool from the gateway
+it registered with (`deltamesh.gateway.pool_presence`).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Awaitable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 
@@ -34,9 +43,13 @@ from deltamesh.delta import (
 )
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.gateway.head_watch import HeadWatch, valid_head
+from deltamesh.gateway.pool_presence import Presence
 from deltamesh.gateway.sources import Source
+from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, credentials_refused
 from deltamesh.http import HttpError, bearer, client_session, request_json
-from deltamesh.gateway.links import PEER_HEADER
+from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.verified import Step, fetch_verified
 
@@ -46,12 +59,8 @@ RETRY_S = 1.0
 """Pause after a failed round before the next one."""
 
 
-class SyncError(Exception):
-    """A transfer that could not complete (no gateway answered, or the plan's data did not verify)."""
-
-
 class WeightSync:
-    def __init__(self, config: PoolSyncConfig):
+    def __init__(self, config: PoolSyncConfig, *, on_refusal: Callable[[Refusal], None] | None = None):
         self.config = config
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.model = config.model
@@ -64,44 +73,71 @@ class WeightSync:
         self.since_full = 0
         self.last_error = ""
         self.sources = [Source(url) for url in config.gateways]
+        self.guard = VersionGuard()
+        """The weights hash of every version this pool verified: no rollback, no equivocation."""
+        self.book = GatewayBook(self.sources)
+        """Each gateway's standing (ok, stale, refused) and the refusals by reason."""
+        self.watch = HeadWatch(config, self.sources, self.trusted_keys, self.guard, self.book, on_refusal)
+        """Each round's freshness checks; it books refusals, and tells `on_refusal` of each (and of each
+        gateway newly found stale: a pool's metrics count them)."""
+        self._peer = {PEER_HEADER: f"pool/{config.name}"}
+        self._round: Source | None = None
+        """The gateway whose head this round follows: its plan is asked for first."""
+        self._checking: asyncio.Future | None = None
+        """The freshness checks of the round's head answer, while they overlap the plan request."""
+        self.presence = Presence(config, self.sources)
+        """The pool's entry in a gateway's registry."""
         self._session: aiohttp.ClientSession | None = None
-        self._registered_at: str | None = None
         self._beat_now = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
-        self._session = client_session(connections=2 * self.config.connections + 4, timeout_s=None)
+        # The token rides on every request (the config refused it for plain http:// off loopback).
+        self._session = client_session(connections=2 * self.config.connections + 4, timeout_s=None,
+                                       tls=self.config.tls,
+                                       headers=bearer(self.config.token) if self.config.token else None)
         held = await asyncio.to_thread(dir_manifest, self.config.dir)
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
+            self.guard.hold(held.version, held.weights_hash)
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
+            await asyncio.gather(self._checking, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Register, heartbeat and keep the directory at the head until `stop` is set."""
+        """Register, heartbeat and keep the directory at the head until `stop` is set, then deregister.
+        Raises CredentialsError when every gateway refuses the pool's credentials."""
         stop = stop or asyncio.Event()
         while not self.model and not stop.is_set():
             try:
                 self.model = await self._pick_model()
+            except CredentialsError:
+                raise
             except (SyncError, HttpError) as e:
                 self.set_error(str(e))
                 await sleep_or_stop(stop, RETRY_S)
+        await self.register_once()
         heartbeats = asyncio.create_task(self.heartbeat_loop(stop))
         try:
             while not stop.is_set():
                 try:
                     await until_stopped(self.sync_once(self.config.poll_wait_s), stop)
+                except CredentialsError:
+                    raise
                 except (SyncError, HttpError, CodecError, OSError) as e:
                     # The directory is untouched (apply is atomic); try again from where it is.
-                    self.set_error(f"{type(e).__name__}: {e}")
+                    self.set_error(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused))
                     await sleep_or_stop(stop, RETRY_S)
         finally:
             heartbeats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeats
+            await self.deregister()
 
     # -- the steps of a round --------------------------------------------------------------------------
     async def sync_once(self, wait_s: float = 0.0) -> bool:
@@ -120,24 +156,56 @@ class WeightSync:
 
     async def wait_for_head(self, wait_s: float = 0.0) -> int | None:
         """Wait (up to `wait_s`) until a gateway announces a version newer than the directory's; that
-        version, or None if none came."""
+        version, or None if none came. Checks the answering gateway's head statement and freshness on
+        the way (Refused for a forged statement; a stale gateway is flagged, and asked last next time)."""
         if not self.model:
             self.model = await self._pick_model()
-        answer = await self._ask("GET", f"/v1/models/{self.model}/head",
-                                 params={"after": self.version, "wait": wait_s}, timeout=wait_s)
-        head = answer["head"]
+        await self._checked()  # a round whose plan was never asked for
+        source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
+                                         params={"after": self.version, "wait": wait_s}, timeout=wait_s)
+        head = answer.get("head", "?") if isinstance(answer, dict) else "?"
+        if not valid_head(head):
+            raise SyncError(f"gateway {source.url} answered a malformed head {head!r:.40}")
+        self._round = source
+        self.book.saw_head(source, head)
+        # With a new head, the checks run beside the plan request (no round trip added to a version's
+        # way); `fetch_plan` takes their verdict before it accepts the plan.
+        self._checking = asyncio.ensure_future(
+            self.watch.check(self._session, source, self.model, head, self.version, self._peer))
         if head is not None:
             self.head = max(head, self.head if self.head is not None else head)
         if head is None or (self.version is not None and head <= self.version):
+            await self._checked()
             return None
         return head
 
+    async def _checked(self) -> None:
+        """Wait for the checks of the last head answer; Refused if its gateway's statement was refused."""
+        checking, self._checking = self._checking, None
+        if checking is None:
+            return
+        try:
+            await checking
+        except Rejected as e:
+            raise Refused(str(self._refuse(self._round, e))) from None
+
     async def fetch_plan(self, to: int | None = None, *, full: bool = False) -> Plan:
+        """A transfer plan from the gateway this round follows (another if it does not answer); Refused
+        when it would leave the pool below the version it holds."""
         self.state = "planning"
         params = {"from": None if full else self.version, "to": to}
         if self.config.full_every:
             params.update(since_full=self.since_full, full_every=self.config.full_every)
-        plan = Plan.from_json(await self._ask("GET", f"/v1/models/{self.model}/plan", params=params))
+        source, answer = await self._ask("GET", f"/v1/models/{self.model}/plan", params=params, prefer=self._round)
+        await self._checked()
+        try:
+            plan = Plan.from_json(answer)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SyncError(f"gateway {source.url} answered a malformed plan: {type(e).__name__}: {e}") from None
+        try:
+            self.guard.check_plan(plan)
+        except Rejected as e:
+            raise Refused(str(self._refuse(source, e))) from None
         log.info("pool %s: plan v%s -> v%d: %s, %d steps, %d bytes", self.config.name, plan.from_version,
                  plan.to_version, plan.reason, len(plan.steps), plan.payload_bytes)
         return plan
@@ -156,20 +224,24 @@ class WeightSync:
         self.transfer = {"from": plan.from_version, "to": plan.to_version, "reason": plan.reason,
                          "bytes_total": plan.payload_bytes, "bytes_done": 0, "started": time.time()}
         versions = []
-        for step in plan.steps:
-            manifest, pieces = await self.fetch_step(step)
+        for i, step in enumerate(plan.steps):
+            manifest, pieces = await self.fetch_step(step, final=i == len(plan.steps) - 1)
             versions.append(await asyncio.to_thread(decode_version, manifest, pieces))
         self.state = "applying"
         return versions
 
-    async def fetch_step(self, step: PlanStep) -> Step:
-        """The verified manifest and pieces of one plan step."""
+    async def fetch_step(self, step: PlanStep, *, final: bool = True) -> Step:
+        """The verified manifest and pieces of one plan step; the `final` one (the version the pool moves
+        to) must also carry the weights hash the pool verified for its version, if it knows one."""
         def progress(n: int) -> None:
             self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + n
 
         try:
+            # A manifest the guard refuses is one more the fetcher cannot accept: it books the refusal
+            # (`on_rejected`) and asks another gateway for the same step.
             return await fetch_verified(self._fetcher(), self.model, step, self.trusted_keys,
-                                        self.config.connections, progress)
+                                        self.config.connections, progress,
+                                        check=self.guard.check_manifest if final else None)
         except FetchError as e:
             raise SyncError(str(e)) from e
 
@@ -182,6 +254,7 @@ class WeightSync:
         # Deltas applied in a row since the last full snapshot, for the periodic full sync.
         self.since_full = len(versions) - 1 if versions[0].kind == "full" else self.since_full + len(versions)
         self.version = final.version
+        self.guard.hold(final.version, final.weights_hash)
         self.state, self.transfer, self.last_error = "idle", {}, ""
         self._beat_now.set()
         log.info("pool %s: now at %s v%d", self.config.name, final.model_id, final.version)
@@ -191,63 +264,73 @@ class WeightSync:
     def _fetcher(self) -> Fetcher:
         return Fetcher(self._session, self.sources, f"pool/{self.config.name}",
                        stall_timeout_s=self.config.stall_timeout_s, give_up_s=self.config.give_up_s,
-                       penalty_s=min(self.config.stall_timeout_s, 5.0))
+                       penalty_s=min(self.config.stall_timeout_s, 5.0), on_rejected=self._manifest_rejected)
+
+    def _manifest_rejected(self, source: Source, key: tuple[str, int, str], error: CodecError) -> None:
+        if isinstance(error, Rejected):  # a bad signature or a mislabelled manifest the fetcher handles alone
+            self._refuse(source, error)
+
+    def _refuse(self, source: Source, rejected: Rejected) -> Refusal:
+        refusal = self.watch.refuse(source, rejected)
+        self.last_error = str(refusal)
+        return refusal
 
     async def _ask(self, method: str, path: str, *, params: dict | None = None, body=None,
-                   timeout: float = 0.0) -> dict:
-        """A JSON call to the first gateway that answers it, in order of preference."""
-        errors = []
+                   timeout: float = 0.0, prefer: Source | None = None) -> tuple[Source, Any]:
+        """A JSON call to the first gateway that answers it (`prefer` first, then in order of
+        preference); the gateway and its answer."""
+        errors, denied = [], []
         now = time.monotonic()
         ordered = [s for s in self.sources if s.healthy(now)] + [s for s in self.sources if not s.healthy(now)]
+        if prefer is not None:
+            ordered = [prefer] + [s for s in ordered if s is not prefer]
         for source in ordered:
             try:
-                return await request_json(self._session, method, f"{source.url}{path}", params=params, body=body,
-                                          headers={PEER_HEADER: f"pool/{self.config.name}"},
-                                          timeout_s=timeout + self.config.stall_timeout_s)
+                return source, await request_json(self._session, method, f"{source.url}{path}", params=params,
+                                                  body=body, headers=self._peer,
+                                                  timeout_s=timeout + self.config.stall_timeout_s)
             except HttpError as e:
                 errors.append(str(e))
-                if e.status == 0 or e.status >= 500:
+                if e.status in (401, 403):  # perhaps only this gateway has not learned of the pool's token
+                    denied.append(str(e))
+                elif e.status == 0 or e.status >= 500:
                     source.bad_until = time.monotonic() + min(self.config.stall_timeout_s, 5.0)
                 elif e.status != 404:
                     raise
+        if denied and len(denied) == len(errors):
+            raise credentials_refused(self.config.name, denied)
         raise SyncError("no gateway answered: " + "; ".join(errors))
 
     async def _pick_model(self) -> str:
-        models = (await self._ask("GET", "/v1/models"))["models"]
+        _, answer = await self._ask("GET", "/v1/models")
+        models = answer["models"]
         if len(models) != 1:
             raise SyncError(f"gateway serves {len(models)} models {sorted(models)}; name one")
         return next(iter(models))
 
+    # -- the pool's registration (`deltamesh.gateway.pool_presence`) ------------------------------------
     async def register(self) -> None:
-        body = {"name": self.config.name, "model": self.model, "gpus": self.config.gpus,
-                "engine": self.config.engine, "tier": self.config.tier, "endpoint": self.config.endpoint,
-                "version": self.version}
-        last: HttpError | None = None
-        for source in self.sources:
-            try:
-                await request_json(self._session, "POST", f"{source.url}/v1/pools", body=body,
-                                   headers=bearer(self.config.token), timeout_s=self.config.stall_timeout_s)
-                self._registered_at = source.url
-                return
-            except HttpError as e:
-                last = e
-        raise SyncError(f"pool {self.config.name} could not register: {last}")
+        await self.presence.register(self._session, self.model, self.version)
+
+    async def register_once(self) -> None:
+        """Register (and beat) before the loops start: refused credentials end a pool there, with one
+        error; any other failure is left to the heartbeat loop, which keeps trying."""
+        try:
+            await self.heartbeat()
+        except CredentialsError:
+            raise
+        except (SyncError, HttpError) as e:
+            log.warning("pool %s: registration: %s", self.config.name, e)
+
+    async def deregister(self) -> None:
+        """Leave the gateway the pool registered with (best effort, briefly): part of a clean stop."""
+        await self.presence.leave(self._session)
 
     async def heartbeat(self) -> None:
-        if self._registered_at is None:
-            await self.register()
-        body = {"version": self.version, "state": self.state, "transfer": self.transfer}
-        try:
-            answer = await request_json(self._session, "POST",
-                                        f"{self._registered_at}/v1/pools/{self.config.name}/heartbeat",
-                                        body=body, headers=bearer(self.config.token),
-                                        timeout_s=self.config.stall_timeout_s)
-            if answer["head"] is not None:
-                self.head = max(answer["head"], self.head if self.head is not None else answer["head"])
-        except HttpError as e:
-            self._registered_at = None  # re-register next time, there or at an alternate
-            if e.status == 401:
-                raise
+        state = {"version": self.version, "state": self.state, "transfer": self.transfer}
+        head = await self.presence.beat(self._session, self.model, state)
+        if head is not None and valid_head(head):
+            self.head = max(head, self.head if self.head is not None else head)
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         """Heartbeat until `stop`: every `heartbeat_s`, and at once after a new version is persisted."""
@@ -261,9 +344,11 @@ class WeightSync:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), self.config.heartbeat_s)
 
-    def set_error(self, reason: str) -> None:
+    def set_error(self, reason: str, *, logged: bool = False) -> None:
+        """Report a failed round (in heartbeats and status); `logged`: its one line is written already."""
         self.state, self.last_error = "error", reason
-        log.warning("pool %s: %s", self.config.name, reason)
+        if not logged:
+            log.warning("pool %s: %s", self.config.name, reason)
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

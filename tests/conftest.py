@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,13 @@ from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import BROKER_KEY, build_app
 from deltamesh.mesh.broker.service import Broker
+from deltamesh.mesh.demo import processes
 
 
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return processes.free_port()
 
 
 def next_bf16_version(weights: dict, seed: int, share: float = 0.02) -> dict:

@@ -91,6 +91,18 @@ def fill(groups: Sequence[GroupSummary], budget: int) -> list[GroupSummary]:
     return chosen
 
 
+def by_staleness(groups: Sequence[GroupSummary], version: int,
+                 max_staleness: int | None) -> tuple[list[GroupSummary], list[GroupSummary]]:
+    """`groups` split, in order, into (usable, too stale) for a trainer at `version`: a group whose
+    oldest sample is more than `max_staleness` versions behind it is too stale (None: no bound)."""
+    usable: list[GroupSummary] = []
+    stale: list[GroupSummary] = []
+    for g in groups:
+        too_old = max_staleness is not None and version - g.min_version > max_staleness
+        (stale if too_old else usable).append(g)
+    return usable, stale
+
+
 @dataclass
 class BatchPlan:
     """What one batch request should do: which groups to serve, drop as stale, or retire from replay."""
@@ -126,18 +138,8 @@ class BatchPolicy:
         whole batch never fits and waits forever, so size batches in multiples of the group size).
         """
         plan = BatchPlan(ready=False)
-        usable = []
-        for g in fresh:
-            if self.max_staleness is not None and version - g.min_version > self.max_staleness:
-                plan.stale.append(g)
-            else:
-                usable.append(g)
-        candidates = []
-        for g in replay:
-            if self.replay_max_staleness is not None and version - g.min_version > self.replay_max_staleness:
-                plan.retired.append(g)
-            else:
-                candidates.append(g)
+        usable, plan.stale = by_staleness(fresh, version, self.max_staleness)
+        candidates, plan.retired = by_staleness(replay, version, self.replay_max_staleness)
         quota = round(self.replay_fraction * size)
         if quota and candidates:
             plan.replay = fill(self.selector(candidates, rng), quota)

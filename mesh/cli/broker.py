@@ -11,47 +11,37 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
     from deltamesh.mesh.autoscale.config import AutoscaleConfig
     from deltamesh.mesh.broker.config import BrokerConfig
+    from deltamesh.mesh.cli import config_command
 
-    p = commands.add_parser("broker", help="run the dataflow broker (tasks out, trajectories in, batches out)",
-                            description="Run the dataflow broker. Flags override the [broker] table of --config "
-                                        "(docs/CONFIG.md).")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [broker] table")
-    add_config_flags(p, BrokerConfig, section="broker")
-    p.set_defaults(run=run_broker)
-
-    a = commands.add_parser("autoscale", help="resize the rollout pool from the broker's balance report",
-                            description="Run the autoscaler. Flags override the [autoscale] table of --config "
-                                        "(docs/CONFIG.md).")
-    a.add_argument("--config", metavar="FILE", help="TOML file with an [autoscale] table")
-    add_config_flags(a, AutoscaleConfig, section="autoscale")
-    a.set_defaults(run=run_autoscale)
+    config_command(commands, "broker", BrokerConfig, run_broker, section="broker",
+                   help="run the dataflow broker (tasks out, trajectories in, batches out)",
+                   description="Run the dataflow broker.")
+    config_command(commands, "autoscale", AutoscaleConfig, run_autoscale, section="autoscale",
+                   help="resize the rollout pool from the broker's balance report",
+                   description="Run the autoscaler.")
 
 
 def run_broker(args: argparse.Namespace) -> int:
-    import logging
-
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.http import parse_listen, serve
     from deltamesh.mesh.broker.config import BrokerConfig
     from deltamesh.mesh.broker.server import build_app
     from deltamesh.mesh.broker.store import StoreUnavailable
     from deltamesh.mesh.broker.tasks import DatasetError
+    from deltamesh.mesh.cli import command_config, failed
     from deltamesh.tls import server_context
 
+    config = command_config(args, BrokerConfig, "broker")
+    if config is None:
+        return 2
     try:
-        config = load_config(BrokerConfig, args.config, section="broker",
-                             overrides=config_overrides(args, BrokerConfig))
         host, port = parse_listen(config.listen)
         app = build_app(config, config.db)
         app.on_startup.append(_reload_tokens_on_sighup)
         serve(app, host, port, ssl_context=server_context(config.tls))
-    except (ConfigError, DatasetError, StoreUnavailable, ValueError) as e:  # ValueError: unknown plug-in names, TLS
-        logging.getLogger(__name__).error("%s", e)
-        return 2
+    except (DatasetError, StoreUnavailable, ValueError) as e:  # ValueError: unknown plug-in names, TLS
+        return failed(e)
     return 0
 
 
@@ -67,28 +57,19 @@ async def _reload_tokens_on_sighup(app) -> None:
 
 def run_autoscale(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
-    import signal
 
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.broker_client import BrokerClient
     from deltamesh.mesh.autoscale.config import AutoscaleConfig
     from deltamesh.mesh.autoscale.launchers import CommandLauncher, Launcher, LocalLauncher
     from deltamesh.mesh.autoscale.loop import Autoscaler
+    from deltamesh.mesh.cli import command_config, stop_on_signals
 
-    try:
-        config = load_config(AutoscaleConfig, args.config, section="autoscale",
-                             overrides=config_overrides(args, AutoscaleConfig))
-    except ConfigError as e:
-        logging.getLogger(__name__).error("%s", e)
+    config = command_config(args, AutoscaleConfig, "autoscale")
+    if config is None:
         return 2
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         launcher: Launcher
         if config.launcher == "local":
             launcher = LocalLauncher(config.command, broker=config.broker, stop_grace_s=config.stop_grace_s)

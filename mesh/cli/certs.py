@@ -12,8 +12,9 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("certs", help="make a CA and TLS certificates for gateways, brokers, pools, trainers")
-    sub = p.add_subparsers(title="certs commands", metavar="CERTS_COMMAND")
+    from deltamesh.mesh.cli import command_group
+
+    sub = command_group(commands, "certs", help="make a CA and TLS certificates for gateways, brokers, pools, trainers")
     ca = sub.add_parser("ca", help="create a CA: DIR/ca.pem and DIR/ca.key")
     ca.add_argument("--out", required=True, metavar="DIR", help="folder for ca.pem and ca.key")
     ca.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
@@ -28,45 +29,34 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
     issue.add_argument("--out", required=True, metavar="DIR", help="folder for NAME.pem and NAME.key")
     issue.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     issue.set_defaults(run=run_issue)
-    p.set_defaults(run=lambda args: _usage(p))
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    import sys
-
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def run_ca(args: argparse.Namespace) -> int:
-    import logging
     from pathlib import Path
 
     from deltamesh.certs import make_ca
+    from deltamesh.mesh.cli import failed
 
     out = Path(args.out)
     if not args.force and ((out / "ca.pem").exists() or (out / "ca.key").exists()):
-        logging.getLogger(__name__).error("%s already holds a CA; pass --force to replace it", out)
-        return 1
+        return failed(f"{out} already holds a CA; pass --force to replace it", 1)
     issued = make_ca(out, days=args.days)
     print(f"CA: certificate {issued.cert}, key {issued.key}")
     return 0
 
 
 def run_issue(args: argparse.Namespace) -> int:
-    import logging
     from pathlib import Path
 
     from deltamesh.certs import Issued, issue
+    from deltamesh.mesh.cli import failed
 
     ca = Issued(Path(args.ca) / "ca.pem", Path(args.ca) / "ca.key")
     if not ca.cert.exists() or not ca.key.exists():
-        logging.getLogger(__name__).error("no CA in %s (make one with `deltamesh certs ca --out %s`)", args.ca, args.ca)
-        return 1
+        return failed(f"no CA in {args.ca} (make one with `deltamesh certs ca --out {args.ca}`)", 1)
     role, sep, holder = args.name.partition("/")
     if not sep or not role or not holder:
-        logging.getLogger(__name__).error("--name must be ROLE/NAME, e.g. pool/eu-1, not %r", args.name)
-        return 2
+        return failed(f"--name must be ROLE/NAME, e.g. pool/eu-1, not {args.name!r}")
     issued = issue(ca, args.out, args.name, hosts=args.host, days=args.days)
     print(f"{args.name}: certificate {issued.cert}, key {issued.key}")
     return 0

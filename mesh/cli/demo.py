@@ -16,16 +16,16 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
+    from deltamesh.mesh.cli import config_command
     from deltamesh.mesh.demo.config import DemoConfig
 
-    p = commands.add_parser(
-        "demo", help="run the whole mesh on this machine: gateways, pools, broker and trainer",
+    p = config_command(
+        commands, "demo", DemoConfig, run, section="demo",
+        help="run the whole mesh on this machine: gateways, pools, broker and trainer",
         description="Run a three-region mesh (origin gateway, a relay, a relay of the relay), rollout pools, "
                     "the broker and a trainer as processes on this machine, show them at work, check every "
                     "pool ends bit-exact on the trainer's final version, and write a report. Ctrl-C stops "
-                    "everything cleanly. Flags override the [demo] table of --config (docs/CONFIG.md).")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [demo] table")
+                    "everything cleanly.")
     p.add_argument("--topology", metavar="FILE", help="TOML file with a [topology] table (see mesh/demo/topology.py)")
     p.add_argument("--plain", action="store_true", help="log progress lines instead of the live view")
     tour = p.add_argument_group("codec tour")
@@ -33,42 +33,46 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
                                                                 "(--lr sets its learning rate, default 5e-6)")
     tour.add_argument("--batch", type=int, default=2, help="sequences in the training batch (default 2)")
     tour.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    add_config_flags(p, DemoConfig, section="demo")
-    p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-    import sys
-
-    from rich.console import Console
-
-    from deltamesh.config import ConfigError, load_config, to_dict
+def overrides(args: argparse.Namespace) -> dict:
+    """The config overrides the flags make, --topology's file among them."""
+    from deltamesh.config import to_dict
     from deltamesh.config_flags import config_overrides
     from deltamesh.mesh.demo.config import DemoConfig
     from deltamesh.mesh.demo.topology import load_topology
 
+    out = config_overrides(args, DemoConfig)
+    if args.topology:
+        out["topology"] = to_dict(load_topology(args.topology))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import sys
+
+    from rich.console import Console
+
+    from deltamesh.config_flags import config_overrides
+    from deltamesh.mesh.cli import command_config
+    from deltamesh.mesh.demo.config import DemoConfig
+
     console = Console()
-    overrides = config_overrides(args, DemoConfig)
     if args.codec_tour:
         from deltamesh.mesh.demo.codec_tour import codec_tour
 
-        facts = codec_tour(console, lr=overrides.get("lr", 5e-6), batch=args.batch, seq_len=args.seq_len)
+        lr = config_overrides(args, DemoConfig).get("lr", 5e-6)
+        facts = codec_tour(console, lr=lr, batch=args.batch, seq_len=args.seq_len)
         return 0 if facts["exact"] and facts["tamper_refused"] else 1
 
     from deltamesh.mesh.demo.run import run_demo
     from deltamesh.mesh.demo.summary import print_summary
 
-    try:
-        if args.topology:
-            overrides["topology"] = to_dict(load_topology(args.topology))
-        config = load_config(DemoConfig, args.config, section="demo", overrides=overrides)
-    except (ConfigError, ValueError) as e:
-        logging.getLogger(__name__).error("%s", e)
+    config = command_config(args, DemoConfig, "demo", overrides=overrides)
+    if config is None:
         return 2
     live = console.is_terminal and not args.plain and sys.stdout.isatty()
     result = asyncio.run(run_demo(config, console=console, live=live))
     print_summary(console, result)
     return result.exit_code
-

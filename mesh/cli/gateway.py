@@ -6,30 +6,23 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
     from deltamesh.gateway.config import GatewayConfig
+    from deltamesh.mesh.cli import config_command
 
-    p = commands.add_parser("gateway", help="run a regional weight gateway",
-                            description="Run a regional gateway. Flags override the [gateway] table of --config "
-                                        "(docs/CONFIG.md).")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [gateway] table")
-    add_config_flags(p, GatewayConfig, section="gateway")
-    p.set_defaults(run=run)
+    config_command(commands, "gateway", GatewayConfig, run, section="gateway", help="run a regional weight gateway",
+                   description="Run a regional gateway.")
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.gateway.config import GatewayConfig
     from deltamesh.gateway.server import run_gateway
+    from deltamesh.mesh.cli import command_config, failed
 
-    try:
-        config = load_config(GatewayConfig, args.config, section="gateway",
-                             overrides=config_overrides(args, GatewayConfig))
-        run_gateway(config)
-    except (ConfigError, ValueError) as e:  # ValueError: no credentials, a bad tokens file or TLS files
-        logging.getLogger(__name__).error("%s", e)
+    config = command_config(args, GatewayConfig, "gateway")
+    if config is None:
         return 2
+    try:
+        run_gateway(config)
+    except ValueError as e:  # no credentials, a bad tokens file or TLS files
+        return failed(e)
     return 0

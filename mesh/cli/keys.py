@@ -10,34 +10,25 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("keys", help="manage Ed25519 signing keys")
-    sub = p.add_subparsers(title="keys commands", metavar="KEYS_COMMAND")
+    from deltamesh.mesh.cli import command_group
+
+    sub = command_group(commands, "keys", help="manage Ed25519 signing keys")
     gen = sub.add_parser("generate", help="write a new key pair: PATH (private) and PATH.pub")
     gen.add_argument("--out", required=True, help="path of the private key; the public key goes to PATH.pub")
     gen.add_argument("--force", action="store_true", help="overwrite an existing key")
     gen.set_defaults(run=run_generate)
-    p.set_defaults(run=lambda args: _usage(p))
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    import sys
-
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import logging
     from pathlib import Path
 
     from deltamesh.delta import generate_key, key_id, save_keypair
+    from deltamesh.mesh.cli import failed
 
-    log = logging.getLogger(__name__)
     out = Path(args.out)
     public = out.with_name(out.name + ".pub")
     if not args.force and (out.exists() or public.exists()):
-        log.error("%s or %s already exists; pass --force to overwrite", out, public)
-        return 1
+        return failed(f"{out} or {public} already exists; pass --force to overwrite", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     key = generate_key()
     save_keypair(key, out, public)

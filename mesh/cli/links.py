@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from deltamesh.config import http_url
-from deltamesh.config_flags import add_config_flags, flag
+from deltamesh.config_flags import flag
 from deltamesh.tls import TlsSettings, check_token_transport
 
 
@@ -40,13 +40,13 @@ class LinksConfig:
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("links", help="show a gateway's links: RTT, throughput, errors",
-                            description="Show a gateway's links. The full table needs a wide terminal (or COLUMNS); "
-                                        "narrower output gets a compact one. --json has every figure.")
+    from deltamesh.mesh.cli import config_command
+
+    p = config_command(commands, "links", LinksConfig, run, help="show a gateway's links: RTT, throughput, errors",
+                       description="Show a gateway's links. The full table needs a wide terminal (or COLUMNS); "
+                                   "narrower output gets a compact one. --json has every figure.")
     p.add_argument("--watch", action="store_true", help="keep the table updated in place")
     p.add_argument("--json", action="store_true", help="print the gateway's JSON instead of a table")
-    add_config_flags(p, LinksConfig)
-    p.set_defaults(run=run)
 
 
 def _scaled(value: float, unit: str) -> str:
@@ -119,22 +119,17 @@ def links_table(answer: dict, console):
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import logging
     import time
 
     from rich.console import Console
     from rich.live import Live
 
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
+    from deltamesh.mesh.cli import command_config, failed
 
-    log = logging.getLogger(__name__)
-    try:
-        config = load_config(LinksConfig, overrides=config_overrides(args, LinksConfig))
-    except ConfigError as e:
-        log.error("%s", e)
+    config = command_config(args, LinksConfig)
+    if config is None:
         return 2
 
     def fetch() -> dict:
@@ -143,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         answer = fetch()
     except HttpError as e:
-        log.error("cannot read links from %s: %s", config.gateway, e)
-        return 1
+        return failed(f"cannot read links from {config.gateway}: {e}", 1)
     if args.json:
         print(json.dumps(answer, indent=2))
         return 0

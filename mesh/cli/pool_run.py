@@ -6,16 +6,16 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
+    from deltamesh.mesh.cli import config_command
     from deltamesh.mesh.pool.config import PoolConfig
 
-    p = pool_commands.add_parser(
-        "run", help="run a rollout pool: weight sync, engine and rollout worker",
+    p = config_command(
+        pool_commands, "run", PoolConfig, run, section="pool",
+        help="run a rollout pool: weight sync, engine and rollout worker",
         description="Start a rollout pool: its engines follow the region's gateway (hot swap in place where the "
                     "engine can), and its worker leases tasks from the broker, runs the workflow and submits "
-                    "trajectories. Flags override the [pool] table of --config (docs/CONFIG.md); a pool of "
-                    "several policies is described there ([[pool.models]]) or with --model-id repeated.")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [pool] table")
+                    "trajectories. A pool of several policies is described in the config file "
+                    "([[pool.models]]) or with --model-id repeated.")
     # A shorthand for [[pool.models]], which as a list of tables has no derived flags.
     policies = p.add_argument_group("policies (shorthand for [[pool.models]])")
     policies.add_argument("--model", action="append", metavar="PATH",
@@ -25,8 +25,6 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
                           help="a policy to serve (repeatable; default: the one model the gateway serves)")
     policies.add_argument("--engine-url", action="append", metavar="URL",
                           help="SGLang: attach to this server instead of launching one (once per --model-id)")
-    add_config_flags(p, PoolConfig, section="pool")
-    p.set_defaults(run=run)
 
 
 def overrides(args: argparse.Namespace) -> dict:
@@ -49,35 +47,25 @@ def overrides(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
-    import signal
 
-    from deltamesh.config import ConfigError, load_config
+    from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.engines.base import EngineError
     from deltamesh.mesh.pool.config import PoolConfig
     from deltamesh.mesh.pool.pool import PoolError, RolloutPool
     from deltamesh.mesh.workflows import WorkflowError
 
-    log = logging.getLogger(__name__)
-    try:
-        config = load_config(PoolConfig, args.config, section="pool", overrides=overrides(args))
-    except (ConfigError, ValueError) as e:
-        log.error("%s", e)
+    config = command_config(args, PoolConfig, "pool", overrides=overrides)
+    if config is None:
         return 2
 
     async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         try:
             await RolloutPool(config).run(stop)
         except (PoolError, WorkflowError) as e:
-            log.error("%s", e)
-            return 1 if stop.is_set() else 2
+            return failed(e, 1 if stop.is_set() else 2)
         except (EngineError, OSError) as e:  # the engine could not start (model directory, SGLang server)
-            log.error("pool %s: %s", config.name, e)
-            return 1
+            return failed(f"pool {config.name}: {e}", 1)
         return 0
 
     return asyncio.run(main())

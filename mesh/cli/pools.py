@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from deltamesh.config import http_url
-from deltamesh.config_flags import add_config_flags, flag
+from deltamesh.config_flags import flag
 from deltamesh.tls import TlsSettings, check_token_transport
 
 
@@ -30,10 +30,10 @@ class PoolsConfig:
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("pools", help="list the pools registered with a gateway")
+    from deltamesh.mesh.cli import config_command
+
+    p = config_command(commands, "pools", PoolsConfig, run, help="list the pools registered with a gateway")
     p.add_argument("--json", action="store_true", help="print the gateway's JSON instead of a table")
-    add_config_flags(p, PoolsConfig)
-    p.set_defaults(run=run)
 
 
 def pools_table(answer: dict):
@@ -56,26 +56,20 @@ def pools_table(answer: dict):
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import logging
 
     from rich.console import Console
 
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
+    from deltamesh.mesh.cli import command_config, failed
 
-    log = logging.getLogger(__name__)
-    try:
-        config = load_config(PoolsConfig, overrides=config_overrides(args, PoolsConfig))
-    except ConfigError as e:
-        log.error("%s", e)
+    config = command_config(args, PoolsConfig)
+    if config is None:
         return 2
     try:
         answer = call_once(config.gateway, GatewayClient.pools, token=config.token, tls=config.tls)
     except HttpError as e:
-        log.error("cannot read pools from %s: %s", config.gateway, e)
-        return 1
+        return failed(f"cannot read pools from {config.gateway}: {e}", 1)
     if args.json:
         print(json.dumps(answer, indent=2))
     else:

@@ -8,40 +8,33 @@ from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
     from deltamesh.gateway.config import PublishConfig
+    from deltamesh.mesh.cli import config_command
 
-    p = commands.add_parser(
-        "publish", help="publish weights to an origin gateway",
+    p = config_command(
+        commands, "publish", PublishConfig, run, help="publish weights to an origin gateway",
         description="Encode WEIGHTS_DIR against the previously published version (kept in --state), sign it "
                     "and upload it. A full snapshot is published too every --full-every versions, and "
                     "instead of a delta when there is no matching previous version. --gateway, --model and "
                     "--key are required.")
     p.add_argument("weights_dir", metavar="WEIGHTS_DIR", help="safetensors directory (single file or sharded)")
-    add_config_flags(p, PublishConfig)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
 
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
-    from deltamesh.http import HttpError
     from deltamesh.gateway.config import PublishConfig
     from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
+    from deltamesh.http import HttpError
+    from deltamesh.mesh.cli import command_config, failed
 
-    log = logging.getLogger(__name__)
-    try:
-        config = load_config(PublishConfig, overrides=config_overrides(args, PublishConfig))
-    except ConfigError as e:
-        log.error("%s", e)
+    config = command_config(args, PublishConfig)
+    if config is None:
         return 2
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     state = PublishState(config.state or cache / "deltamesh" / "publish" / config.model)
@@ -61,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = asyncio.run(publish_dir(publisher, args.weights_dir, state, config.version))
         except (HttpError, CodecError, RuntimeError, OSError, ValueError) as e:
-            log.error("publish failed: %s", e)
-            return 1
+            return failed(f"publish failed: {e}", 1)
     kinds = ", ".join(f"{m.kind} {m.payload_bytes} bytes" for m in result.manifests)
     print(f"published {config.model} v{result.version}: {kinds}")
     return 0

@@ -11,10 +11,10 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
+    from deltamesh.mesh.cli import command_group
     from deltamesh.tokens import ROLES
 
-    p = commands.add_parser("tokens", help="add, revoke and list the bearer tokens of a broker or gateway")
-    sub = p.add_subparsers(title="tokens commands", metavar="TOKENS_COMMAND")
+    sub = command_group(commands, "tokens", help="add, revoke and list the bearer tokens of a broker or gateway")
     add = sub.add_parser("add", help="add a token and print it (once)")
     add.add_argument("--file", required=True, metavar="TOML", help="the tokens file (created if missing)")
     add.add_argument("--name", required=True, help="the holder: a pool's name, a trainer's, a gateway's region...")
@@ -30,56 +30,41 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
     ls = sub.add_parser("list", help="list the holders of a tokens file (never the tokens)")
     ls.add_argument("--file", required=True, metavar="TOML", help="the tokens file")
     ls.set_defaults(run=run_list)
-    p.set_defaults(run=lambda args: _usage(p))
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    import sys
-
-    parser.print_help(sys.stderr)
-    return 2
 
 
 def run_add(args: argparse.Namespace) -> int:
-    import logging
-
+    from deltamesh.mesh.cli import failed
     from deltamesh.tokens import TokenError, TokenSpec, add_token
 
     try:
         print(add_token(args.file, TokenSpec(args.name, args.role, args.model)))
     except (TokenError, OSError) as e:
-        logging.getLogger(__name__).error("%s", e)
-        return 1
+        return failed(e, 1)
     return 0
 
 
 def run_revoke(args: argparse.Namespace) -> int:
-    import logging
-
+    from deltamesh.mesh.cli import failed
     from deltamesh.tokens import TokenError, revoke_token
 
     try:
         gone = revoke_token(args.file, args.name, args.role)
     except (TokenError, OSError) as e:
-        logging.getLogger(__name__).error("%s", e)
-        return 1
+        return failed(e, 1)
     if not gone:
-        logging.getLogger(__name__).error("%s holds no token of %s", args.file, args.name)
-        return 1
+        return failed(f"{args.file} holds no token of {args.name}", 1)
     print(f"revoked {gone} token(s) of {args.name}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
-    import logging
-
+    from deltamesh.mesh.cli import failed
     from deltamesh.tokens import TokenError, TokenStore
 
     try:
         store = TokenStore(args.file)
     except TokenError as e:
-        logging.getLogger(__name__).error("%s", e)
-        return 1
+        return failed(e, 1)
     for who in store.identities():
         print(f"{who.role:8} {who.name}  models: {', '.join(who.models) or 'all'}")
     return 0

@@ -14,36 +14,26 @@ import os
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.config_flags import add_config_flags
+    from deltamesh.mesh.cli import config_command
     from deltamesh.trainer.loop_config import TrainLoopConfig
 
-    p = commands.add_parser(
-        "train", help="run a trainer: batches from the broker in, new weight versions out",
+    config_command(
+        commands, "train", TrainLoopConfig, run, section="trainer",
+        help="run a trainer: batches from the broker in, new weight versions out",
         description="Long-poll batches from the broker, take an RL step on fp32 master weights, publish each "
                     "new bf16 version to the origin gateway (a delta on the previous one) and report it to the "
-                    "broker. Checkpoints let a restarted trainer continue its version sequence. Flags override "
-                    "the [trainer] table of --config (docs/CONFIG.md).")
-    p.add_argument("--config", metavar="FILE", help="TOML file with a [trainer] table")
-    add_config_flags(p, TrainLoopConfig, section="trainer")
-    p.set_defaults(run=run)
+                    "broker. Checkpoints let a restarted trainer continue its version sequence.")
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from deltamesh.config import ConfigError, load_config
-    from deltamesh.config_flags import config_overrides
     from deltamesh.logs import setup_logging
+    from deltamesh.mesh.cli import command_config
     from deltamesh.trainer.loop import run_training
     from deltamesh.trainer.loop_config import TrainLoopConfig
 
-    log = logging.getLogger(__name__)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         setup_logging(args.log_level, process_name=f"rank{os.environ.get('RANK', '?')}")
-    try:
-        cfg = load_config(TrainLoopConfig, args.config, section="trainer",
-                          overrides=config_overrides(args, TrainLoopConfig))
-    except ConfigError as e:
-        log.error("%s", e)
+    cfg = command_config(args, TrainLoopConfig, "trainer")
+    if cfg is None:
         return 2
     return run_training(cfg)

@@ -3,7 +3,8 @@
 Every child runs in a session (process group) of its own, so stopping it reaches whatever it started
 too; on Linux it also gets SIGTERM should the demo itself die without cleaning up. `ServiceSet.stop`
 sends SIGTERM to each group, gives it a grace period, then SIGKILLs what is left; the demo calls it
-on every way out (normal end, Ctrl-C, SIGTERM, an error).
+on every way out (normal end, Ctrl-C, SIGTERM, an error). `free_port` and `log_tail` serve the tests
+and benchmarks that run such processes too.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The last `chars` characters of a process's log file, for an error message ("" if unreadable)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 def _die_with_parent() -> None:
     """In the child before exec: a new session, and SIGTERM when the demo process dies."""
     os.setsid()
@@ -81,10 +90,7 @@ class Service:
         return None if self.proc is None else self.proc.poll()
 
     def tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:

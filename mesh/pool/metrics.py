@@ -1,9 +1,10 @@
 """Prometheus metrics of a rollout pool, in the one registry its status server exposes at `/metrics`.
 
-The pool's own counters (leases, episodes, submitted trajectories, weight transfers, whether it may
-lease) live in a per-pool `CollectorRegistry`. Each engine keeps its metrics in a registry of its own
-(two engines of one process would otherwise register the same metric names twice);
-`EngineMetricsCollector` merges their families into the pool's registry, one family per name.
+The pool's own counters (leases, episodes, submitted trajectories, weight transfers, refusals and
+stale gateways, whether it may lease) live in a per-pool `CollectorRegistry`. Each engine keeps its
+metrics in a registry of its own (two engines of one process would otherwise register the same
+metric names twice); `EngineMetricsCollector` merges their families into the pool's registry, one
+family per name.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class PoolMetrics:
         self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes", "Payload bytes fetched", ["model"], registry=r)
         self.swaps = Counter("deltamesh_pool_weight_swaps", "Versions brought into an engine, by way",
                              ["model", "way"], registry=r)
+        self.refusals = Counter("deltamesh_pool_gateway_refusals",
+                                "Offers refused from gateways, by reason: rollback (an older version), "
+                                "equivocation (another weights hash for a verified version), statement (a head "
+                                "statement that does not verify), stale (a gateway newly found behind)",
+                                ["model", "reason"], registry=r)
+        self.stale_gateways = Gauge("deltamesh_pool_gateway_stale",
+                                    "1 while the pool holds a gateway stale (behind a version known elsewhere, "
+                                    "or without a fresh head statement), else 0", ["model", "gateway"], registry=r)
 
 
 class EngineMetricsCollector:

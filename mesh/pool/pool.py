@@ -62,14 +62,22 @@ def resolve_roles(workflow_roles: Sequence[str], model_ids: Sequence[str], roles
 
 async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: float = 1.0) -> dict[str, Any] | None:
     """The first answer of `GET /v1/models` ({"region", "models"}) from the pool's gateways, asked with its
-    token over its TLS settings; None if stopped first."""
+    token over its TLS settings; None if stopped first. PoolError when every gateway refuses the
+    pool's credentials (asking again would not help)."""
     async with client_session(timeout_s=10.0, tls=sync.tls) as session:
         while not stop.is_set():
+            refused = []
             for url in sync.gateways:
                 try:
                     return await GatewayClient(url, session, token=sync.token, insecure=sync.tls.insecure).models()
                 except HttpError as e:
-                    log.warning("gateway %s: %s", url, e)
+                    if e.status in (401, 403):
+                        refused.append(str(e))
+                    else:
+                        log.warning("gateway %s: %s", url, e)
+            if len(refused) == len(sync.gateways):
+                raise PoolError(f"every gateway refused the pool's credentials ({'; '.join(refused)}): check its "
+                                "token, or its client certificate")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), retry_s)
     return None
@@ -95,6 +103,7 @@ class RolloutPool:
                 "engine_version": w.version, "dir_version": w.sync.version, "head": w.sync.head, "ready": w.ready,
                 "resumed_from_dir": w.status.resumed_from_dir, "fetched": w.status.fetched, "swaps": w.status.swaps,
                 "last_swap_at": w.status.last_swap_at, "last_error": w.status.last_error,
+                "refusals": dict(w.sync.book.refusals), "gateways": w.sync.book.describe(),
             }
         worker = dataclasses.asdict(self.worker.counts) if self.worker is not None else {}
         verdict = self.gate.last if self.gate is not None else None
@@ -159,8 +168,8 @@ class RolloutPool:
 
         def watch(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is not None:
-                failed.append(task.exception())
-                log.error("pool %s: %s failed, stopping: %r", self.config.name, task.get_name(), task.exception())
+                failed.append(task.exception())  # raised below, as the one error the pool stops with
+                log.warning("pool %s: %s ended; stopping (the worker drains first)", self.config.name, task.get_name())
                 stop.set()
 
         streams = []
@@ -175,7 +184,8 @@ class RolloutPool:
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         if failed:
-            raise PoolError(f"pool {self.config.name} stopped: {failed[0]!r}") from failed[0]
+            e = failed[0]
+            raise PoolError(f"pool {self.config.name} stopped: {type(e).__name__}: {e}") from e
 
     async def _resolve(self, stop: asyncio.Event) -> list[PolicyConfig] | None:
         """The policies with their model_ids, and the region, asking the gateway when not configured."""
@@ -198,7 +208,9 @@ class RolloutPool:
     def _sync_config(self, model_id: str) -> PoolSyncConfig:
         cfg = self.config
         # The pool's [pool.sync] section, plus what is this policy's own: its name, directory and model.
-        return PoolSyncConfig(**dataclasses.asdict(cfg.sync), name=cfg.registration_name(model_id),
+        # Field by field, not dataclasses.asdict, which would turn the nested TLS settings into a dict.
+        shared = {f.name: getattr(cfg.sync, f.name) for f in dataclasses.fields(cfg.sync)}
+        return PoolSyncConfig(**shared, name=cfg.registration_name(model_id),
                               dir=str(cfg.policy_dir(model_id)), model=model_id, engine=cfg.engine,
                               endpoint=cfg.advertise or self.url)
 

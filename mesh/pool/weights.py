@@ -14,13 +14,15 @@
 5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
    delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
    fails too, the next round retries it first and polls the head only briefly until it succeeds;
-6. report: `status` and the pool metrics (steps fetched, swaps by way).
+6. report: `status` and the pool metrics (steps fetched, swaps by way, offers refused from gateways
+   and gateways found stale: `deltamesh.gateway.head_check`).
 
 A delta that does not verify, or does not fit what the directory holds, sends the round back to
 step 2 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
 is loaded into the engine first, so only what is newer is fetched; then the pool registers and syncs
 to the gateway's head. `ready` turns true only after that first round, once the engine serves a
-published version, and the rollout worker leases nothing before.
+published version, and the rollout worker leases nothing before. Credentials that every gateway
+refuses end the stream (and so the pool) with one error; a clean stop deregisters the pool.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ from typing import Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.weight_sync import RETRY_S, SyncError, WeightSync, sleep_or_stop, until_stopped
+from deltamesh.gateway.head_check import Refusal
+from deltamesh.gateway.weight_sync import (
+    RETRY_S,
+    CredentialsError,
+    Refused,
+    SyncError,
+    WeightSync,
+    sleep_or_stop,
+    until_stopped,
+)
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
@@ -66,7 +77,7 @@ class PolicyWeights:
         self.model_id = engine.model_id
         self.hot_swap = hot_swap and engine.supports_in_place
         self.metrics = metrics
-        self.sync = WeightSync(sync_config)
+        self.sync = WeightSync(sync_config, on_refusal=self._refused)
         self.status = WeightsStatus()
         self._engine_synced = False  # the engine serves a version of the gateway's lineage
         self._started = False  # the first sync round after start-up is done
@@ -108,8 +119,7 @@ class PolicyWeights:
         """Resume from the directory, register, sync to the head, then follow the head until `stop`
         (the long poll in progress is cut short when `stop` is set)."""
         async with self:
-            with contextlib.suppress(HttpError, SyncError):
-                await self.sync.heartbeat()  # registers; the heartbeat loop keeps retrying if this fails
+            await self.sync.register_once()  # the heartbeat loop keeps trying if this fails
             heartbeats = asyncio.create_task(self.sync.heartbeat_loop(stop))
             try:
                 await self._follow(stop)
@@ -117,6 +127,7 @@ class PolicyWeights:
                 heartbeats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeats
+                await self.sync.deregister()
 
     # -- the way of a version into the pool ------------------------------------------------------
     async def sync_round(self, wait_s: float = 0.0) -> bool:
@@ -200,13 +211,17 @@ class PolicyWeights:
             try:
                 await until_stopped(self.sync_round(wait_s), stop)
                 self._started = True
+            except CredentialsError:
+                raise  # revoked or wrong: nothing will come until an operator acts
             except (SyncError, HttpError, CodecError, OSError) as e:
                 # Engine and directory hold what they held (every apply is atomic): try again from there.
-                self._round_failed(f"{type(e).__name__}: {e}")
+                self._round_failed(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused))
                 await sleep_or_stop(stop, RETRY_S)
             except Exception as e:  # noqa: BLE001 - the pool must keep following the head whatever broke
                 self._round_failed(f"unexpected {type(e).__name__}: {e}")
                 await sleep_or_stop(stop, RETRY_S)
+            finally:
+                self._report_gateways()
 
     # -- report ----------------------------------------------------------------------------------
     def _count_fetched(self, versions: Sequence[DecodedVersion]) -> None:
@@ -216,6 +231,16 @@ class PolicyWeights:
                 self.metrics.transfers.labels(self.model_id, version.kind).inc()
                 self.metrics.transfer_bytes.labels(self.model_id).inc(version.manifest.payload_bytes)
 
+    def _refused(self, refusal: Refusal) -> None:
+        self.status.last_error = str(refusal)
+        if self.metrics is not None:
+            self.metrics.refusals.labels(self.model_id, refusal.reason).inc()
+
+    def _report_gateways(self) -> None:
+        if self.metrics is not None:
+            for url, standing in self.sync.book.describe().items():
+                self.metrics.stale_gateways.labels(self.model_id, url).set(1 if standing["state"] == "stale" else 0)
+
     def _swapped(self, way: str) -> None:
         self._engine_synced = True
         self.status.swaps[way] += 1
@@ -223,10 +248,10 @@ class PolicyWeights:
         if self.metrics is not None:
             self.metrics.swaps.labels(self.model_id, way).inc()
 
-    def _round_failed(self, reason: str) -> None:
+    def _round_failed(self, reason: str, *, logged: bool = False) -> None:
         reason = f"{'sync' if self._started else 'start-up sync'}: {reason}"
         self.status.last_error = reason
-        self.sync.set_error(reason)  # logs it, and heartbeats report the error state
+        self.sync.set_error(reason, logged=logged)  # heartbeats report the error state
 
     def _note_error(self, reason: str) -> None:
         self.status.last_error = reason

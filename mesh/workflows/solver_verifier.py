@@ -16,14 +16,8 @@ import time
 from dataclasses import dataclass
 
 from deltamesh.mesh.workflows.answers import answers_match, extract_answer
-from deltamesh.mesh.workflows.base import (
-    EpisodeContext,
-    Task,
-    WorkflowSpec,
-    finalize_groups,
-    render,
-    trajectory_from_generation,
-)
+from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowSpec, finalize_groups, render,
+                                           trajectory_from_generation)
 from deltamesh.data import Trajectory
 
 

@@ -15,14 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltamesh.mesh.workflows.answers import answers_match, extract_answer
-from deltamesh.mesh.workflows.base import (
-    EpisodeContext,
-    Task,
-    WorkflowSpec,
-    finalize_groups,
-    render,
-    trajectory_from_generation,
-)
+from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowSpec, finalize_groups, render,
+                                           trajectory_from_generation)
 from deltamesh.data import Trajectory
 
 

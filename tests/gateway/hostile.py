@@ -51,11 +51,14 @@ class Hostile:
     """(version, kind, index) -> requests received."""
     ranges: list[tuple[int, str, int, str | None]] = field(default_factory=list)
     """(version, kind, index, Range header) of every piece request, in order."""
+    control_requests: int = 0
+    """Requests that were neither for a manifest nor for a piece (heads, listings, plans, ...)."""
     url: str = ""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         piece = PIECE_PATH.match(request.path)
-        if piece is None and not MANIFEST_PATH.match(request.path) and self.mode.control_delay_s:
+        if piece is None and not MANIFEST_PATH.match(request.path):
+            self.control_requests += 1
             await asyncio.sleep(self.mode.control_delay_s)
         headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
         body = await request.read() if request.can_read_body else None

@@ -14,6 +14,7 @@ from deltamesh.gateway.auth_policy import ROUTES, gateway_policy
 from deltamesh.gateway.server import GATEWAY_KEY, create_app
 
 from deltamesh.auth import OPEN, unlisted_routes
+from deltamesh.delta import sign_statement
 from deltamesh.http import bearer, client_session, serving
 from deltamesh.tokens import ROLES, TokenSpec, add_token, revoke_token
 
@@ -50,10 +51,19 @@ async def call(s, method: str, url: str, token: str | None = None, **kw) -> tupl
 
 
 def state(gw) -> tuple:
-    """Everything a call could change: versions and their pieces, the epoch, pools, downstreams, the ledger."""
+    """Everything a call could change: versions and their pieces, the epoch, pools, downstreams, the ledger,
+    the head statement."""
     versions = [(m, e.version, e.kind, sorted(e.present)) for m in gw.store.models() for e in gw.store.entries(m)]
     pools = [(p.name, p.version, p.state, p.last_seen) for p in gw.pools.pools()]
-    return (versions, gw.store.epoch, pools, sorted(d.region for d in gw.downstreams), gw.store.ledger.top(MODEL))
+    statement = gw.statements.get(MODEL)
+    return (versions, gw.store.epoch, pools, sorted(d.region for d in gw.downstreams), gw.store.ledger.top(MODEL),
+            statement.raw if statement is not None else None)
+
+
+def statement(kit, issued_ms: int) -> bytes:
+    """A head statement of the v1 that `setup` publishes, issued at `issued_ms`."""
+    m, _, _ = kit.version(MODEL, 1, "full")
+    return sign_statement(kit.key.key, MODEL, 1, m.weights_hash, issued_ms)
 
 
 def requests(kit) -> dict[tuple[str, str], dict]:
@@ -75,6 +85,8 @@ def requests(kit) -> dict[tuple[str, str], dict]:
         kw: dict = {}
         if (method, route) == ("PUT", "/v1/models/{model}/versions/{version}/{kind}/manifest"):
             kw["data"] = raw2
+        elif (method, route) == ("PUT", "/v1/models/{model}/statement"):
+            kw["data"] = statement(kit, 2_000_000_000_000)  # newer than setup's
         elif method == "PUT":
             kw["data"] = pieces1[1]
         elif route == "/v1/pools":
@@ -94,6 +106,9 @@ async def setup(kit, url, s, tok) -> None:
     status, _ = await call(s, "PUT", f"{url}/v1/models/{MODEL}/versions/1/full/pieces/0", tok["trainer"], data=pieces[0])
     assert status == 201
     status, _ = await call(s, "POST", f"{url}/v1/pools", tok["pool"], json={"name": "p1", "model": MODEL})
+    assert status == 201
+    status, _ = await call(s, "PUT", f"{url}/v1/models/{MODEL}/statement", tok["trainer"],
+                           data=statement(kit, 1_000_000_000_000))
     assert status == 201
 
 
@@ -164,6 +179,7 @@ def test_each_role_reaches_its_routes(kit, tmp_path, tokens):
             for key, role, expect in [(("PUT", "/v1/models/{model}/versions/{version}/{kind}/pieces/{index}"),
                                        "trainer", 201),
                                       (("PUT", "/v1/models/{model}/versions/{version}/{kind}/manifest"), "trainer", 201),
+                                      (("PUT", "/v1/models/{model}/statement"), "trainer", 201),
                                       (("POST", "/v1/pools/{name}/heartbeat"), "pool", 200),
                                       (("POST", "/v1/gateways"), "gateway", 200),
                                       (("DELETE", "/v1/pools/{name}"), "pool", 200)]:

@@ -69,7 +69,8 @@ def test_gateway_config_publish_sync_and_tables(kit, spawn_gateway, tmp_path):
     save_keypair(generate_key(), tmp_path / "other", wrong_key)
     refused = _run("pool", "sync", "--gateway", gw.url, "--token", "cli-token", "--name", "p2",
                    "--dir", str(tmp_path / "p2"), "--trusted-key", str(wrong_key), "--once")
-    assert refused.returncode == 1 and "valid manifest" in refused.stderr
+    # Its gateway's head statement is the first thing signed by a key it does not trust: refused.
+    assert refused.returncode == 1 and "which is not trusted" in refused.stderr
     assert dir_manifest(tmp_path / "p2") is None
 
     pools = _run("pools", "--gateway", gw.url, "--json")

@@ -90,9 +90,12 @@ def test_a_tampered_version_is_retried_with_backoff_and_never_blocks_the_next(ki
                     took = await _until(lambda: _complete(s, relay, 2, "delta"), 10, "the relay to mirror v2")
                     assert took < 2 * STALL + 1.0, f"v2 took {took:.1f}s behind the stuck v1"
                     assert not await _complete(s, relay, 1, "delta")
+                    control_before = bad.control_requests
                     await asyncio.sleep(2.0)  # v1 keeps failing meanwhile, with backoff
                     asked = [n for (v, _, _), n in bad.piece_requests.items() if v == 1]
                     assert asked and max(asked) <= 10, f"requests per piece of the tampered version: {asked}"
+                    listed = bad.control_requests - control_before
+                    assert listed <= 10, f"{listed} listings in 2 s while v1 waits for its retry"
                     bad.mode = hostile.Mode()  # the upstream turns honest: v1 arrives on a later retry
                     await _until(lambda: _complete(s, relay, 1, "delta"), 30, "the relay to mirror v1 at last")
                     status = await request_json(s, "GET", f"{relay}/healthz")

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +30,11 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
+from deltamesh.mesh.demo.processes import free_port, log_tail
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"
 TOKEN = "pool-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 10.0):
@@ -119,10 +113,7 @@ class Service:
         return get_json(self.url + "/v1/status")
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
 
 @dataclass

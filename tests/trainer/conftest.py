@@ -1,8 +1,10 @@
-"""Trainer test fixtures: the shared tiny-model helpers (loaded by path, as torchrun runs them too) and a trainer key."""
+"""Trainer test fixtures: the helper modules of this folder (loaded by path: torchrun runs fsdp_worker.py
+as a script, and test modules cannot import a conftest or each other) and a trainer key."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -10,13 +12,12 @@ import pytest
 
 from deltamesh.delta import generate_key, save_keypair
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
 
-
-def _load_worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deltamesh_trainer_test_worker", WORKER)
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"deltamesh_trainer_test_{name}", Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -24,7 +25,14 @@ def _load_worker() -> ModuleType:
 @pytest.fixture(scope="session")
 def tiny() -> ModuleType:
     """The helpers of fsdp_worker.py: tiny_model, fixed_batches, trainer_config, single_reference."""
-    return _load_worker()
+    return _load("fsdp_worker")
+
+
+@pytest.fixture(scope="session")
+def mesh() -> ModuleType:
+    """The helpers of loop_mesh.py: a mesh of real processes (`Mesh`), trajectories for it, and reading
+    what the broker and the gateway report."""
+    return _load("loop_mesh")
 
 
 @pytest.fixture

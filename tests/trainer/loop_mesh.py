@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from deltamesh.mesh.demo.processes import free_port, log_tail
+
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 POOL_TOKEN = "loop-test-token"
 PROMPT, GROUP = 6, 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 10.0) -> dict:
@@ -105,10 +100,7 @@ class Proc:
             raise AssertionError(f"{self.name} still running after {timeout}s:\n{self.tail()}") from None
 
     def tail(self, n: int = 5000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
 
 class Mesh:

@@ -9,11 +9,8 @@ gateway and its publishing client are tested in test_publish.py.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -23,16 +20,6 @@ from deltamesh.trainer.loop import pad_rows
 from deltamesh.trainer.step import TrainState, build_optimizer, train_step
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"deltamesh_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-mesh = _load("loop_mesh")
 MODEL = "policy"
 
 
@@ -77,9 +64,6 @@ def test_padding_rows_for_ranks_leaves_the_step_unchanged(tiny):
 
 # -- real processes -----------------------------------------------------------------------------------
 
-BATCH = 2 * mesh.GROUP  # two groups per step
-
-
 @pytest.fixture(scope="module")
 def tiny_lm():
     """The tiny model's directory and the model itself (fp32), to score made-up trajectories."""
@@ -91,37 +75,38 @@ def tiny_lm():
 
 
 @pytest.fixture
-def real_mesh(tmp_path: Path, key_files, tiny_lm):
+def real_mesh(tmp_path: Path, key_files, tiny_lm, mesh):
     _, private, public = key_files
     m = mesh.Mesh(tmp_path, public, private, tiny_lm[0])
     yield m
     m.close()
 
 
-def feed(broker: str, model, model_id: str, steps: int, *, seed: int, version: int = 0,
+def feed(mesh, broker: str, model, model_id: str, steps: int, *, seed: int, version: int = 0,
          rewards: tuple[float, ...] = (0.0, 1.0)) -> None:
-    """Enough groups for `steps` batches."""
+    """Enough groups for `steps` batches of two groups (through the helpers of loop_mesh.py, `mesh`)."""
     mesh.submit(broker, mesh.make_trajectories(model, model_id, 2 * steps, version=version, seed=seed,
                                                rewards=rewards))
 
 
 @pytest.mark.slow
-def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_lm, tmp_path):
+def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_lm, tmp_path, mesh):
     """SIGKILL mid-run, restart: versions continue after the gateway's head as deltas on the previous
     version, the pool that follows the gateway all along never needs a second full snapshot, and the
     batch trained after the last checkpoint is served again, so no sample is lost."""
     model = tiny_lm[1]
+    batch = 2 * mesh.GROUP  # samples: two groups per step
     broker = real_mesh.broker([MODEL])
     gateway = real_mesh.gateway()
     pool_dir = real_mesh.pool("p1", gateway, MODEL)
     metrics_file = tmp_path / "steps.jsonl"
-    args = ["--batch-size", str(BATCH), "--max-steps", "9", "--checkpoint.dir", str(tmp_path / "ckpt"),
+    args = ["--batch-size", str(batch), "--max-steps", "9", "--checkpoint.dir", str(tmp_path / "ckpt"),
             "--checkpoint.every", "2", "--full-every", "4", "--optim.lr", "1e-5", "--poll-s", "1",
             "--metrics-file", str(metrics_file)]
     # Everything boots side by side; the trainer retries the gateway and the broker until they answer.
     first = real_mesh.trainer("trainer-1", broker=broker, gateway=gateway, model_id=MODEL, args=args)
     real_mesh.ready()
-    feed(broker, model, MODEL, 5, seed=1)
+    feed(mesh, broker, model, MODEL, 5, seed=1)
 
     def broker_version() -> int:
         return mesh.get_json(f"{broker}/v1/status")["models"][MODEL]["version"]
@@ -137,7 +122,7 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
     # Batches 1-4 were acknowledged after the checkpoints at v2 and v4. Batch 5 was trained after the
     # last checkpoint, so its update died with the trainer: the broker serves it again to the restarted
     # trainer (which holds nothing), and four new batches make the five steps left.
-    feed(broker, model, MODEL, 4, seed=2, version=5)
+    feed(mesh, broker, model, MODEL, 4, seed=2, version=5)
     second = real_mesh.trainer("trainer-2", broker=broker, gateway=gateway, model_id=MODEL, args=args)
     assert second.wait(120) == 0, second.tail()
     assert "rebuilt by its delta chain from the trainer's v4" in second.tail(20000)
@@ -174,17 +159,18 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
 
 
 @pytest.mark.slow
-def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_lm, tmp_path):
+def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_lm, tmp_path, mesh):
     """A Solver trainer (one process, stopped with SIGTERM) and a Verifier trainer (two FSDP ranks
     under torchrun, batches of one group of three padded to split over them) consume only their own
     batches from one broker and publish their own delta chains through one gateway."""
     model = tiny_lm[1]
+    batch = 2 * mesh.GROUP  # samples: two groups per step
     broker = real_mesh.broker(["solver", "verifier"])
     gateway = real_mesh.gateway()
     common = ["--optim.lr", "1e-5", "--poll-s", "1", "--full-every", "0"]
     solver = real_mesh.trainer(
         "solver", broker=broker, gateway=gateway, model_id="solver",
-        args=[*common, "--batch-size", str(BATCH), "--checkpoint.dir", str(tmp_path / "ckpt-solver"),
+        args=[*common, "--batch-size", str(batch), "--checkpoint.dir", str(tmp_path / "ckpt-solver"),
               "--checkpoint.every", "100", "--metrics-file", str(tmp_path / "solver.jsonl")])
     verifier = real_mesh.trainer(
         "verifier", broker=broker, gateway=gateway, model_id="verifier", ranks=2,
@@ -193,7 +179,7 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
 
     real_mesh.ready()
     # Rewards tell the policies' data apart: solver batch means are k/8, verifier ones lie in [0.01, 0.02].
-    feed(broker, model, "solver", 3, seed=3, rewards=(0.0, 1.0))
+    feed(mesh, broker, model, "solver", 3, seed=3, rewards=(0.0, 1.0))
     mesh.submit(broker, mesh.make_trajectories(model, "verifier", 2, version=0, seed=4, rewards=(0.01, 0.02),
                                                group_size=3))
 
@@ -214,7 +200,7 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
     verifier_steps = mesh.read_records(tmp_path / "verifier.jsonl")
     assert [r["version"] for r in solver_steps] == [1, 2, 3]
     assert [r["version"] for r in verifier_steps] == [1, 2]
-    assert all(r["samples"] == BATCH and r["reward_mean"] * 8 == round(r["reward_mean"] * 8) for r in solver_steps)
+    assert all(r["samples"] == batch and r["reward_mean"] * 8 == round(r["reward_mean"] * 8) for r in solver_steps)
     assert all(r["samples"] == 3 and 0.01 <= r["reward_mean"] <= 0.02 + 1e-6 for r in verifier_steps)
     # The clean stop wrote a final checkpoint; the sharded trainer checkpointed every version.
     assert sorted(p.name for p in (tmp_path / "ckpt-solver").iterdir()) == ["v0000000003"]

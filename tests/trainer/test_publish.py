@@ -64,12 +64,24 @@ async def publish_run(url: str, key, steps: range, *, seed: int = 0, full_every:
         await publisher.publish(weights_at(v, seed=seed), v)
 
 
+async def restarted(url: str, key, checkpoint: int):
+    """A trainer started from its checkpoint, weights_at(checkpoint) at version `checkpoint`: (its
+    publisher, what `start_stream` made of the gateway)."""
+    publisher = Publisher(url, key, MODEL)
+    return publisher, await start_stream(publisher, checkpoint, weights_at(checkpoint), [key.public_key()])
+
+
 async def put_manifest_only(url: str, encoded) -> None:
     """An upload cut off after the manifest: announced at the gateway, no pieces."""
     m = encoded.manifest
     async with client_session() as s:
         await request_bytes(s, "PUT", f"{url}/v1/models/{MODEL}/versions/{m.version}/{m.kind}/manifest",
                             data=encoded.manifest_bytes, headers={"Content-Type": "application/json"})
+
+
+def made(published) -> list[tuple[str, int | None]]:
+    """(kind, base version) of each manifest a publish made."""
+    return [(m.kind, m.base_version) for m in published.manifests]
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -90,17 +102,14 @@ def test_first_start_publishes_a_full_snapshot_and_a_restart_at_the_head_sends_n
     key, _, public = key_files
 
     async def scenario(url: str) -> None:
-        first = Publisher(url, key, MODEL)
-        start = await start_stream(first, 0, weights_at(0), [key.public_key()])
+        first, start = await restarted(url, key, 0)
         assert (start.version, start.base_version) == (0, 0)
         assert [m.kind for m in start.published.manifests] == ["full"]
         await first.publish(weights_at(1), 1)
         # A restart whose checkpoint is the gateway's head: nothing to send, the next version is a delta on it.
-        again = Publisher(url, key, MODEL)
-        start = await start_stream(again, 1, weights_at(1), [key.public_key()])
+        again, start = await restarted(url, key, 1)
         assert (start.version, start.base_version, start.published) == (1, 1, None)
-        published = await again.publish(weights_at(2), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+        assert made(await again.publish(weights_at(2), 2)) == [("delta", 1)]
         assert sorted(await listing(url)) == [0, 1, 2]
 
     run_with_gateway(tmp_path, public, scenario)
@@ -111,13 +120,11 @@ def test_restart_behind_the_gateway_continues_after_its_head_with_a_delta(tmp_pa
 
     async def scenario(url: str) -> None:
         await publish_run(url, key, range(0, 4))  # checkpointed at v1, published up to v3, crashed
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 1, weights_at(1), [key.public_key()])
+        publisher, start = await restarted(url, key, 1)
         assert (start.version, start.base_version, start.published) == (3, 3, None)
         assert_same(dict(publisher.base[1]), weights_at(3))  # rebuilt from the chain 1 -> 3
         trained = weights_at(2, seed=7)  # what the restarted trainer makes of its checkpoint
-        published = await publisher.publish(trained, 4)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 3)]
+        assert made(await publisher.publish(trained, 4)) == [("delta", 3)]
         route = await plan(url, 3, 4)
         assert [(s["version"], s["kind"]) for s in route["steps"]] == [(4, "delta")]
 
@@ -132,12 +139,10 @@ def test_an_upload_cut_off_by_the_crash_is_skipped_by_the_next_delta(tmp_path, k
         lost = encode_delta(weights_at(2), weights_at(3), model_id=MODEL, version=3, base_version=2, key=key)
         await put_manifest_only(url, lost)
         assert not (await listing(url))[3]["delta"]["complete"]
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 2, weights_at(2), [key.public_key()])
+        publisher, start = await restarted(url, key, 2)
         assert (start.version, start.base_version, start.published) == (3, 2, None)
         trained = weights_at(3, seed=5)
-        published = await publisher.publish(trained, 4)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 2)]
+        assert made(await publisher.publish(trained, 4)) == [("delta", 2)]
         # A pool at v2 goes straight to v4; one at v1 follows 2 -> 4, never waiting on the broken v3.
         assert [s["version"] for s in (await plan(url, 2, 4))["steps"]] == [4]
         assert [s["version"] for s in (await plan(url, 1, 4))["steps"]] == [2, 4]
@@ -150,14 +155,12 @@ def test_a_lost_publish_is_republished_as_a_delta(tmp_path, key_files):
 
     async def scenario(url: str) -> None:
         await publish_run(url, key, range(0, 3))  # checkpoint says v3, its publish never reached the gateway
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 3, weights_at(3), [key.public_key()])
+        publisher, start = await restarted(url, key, 3)
         assert (start.version, start.base_version) == (3, 3)
         assert [(m.version, m.kind, m.base_version) for m in start.published.manifests] == [(3, "delta", 2)]
         versions = await listing(url)
         assert versions[3]["delta"]["complete"] and "full" not in versions[3]
-        next_one = await publisher.publish(weights_at(4), 4)
-        assert [(m.kind, m.base_version) for m in next_one.manifests] == [("delta", 3)]
+        assert made(await publisher.publish(weights_at(4), 4)) == [("delta", 3)]
 
     run_with_gateway(tmp_path, public, scenario)
 
@@ -167,13 +170,10 @@ def test_gateway_holding_other_weights_becomes_the_base_of_the_next_delta(tmp_pa
 
     async def scenario(url: str) -> None:
         await publish_run(url, key, range(0, 2), seed=9)  # another run under the same model_id
-        publisher = Publisher(url, key, MODEL)
-        ours = weights_at(1)
-        start = await start_stream(publisher, 1, ours, [key.public_key()])
+        publisher, start = await restarted(url, key, 1)
         assert (start.version, start.base_version, start.published) == (1, 1, None)
         assert_same(dict(publisher.base[1]), weights_at(1, seed=9))  # the gateway's v1, not ours
-        published = await publisher.publish(weights_at(2), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+        assert made(await publisher.publish(weights_at(2), 2)) == [("delta", 1)]
         # Pools that hold the gateway's v1 reach exactly the trainer's weights.
         rebuilt = await gateway_weights(publisher, 2, [key.public_key()], have=(1, weights_at(1, seed=9)))
         assert_same(rebuilt, weights_at(2))
@@ -187,13 +187,11 @@ def test_gateway_weights_that_do_not_fit_fall_back_to_a_full_snapshot(tmp_path, 
     async def scenario(url: str) -> None:
         other = Publisher(url, key, MODEL)
         await other.publish(weights_at(0, names=("other.weight",)), 0)
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
+        publisher, start = await restarted(url, key, 0)
         assert (start.version, start.base_version) == (1, 1)
         assert "do not fit" in start.reason or "differ" in start.reason
         assert [m.kind for m in start.published.manifests] == ["full"]
-        published = await publisher.publish(weights_at(1), 2)
-        assert [(m.kind, m.base_version) for m in published.manifests] == [("delta", 1)]
+        assert made(await publisher.publish(weights_at(1), 2)) == [("delta", 1)]
 
     run_with_gateway(tmp_path, public, scenario)
 
@@ -203,8 +201,7 @@ def test_an_interrupted_first_full_snapshot_is_finished(tmp_path, key_files):
 
     async def scenario(url: str) -> None:
         await put_manifest_only(url, encode_full(weights_at(0), model_id=MODEL, version=0, key=key))
-        publisher = Publisher(url, key, MODEL)
-        start = await start_stream(publisher, 0, weights_at(0), [key.public_key()])
+        publisher, start = await restarted(url, key, 0)
         assert (start.version, start.base_version) == (0, 0)
         assert (await listing(url))[0]["full"]["complete"]
 

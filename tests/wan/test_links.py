@@ -16,26 +16,19 @@ pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("netns_ok")]
 
 
 @pytest.mark.slow
-def test_link_rate_and_rtt_within_ten_percent(prefix):
-    with Wan(prefix) as wan:
-        a, b = wan.host("origin"), wan.host("regionA")
-        wan.link(a, b, mbit=100, rtt_ms=100)
-        check = verify_link(a, b, seconds=4)
-    assert check.ok, check.message
-    assert abs(check.rtt_ms - 100) <= 10, check.message
-    assert abs(check.mbit - 100) <= 10, check.message
-
-
-@pytest.mark.slow
-def test_long_fat_link_400_mbit_300_ms(prefix):
+@pytest.mark.parametrize("far, mbit, rtt_ms, verify", [
+    ("regionA", 100, 100, {"seconds": 4}),
     # The transfer benchmark's long link: 15 MB in flight through tbf and the delayers.
+    ("far", 400, 300, {"rtt_count": 3}),
+], ids=["100_mbit_100_ms", "long_fat_400_mbit_300_ms"])
+def test_link_rate_and_rtt_within_ten_percent(prefix, far, mbit, rtt_ms, verify):
     with Wan(prefix) as wan:
-        a, b = wan.host("origin"), wan.host("far")
-        wan.link(a, b, mbit=400, rtt_ms=300)
-        check = verify_link(a, b, rtt_count=3)
+        a, b = wan.host("origin"), wan.host(far)
+        wan.link(a, b, mbit=mbit, rtt_ms=rtt_ms)
+        check = verify_link(a, b, **verify)
     assert check.ok, check.message
-    assert abs(check.rtt_ms - 300) <= 30, check.message
-    assert abs(check.mbit - 400) <= 40, check.message
+    assert abs(check.rtt_ms - rtt_ms) <= rtt_ms / 10, check.message
+    assert abs(check.mbit - mbit) <= mbit / 10, check.message
 
 
 @pytest.mark.slow
