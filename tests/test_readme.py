@@ -1,7 +1,8 @@
-"""README.md's two-region mesh, run as written: keys, a CA and certificates, tokens, a TLS origin and a
-TLS relay pulling from it with a gateway token, a publish with the trainer's token, a pool syncing
-through the relay bit-exact, the admin's tables and a TLS broker. The lines use fixed ports, so they
-run in a network namespace of their own, where nothing else listens."""
+"""The meshes of README.md and docs/SECURITY.md, run as written. The README's: keys, a CA and
+certificates, tokens, a TLS origin and a TLS relay pulling from it with a gateway token, a publish with
+the trainer's token, a pool syncing through the relay bit-exact, the admin's tables and a TLS broker.
+SECURITY.md's: three regions, mTLS between gateways and for the trainer, a pool two relay hops away.
+The lines use fixed ports, so each runs in a network namespace of its own, where nothing else listens."""
 
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
 """
 
 
-def readme_lines() -> list[str]:
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+def doc_lines(doc: str) -> list[str]:
+    """The lines of the one bash block of `doc` that sets up a mesh."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
                 if "deltamesh certs" in b]
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_the_readme_mesh_runs_as_written(tmp_path):
+@pytest.mark.parametrize("doc, pool_dir, admin_table", [("README.md", "pool-eu-1", "eu-1"),
+                                                         ("docs/SECURITY.md", "pool-ap-1", None)])
+def test_the_documented_mesh_runs_as_written(tmp_path, doc, pool_dir, admin_table):
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
@@ -44,7 +48,7 @@ def test_the_readme_mesh_runs_as_written(tmp_path):
     weights = {"layer.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
                "layer.bias": torch.randn(64, generator=gen).to(torch.bfloat16)}
     write_weights(tmp_path / "weights", weights)
-    lines = readme_lines()
+    lines = doc_lines(doc)
     ports = [re.search(r"--listen 127\.0\.0\.1:(\d+)", line).group(1) for line in lines if line.endswith("&")]
     script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
     for line in lines:
@@ -55,8 +59,9 @@ def test_the_readme_mesh_runs_as_written(tmp_path):
     ran = subprocess.run(["unshare", "--net", "bash", "-c", "\n".join(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    synced = read_weights(tmp_path / "pool-eu-1")
+    synced = read_weights(tmp_path / pool_dir)
     assert all(torch.equal(synced[name].view(torch.int16), w.view(torch.int16)) for name, w in weights.items())
-    assert "eu-1" in ran.stdout  # the admin's pools table lists the pool
-    for secret in ("pool.token", "admin.token", "trainer.token"):
-        assert (tmp_path / secret).read_text().strip() not in (tmp_path / "tokens.toml").read_text()
+    if admin_table is not None:
+        assert admin_table in ran.stdout  # the admin's pools table lists the pool
+    for secret in tmp_path.glob("*.token"):
+        assert secret.read_text().strip() not in (tmp_path / "tokens.toml").read_text()
