@@ -21,9 +21,10 @@ from typing import Any, Iterable, Literal
 
 from deltamesh.peer_json import parse_json
 
-from .errors import CodecError, CorruptError, SignatureError
+from .envelope import canonical_json, open_sealed, seal, unseal
+from .errors import CodecError, CorruptError
 from .hashing import digest
-from .keys import Ed25519PrivateKey, Ed25519PublicKey, key_id, sign, verify
+from .keys import Ed25519PrivateKey, Ed25519PublicKey
 
 FORMAT_VERSION = 1
 Kind = Literal["delta", "full"]
@@ -142,13 +143,11 @@ class Manifest:
         }
 
     def body_bytes(self) -> bytes:
-        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(self.body())
 
     def signed(self, key: Ed25519PrivateKey) -> bytes:
         """The signed envelope of this manifest, as stored and sent."""
-        body = self.body_bytes()
-        env = {"body": body.decode(), "key_id": key_id(key), "signature": sign(key, body).hex()}
-        return json.dumps(env, sort_keys=True).encode()
+        return seal(key, self.body_bytes())
 
     @classmethod
     def from_body(cls, body: bytes) -> "Manifest":
@@ -178,27 +177,9 @@ def table_hash(entries: Iterable[TensorEntry]) -> str:
     return digest(json.dumps(table, separators=(",", ":")).encode())
 
 
-def _envelope(data: bytes) -> tuple[bytes, str, bytes]:
-    try:
-        env = parse_json(data)
-        body = env["body"].encode()
-        signer = env["key_id"]
-        signature = bytes.fromhex(env["signature"])
-        if not isinstance(signer, str):
-            raise TypeError("key_id must be a string")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptError(f"malformed manifest envelope: {type(e).__name__}: {e}") from e
-    return body, signer, signature
-
-
 def load_manifest(data: bytes, trusted: Iterable[Ed25519PublicKey]) -> Manifest:
     """Parse a signed manifest, verifying its signature against the trusted keys first."""
-    body, signer, signature = _envelope(data)
-    trusted = list(trusted)
-    if not trusted:
-        raise SignatureError("no trusted keys configured")
-    verify(body, signature, signer, trusted)
-    return Manifest.from_body(body)
+    return Manifest.from_body(open_sealed(data, trusted, "manifest"))
 
 
 def load_manifest_unverified(data: bytes) -> tuple[Manifest, str]:
@@ -207,7 +188,7 @@ def load_manifest_unverified(data: bytes) -> tuple[Manifest, str]:
     Returns the manifest and the id of the key that claims to have signed it. Never apply weights
     from a manifest loaded this way.
     """
-    body, signer, _ = _envelope(data)
+    body, signer, _ = unseal(data, "manifest")
     return Manifest.from_body(body), signer
 
 

@@ -12,7 +12,6 @@ ever being read as a manifest or the other way round.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from typing import Any, Iterable
 
 from deltamesh.peer_json import parse_json
 
-from .errors import CodecError, CorruptError, SignatureError
-from .keys import Ed25519PrivateKey, Ed25519PublicKey, key_id, sign, verify
+from .envelope import canonical_json, open_sealed, seal
+from .errors import CodecError, CorruptError
+from .keys import Ed25519PrivateKey, Ed25519PublicKey
 from .manifest import MODEL_ID_RE
 
 STATEMENT_FORMAT_VERSION = 1
@@ -29,7 +29,6 @@ STATEMENT_TYPE = "deltamesh-head"
 MAX_STATEMENT_BYTES = 4096
 """Largest envelope a reader accepts: a real one is about 400 bytes."""
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX128 = re.compile(r"^[0-9a-f]{128}$")
 
 
 class StaleStatementError(CodecError):
@@ -69,13 +68,11 @@ class HeadStatement:
                 "version": self.version, "weights_hash": self.weights_hash, "issued_ms": self.issued_ms}
 
     def body_bytes(self) -> bytes:
-        return json.dumps(self.body(), sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(self.body())
 
     def signed(self, key: Ed25519PrivateKey) -> bytes:
         """The signed envelope, as uploaded, stored and served."""
-        body = self.body_bytes()
-        env = {"body": body.decode(), "key_id": key_id(key), "signature": sign(key, body).hex()}
-        return json.dumps(env, sort_keys=True).encode()
+        return seal(key, self.body_bytes())
 
     def supersedes(self, other: "HeadStatement") -> bool:
         """Whether this statement replaces `other`: issued later, and not for an older version."""
@@ -94,19 +91,7 @@ def load_statement(data: bytes, trusted: Iterable[Ed25519PublicKey], *, model: s
     `model`, also that it speaks of that model. Raises SignatureError or CorruptError."""
     if len(data) > MAX_STATEMENT_BYTES:
         raise CorruptError(f"head statement of {len(data)} bytes exceeds {MAX_STATEMENT_BYTES}")
-    try:
-        env = parse_json(data)
-        body = env["body"].encode()
-        signer, signature = env["key_id"], env["signature"]
-        if not isinstance(signer, str) or not isinstance(signature, str) or not _HEX128.match(signature):
-            raise TypeError("key_id must be a string and signature 128 hex characters")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptError(f"malformed head statement envelope: {type(e).__name__}: {e}") from e
-    trusted = list(trusted)
-    if not trusted:
-        raise SignatureError("no trusted keys configured")
-    verify(body, bytes.fromhex(signature), signer, trusted)
-    statement = _from_body(body)
+    statement = _from_body(open_sealed(data, trusted, "head statement"))
     if model is not None and statement.model_id != model:
         raise CorruptError(f"head statement is about {statement.model_id}, not {model}")
     return statement
