@@ -167,6 +167,7 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
         records = StepLog(cfg.metrics_file)
         client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
                             gateway_token=cfg.gateway_token, tls=cfg.tls,
+                            statement_every_s=cfg.statement_every_s,
                             model_id=cfg.model_id, key=load_private_key(cfg.key), full_every=cfg.full_every,
                             piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
                             on_published=records.published)

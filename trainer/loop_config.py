@@ -34,6 +34,9 @@ class TrainLoopConfig(TrainerConfig):
     gateway_token: str = field(default="", metadata=flag(metavar="TOKEN"))
     """Bearer token for the origin gateway (role trainer, scoped to this model id); empty for an
     anonymous gateway or when the TLS client certificate says who the trainer is."""
+    statement_every_s: float = 30.0
+    """Between versions, re-sign and upload the head statement this often (0: only with each version),
+    so pools that require fresh statements (`statement_max_age_s`) can tell a frozen gateway apart."""
     tls: TlsSettings = field(default_factory=TlsSettings)
     """TLS towards the broker and the gateway (`[trainer.tls]`): the CA to verify them, and the client
     certificate to present where they require one."""
@@ -75,6 +78,8 @@ class TrainLoopConfig(TrainerConfig):
             raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0 or unset, got {self.max_steps}")
+        if self.statement_every_s < 0:
+            raise ValueError(f"statement_every_s must be >= 0, got {self.statement_every_s}")
         if self.full_every < 0:
             raise ValueError(f"full_every must be >= 0 (0: only the first version is full), got {self.full_every}")
         if self.piece_bytes < 1024:

@@ -75,7 +75,7 @@ class MeshClient:
 
     def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
                  piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
-                 tls: TlsSettings | None = None,
+                 tls: TlsSettings | None = None, statement_every_s: float = 0.0,
                  on_published: Callable[[PublishOutcome], None] | None = None):
         self.model_id = model_id
         self.on_published = on_published
@@ -87,6 +87,16 @@ class MeshClient:
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._reports: list[concurrent.futures.Future[None]] = []
+        self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))
+                            if statement_every_s > 0 else None)
+
+    async def _refresh_statements(self, every_s: float) -> None:
+        """Re-sign the head statement between versions, so pools that require a fresh one can tell a
+        frozen gateway from a trainer that is between steps (a statement also goes with each version)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if self._publishing is None or self._publishing.done():  # a version in flight brings its own
+                await self.publisher.publish_statement()
 
     async def _open(self, broker: str, token: str, tls: TlsSettings | None) -> BatchClient:
         # Its HTTP session belongs to this thread's loop. The loop says when a batch's update is safe.
@@ -105,6 +115,8 @@ class MeshClient:
             if self._batches.unconfirmed_acks:  # one more try: unacknowledged, they are served again
                 self._thread.call(self._ack([]))
         finally:
+            if self._statements is not None:
+                self._statements.cancel()
             self._thread.call(self._batches.close())
             self._thread.close()
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from deltamesh.delta import encode_delta, encode_full
+from deltamesh.delta.statement import load_statement
+from deltamesh.gateway_client import statement_url
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import client_session, request_bytes, request_json
 from deltamesh.gateway.publisher import Publisher
@@ -263,3 +266,28 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
         rebuilt = asyncio.run(gateway_weights(Publisher(url, key, MODEL), 3, [key.public_key()],
                                               have=(1, weights_at(1))))
         assert_same(rebuilt, weights_at(3))
+
+
+def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_files, free_port):
+    """With `statement_every_s`, the origin's head statement keeps getting fresher while no version
+    comes, so pools that require fresh statements can tell a frozen gateway from a trainer between steps."""
+    key, _, public = key_files
+    dead = f"http://127.0.0.1:{free_port}"
+
+    async def issued(url: str) -> int:
+        async with client_session(timeout_s=10) as s:
+            raw = await request_bytes(s, "GET", statement_url(url, MODEL))
+        return load_statement(raw, [key.public_key()], model=MODEL).issued_ms
+
+    with gateway_in_thread(tmp_path / "store", public) as url:
+        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
+                            connections=2, statement_every_s=0.2)
+        try:
+            client.start(0, weights_at(0), threading.Event())
+            first = asyncio.run(issued(url))
+            deadline = time.monotonic() + 10
+            while asyncio.run(issued(url)) == first:
+                assert time.monotonic() < deadline, "no fresher statement within 10 s"
+                time.sleep(0.1)
+        finally:
+            client.close()
