@@ -42,7 +42,9 @@ from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
 from deltamesh.gateway.relay_retry import RetrySchedule
 from deltamesh.gateway.sources import RateLimiter, Source, order_sources
-from deltamesh.gateway.store import ConflictError, StoredVersion, VersionStore
+from deltamesh.gateway.ledger import ConflictError
+from deltamesh.gateway.store import VersionStore
+from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
 from deltamesh.gateway.upstreams import upstream_session
 from deltamesh.http import HttpError, request_json

@@ -25,7 +25,8 @@ from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.service import Gateway
 from deltamesh.gateway.disk import DiskFullError
-from deltamesh.gateway.store import KINDS, ConflictError, StoredVersion
+from deltamesh.gateway.ledger import ConflictError
+from deltamesh.gateway.stored_version import KINDS, StoredVersion
 from deltamesh.gateway.validators import not_modified, not_modified_response, piece_etag, range_applies
 from deltamesh.peer_json import parse_json
 

@@ -31,7 +31,8 @@ from deltamesh.gateway.relay import Relay
 from deltamesh.gateway.statement_mirror import mirror_statements
 from deltamesh.gateway.statements import StatementStore
 from deltamesh.gateway.upstreams import announce_forever
-from deltamesh.gateway.store import StoredVersion, VersionStore
+from deltamesh.gateway.store import VersionStore
+from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import pytest
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.keys import generate_key
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
-from deltamesh.gateway.store import ConflictError, VersionStore
+from deltamesh.gateway.ledger import ConflictError
+from deltamesh.gateway.store import VersionStore
 
 MODEL = "m"
 

@@ -1,0 +1,69 @@
+"""One stored version of a gateway: a (model, version, kind)'s manifest and which of its pieces are on disk.
+
+The version store (store.py) keeps one `StoredVersion` per entry; routes and relays read it to serve
+pieces as they arrive (each missing piece has an event a reader can wait on), to describe a version in
+listings, and to answer conditional requests (`manifest_etag`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltamesh.delta.hashing import digest
+from deltamesh.delta.manifest import Manifest
+
+KINDS = ("delta", "full")
+
+
+@dataclass(eq=False)
+class StoredVersion:
+    """One (model, version, kind) in the store: its manifest and which of its pieces are on disk."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    path: Path
+    present: set[int] = field(default_factory=set)
+    readers: int = 0
+    lease_until: float = 0.0
+    created: float = field(default_factory=time.monotonic)
+    _arrivals: dict[int, asyncio.Event] = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.kind
+
+    @property
+    def complete(self) -> bool:
+        return len(self.present) == len(self.manifest.pieces)
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.manifest.pieces)) if i not in self.present]
+
+    def piece_path(self, index: int) -> Path:
+        return self.path / "pieces" / str(index)
+
+    @functools.cached_property
+    def manifest_etag(self) -> str:
+        """The manifest's HTTP validator: its envelope's digest, quoted."""
+        return f'"{digest(self.manifest_bytes)}"'
+
+    def describe(self) -> dict:
+        m = self.manifest
+        return {
+            "version": m.version, "kind": m.kind, "base_version": m.base_version,
+            "payload_bytes": m.payload_bytes, "pieces": len(m.pieces), "present": len(self.present),
+            "complete": self.complete, "weights_hash": m.weights_hash,
+        }
