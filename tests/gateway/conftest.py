@@ -9,6 +9,7 @@ subject is authentication (test_auth_*.py, test_tls.py) make real tokens and cer
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -34,6 +35,19 @@ from deltamesh.gateway.server import create_app, ssl_context
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 POOL_TOKEN = "region-token-1"
+
+
+def _register_helper(name: str) -> None:
+    """Make this folder's helper module `name`.py importable as `deltamesh_test_NAME` (tests are imported
+    by path, so their folder is not a package); conftest.py is imported before the tests that use it."""
+    spec = importlib.util.spec_from_file_location(f"deltamesh_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # before running it: dataclasses look their module up there
+    spec.loader.exec_module(module)
+
+
+for _helper in ("hostile", "relay_double"):
+    _register_helper(_helper)
 
 
 def free_port() -> int:

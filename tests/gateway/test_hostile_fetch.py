@@ -10,12 +10,10 @@ a source that serves bad bytes is asked a bounded number of times. Then a pool's
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -29,16 +27,9 @@ from deltamesh.gateway.upload import upload_version
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import client_session
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"deltamesh_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 
 
-hostile = _load("hostile")
 MODEL = "m"
 STALL = 1.0
 PIECE = 64 * 1024

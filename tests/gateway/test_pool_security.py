@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -33,16 +30,9 @@ from deltamesh.http import client_session, request_json
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.weights import PolicyWeights
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"deltamesh_test_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+import deltamesh_test_relay_double as relay_double  # a helper module of this folder, loaded by its conftest.py
 
 
-relay_double = _load("relay_double")
 MODEL = "tiny"
 PIECE = 4096
 
