@@ -99,6 +99,9 @@ class GatewayProc:
     """How a health check speaks to an https:// gateway (its CA, and a client cert for mTLS)."""
 
     def launch(self) -> "GatewayProc":
+        if self.proc is not None and self.proc.poll() is None:
+            # A second process would be left running when the fixture kills the one it knows of.
+            raise RuntimeError(f"gateway {self.args[1]} is already running (pid {self.proc.pid})")
         log = open(self.log_path, "ab")
         env = {**os.environ, "DELTAMESH_LOG": os.environ.get("DELTAMESH_LOG", "INFO"), **self.extra_env}
         self.proc = subprocess.Popen(DELTAMESH + ["gateway", *self.args], stdout=log, stderr=subprocess.STDOUT,

@@ -85,7 +85,7 @@ def test_mtls_origin_relay_chain_pool_bit_exact(kit, pki, spawn_gateway, tmp_pat
     health = client_context(tls(pki, "admin"))
     origin = spawn_gateway("origin", anonymous=False, https=True, health=health, start=False,
                            extra=tls_flags(pki, "origin"))
-    origin.launch().wait()
+    origin.wait()
     relay = spawn_gateway("A", upstreams=[origin.url], anonymous=False, https=True, health=health,
                           extra=tls_flags(pki, "relay"))
     history = [kit.tiny_weights()]
