@@ -76,6 +76,12 @@ async def run_lanes(
             if data is not None:
                 await on_piece(i, data)
 
+    await run_lanes_of(worker, lanes)
+
+
+async def run_lanes_of(worker: Callable[[], Awaitable[None]], lanes: int) -> None:
+    """Run `lanes` copies of `worker` at once; the first failure cancels the others (and is raised)
+    once all have ended, so no lane is left running behind its caller."""
     workers = [asyncio.create_task(worker()) for _ in range(lanes)]
     try:
         await asyncio.gather(*workers)

@@ -17,6 +17,7 @@ import aiohttp
 from deltamesh.delta.manifest import Manifest
 from deltamesh.http import HttpError, request_bytes
 from deltamesh.peer_json import parse_json
+from deltamesh.gateway.fetch_lanes import run_lanes_of
 from deltamesh.gateway_client import version_url
 
 
@@ -68,11 +69,5 @@ async def upload_version(
             if on_progress is not None:
                 on_progress(len(pieces[i]))
 
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(connections, len(missing))))]
-    try:
-        await asyncio.gather(*workers)
-    finally:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+    await run_lanes_of(worker, max(1, min(connections, len(missing))))
     return sent

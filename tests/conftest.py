@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -170,3 +173,41 @@ def broker_process(tmp_path: Path, free_port: int):
     yield make
     for bp in made:
         bp.kill()
+
+
+WAIT_PORT = """import socket, sys, time
+deadline = time.monotonic() + 60
+while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
+    if time.monotonic() > deadline:
+        sys.exit(f"nothing listens on port {sys.argv[1]}")
+    time.sleep(0.1)
+"""
+
+
+@pytest.fixture
+def run_documented_lines() -> Callable[..., subprocess.CompletedProcess]:
+    """Run the shell lines a document shows, as written, in a network namespace of their own (they use
+    fixed ports): `run(lines, cwd, env=None, after=[...], ports=None)`. A line ending in `&` starts a
+    server; the next line waits until it answers, on the next of `ports` (default: each such line's
+    `--listen 127.0.0.1:PORT`). Skips where namespaces are not allowed."""
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
+
+    def run(lines: list[str], cwd: Path, env: dict[str, str] | None = None, after: list[str] = (),
+            ports: list[str] | None = None) -> subprocess.CompletedProcess:
+        servers = [line for line in lines if line.endswith("&")]
+        waits = list(ports) if ports is not None else [
+            re.search(r"--listen 127\.0\.0\.1:(\d+)", line).group(1) for line in servers]
+        script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
+        for line in lines:
+            script.append(line)
+            if line.endswith("&"):  # a server: the next line needs it listening
+                script.append(f"python -c {shlex.quote(WAIT_PORT)} {waits.pop(0)}")
+        env = {**os.environ, **(env or {})}
+        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+        return subprocess.run(["unshare", "--net", "bash", "-c", "\n".join([*script, *after])], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    return run
+

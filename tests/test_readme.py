@@ -6,11 +6,7 @@ The lines use fixed ports, so each runs in a network namespace of its own, where
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,16 +15,8 @@ import torch
 from deltamesh.delta import read_weights, write_weights
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
-WAIT_PORT = """import socket, sys, time
-deadline = time.monotonic() + 60
-while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
-    if time.monotonic() > deadline:
-        sys.exit(f"nothing listens on port {sys.argv[1]}")
-    time.sleep(0.1)
-"""
 
 
 def doc_lines(doc: str) -> list[str]:
@@ -40,24 +28,12 @@ def doc_lines(doc: str) -> list[str]:
 
 @pytest.mark.parametrize("doc, pool_dir, admin_table", [("README.md", "pool-eu-1", "eu-1"),
                                                          ("docs/SECURITY.md", "pool-ap-1", None)])
-def test_the_documented_mesh_runs_as_written(tmp_path, doc, pool_dir, admin_table):
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
+def test_the_documented_mesh_runs_as_written(tmp_path, run_documented_lines, doc, pool_dir, admin_table):
     gen = torch.Generator().manual_seed(3)
     weights = {"layer.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
                "layer.bias": torch.randn(64, generator=gen).to(torch.bfloat16)}
     write_weights(tmp_path / "weights", weights)
-    lines = doc_lines(doc)
-    ports = [re.search(r"--listen 127\.0\.0\.1:(\d+)", line).group(1) for line in lines if line.endswith("&")]
-    script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
-    for line in lines:
-        script.append(line)
-        if line.endswith("&"):  # a server: the next line needs it listening
-            script.append(f"python -c {shlex.quote(WAIT_PORT)} {ports.pop(0)}")
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
-    ran = subprocess.run(["unshare", "--net", "bash", "-c", "\n".join(script)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    ran = run_documented_lines(doc_lines(doc), tmp_path)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     synced = read_weights(tmp_path / pool_dir)
     assert all(torch.equal(synced[name].view(torch.int16), w.view(torch.int16)) for name, w in weights.items())

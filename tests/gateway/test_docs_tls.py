@@ -20,13 +20,6 @@ DOC = ROOT / "docs" / "api" / "gateway.md"
 VENV_BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
-WAIT_PORT = """import socket, sys, time
-deadline = time.monotonic() + 60
-while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
-    if time.monotonic() > deadline:
-        sys.exit(f"nothing listens on port {sys.argv[1]}")
-    time.sleep(0.1)
-"""
 RELAY_HOLDS = """import json, ssl, sys, urllib.request
 ctx = ssl.create_default_context(cafile="pki/ca.pem")
 req = urllib.request.Request("https://localhost:8701/v1/models/policy/head?after=-1&wait=30",
@@ -46,10 +39,7 @@ def blocks(text: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
-def test_the_tls_and_tokens_section_runs_as_written(kit, tmp_path):
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
+def test_the_tls_and_tokens_section_runs_as_written(kit, tmp_path, run_documented_lines):
     work = tmp_path / "mesh"  # tmp_path holds the kit's own trainer key
     work.mkdir()
     text = section()
@@ -64,16 +54,9 @@ def test_the_tls_and_tokens_section_runs_as_written(kit, tmp_path):
     (work / name).write_text(toml)
     write_weights(work / "weights", kit.tiny_weights())
 
-    ports = re.findall(r"127\.0\.0\.1:(\d+)", text)
     lines = [line for line in bash.splitlines() if line.strip()]
-    script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
-    for line in lines:
-        script.append(line)
-        if line.endswith("&"):  # a server: the next command needs it listening
-            script.append(f"python -c {shlex.quote(WAIT_PORT)} {ports.pop(0)}")
-    script.append(f"python -c {shlex.quote(RELAY_HOLDS)}")
-    ran = subprocess.run(["unshare", "--net", "bash", "-c", "\n".join(script)], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=300)
+    ran = run_documented_lines(lines, work, env, after=[f"python -c {shlex.quote(RELAY_HOLDS)}"],
+                               ports=re.findall(r"127\.0\.0\.1:(\d+)", text))
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "published policy v0: full" in ran.stdout
     assert "pools of region eu-1" in ran.stdout and "links of region origin" in ran.stdout
