@@ -26,6 +26,8 @@ def test_link_rate_and_rtt_within_ten_percent(prefix, far, mbit, rtt_ms, verify)
         a, b = wan.host("origin"), wan.host(far)
         wan.link(a, b, mbit=mbit, rtt_ms=rtt_ms)
         check = verify_link(a, b, **verify)
+        if not check.ok:  # one measurement on a shared 2-core machine may catch a busy moment: measure again
+            check = verify_link(a, b, **verify)
     assert check.ok, check.message
     assert abs(check.rtt_ms - rtt_ms) <= rtt_ms / 10, check.message
     assert abs(check.mbit - mbit) <= mbit / 10, check.message
