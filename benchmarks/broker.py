@@ -1,6 +1,7 @@
 """Broker benchmark: durable trajectory ingest from 8 concurrent pools, and ready-batch latency.
 
-Each configuration runs a real `deltamesh broker` process on loopback with a fresh SQLite file.
+Each configuration runs a real `deltamesh broker` process on loopback with a fresh SQLite file, or a
+fresh database on a throwaway PostgreSQL cluster (postgres_cluster.py) started for the run.
 Eight pool clients (one process, asyncio) submit trajectories of 2,048 tokens in groups of 8, each
 submission acknowledged only once committed, while a trainer consumes batches of 256; the median of
 three such rounds is reported. Then, with the
@@ -10,6 +11,8 @@ until the batch is decoded. The broker process's CPU time per trajectory during 
 shared machine depend on what else runs, CPU time per trajectory much less.
 Configurations, side by side in one run:
   - deltamesh: binary submissions, group commit, fsync durability (the default)
+  - deltamesh on PostgreSQL: the same on a PostgreSQL database (synchronous_commit on, fsync on; the
+    broker holds the leadership lease, so every commit is fenced), the server on the same 2 cores
   - deltamesh, process durability: acks survive a killed broker but not power loss
   - deltamesh, JSON submissions: the same broker fed token lists as JSON
   - deltamesh over TLS with tokens: the default configuration as it runs on the open internet (HTTPS,
@@ -17,7 +20,8 @@ Configurations, side by side in one run:
   - baseline, commit per submission: group commit switched off (max_commit_trajectories = one submission)
 `--json` prints the default configuration's figures as one JSON object:
 {"ingest_traj_per_s": x, "batch_latency_ms_p50": x, "batch_latency_ms_p99": x}, plus
-"ingest_traj_per_s_tls_auth" when the comparison configurations run.
+"ingest_traj_per_s_tls_auth" when the comparison configurations run and "ingest_traj_per_s_postgres",
+"batch_latency_ms_p50_postgres" when PostgreSQL does.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from common import wait_healthy
+from postgres_cluster import PostgresCluster
 
 from deltamesh.http import client_session, request_bytes
 from deltamesh.mesh.demo.processes import free_port
@@ -80,7 +85,7 @@ def secure(workdir: Path, pool_ids: list[int]) -> tuple[list[str], Access]:
     return flags, Access("", TlsSettings(ca=str(ca.cert)), tokens)
 
 
-def start_broker(workdir: Path, config: str, secured: bool) -> tuple[subprocess.Popen, Access]:
+def start_broker(workdir: Path, config: str, secured: bool, db: str) -> tuple[subprocess.Popen, Access]:
     port = free_port()
     cfg = workdir / "broker.toml"
     cfg.write_text("[broker]\nmodels = [\"bench\"]\n" + config)
@@ -88,11 +93,12 @@ def start_broker(workdir: Path, config: str, secured: bool) -> tuple[subprocess.
                                                                                                   Access(""))
     log = open(workdir / "broker.log", "w")
     proc = subprocess.Popen([*DELTAMESH, "--log-level", "WARNING", "broker", *flags,
-                             "--listen", f"127.0.0.1:{port}", "--db", str(workdir / "broker.db"), "--config", str(cfg)],
+                             "--listen", f"127.0.0.1:{port}", "--db", db, "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
     access.url = f"{'https' if secured else 'http'}://127.0.0.1:{port}"
     try:
-        wait_healthy(access.url, proc, tls=access.tls if secured else None, timeout=30)
+        # /v1/status answers 200 only once the broker serves (on PostgreSQL: once it holds the lease)
+        wait_healthy(access.url, proc, "/v1/status", tls=access.tls if secured else None, timeout=60, ok_only=True)
     except RuntimeError as e:
         proc.kill()
         raise RuntimeError(f"broker: {e}: {(workdir / 'broker.log').read_text()[-2000:]}") from None
@@ -188,12 +194,24 @@ async def run_config(access: Access, pid: int, groups_per_pool: int, per_submiss
             "broker_cpu_us_per_traj": round(statistics.median(cpu_per_traj) * 1e6, 1)}
 
 
-CONFIGS = [  # name, [broker] settings, JSON submissions, TLS and tokens
-    ("deltamesh (binary, group commit, fsync)", "", False, False),
-    ("deltamesh, durability=process", 'durability = "process"\n', False, False),
-    ("deltamesh, JSON submissions", "", True, False),
-    ("deltamesh over TLS with tokens", "", False, True),
-    ("baseline: commit per submission", "max_commit_trajectories = 1\n", False, False),
+@dataclass
+class Config:
+    name: str
+    settings: str = ""  # [broker] settings
+    use_json: bool = False  # JSON submissions instead of binary ones
+    secured: bool = False  # TLS and a token per caller
+    postgres: bool = False  # a PostgreSQL database instead of an SQLite file
+
+
+DEFAULT = Config("deltamesh (binary, group commit, fsync)")
+POSTGRES = Config("deltamesh on PostgreSQL (synchronous_commit on)", postgres=True)
+CONFIGS = [
+    DEFAULT,
+    POSTGRES,
+    Config("deltamesh, durability=process", 'durability = "process"\n'),
+    Config("deltamesh, JSON submissions", use_json=True),
+    Config("deltamesh over TLS with tokens", secured=True),
+    Config("baseline: commit per submission", "max_commit_trajectories = 1\n"),
 ]
 
 
@@ -205,24 +223,39 @@ def main() -> int:
     parser.add_argument("--latency-batches", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3, help="ingest rounds per configuration (median reported)")
     parser.add_argument("--only-default", action="store_true", help="skip the comparison configurations")
+    parser.add_argument("--backends-only", action="store_true",
+                        help="only the default configuration, on SQLite and on PostgreSQL")
+    parser.add_argument("--no-postgres", action="store_true", help="skip PostgreSQL (where it is not installed)")
     args = parser.parse_args()
+    configs = [DEFAULT] if args.only_default else [DEFAULT, POSTGRES] if args.backends_only else CONFIGS
+    configs = [c for c in configs if not (c.postgres and args.no_postgres)]
     results = []
     load_before = os.getloadavg()[0]
-    for name, config, use_json, secured in CONFIGS[:1] if args.only_default else CONFIGS:
-        with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
-            proc, access = start_broker(Path(tmp), config, secured)
-            try:
-                groups = args.groups_per_pool // (4 if use_json else 1)  # JSON is slow; keep the run short
-                figures = asyncio.run(run_config(access, proc.pid, groups, args.per_submission, use_json,
-                                                 args.latency_batches, args.rounds))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
-        results.append((name, figures))
+    cluster = PostgresCluster.start_new() if any(c.postgres for c in configs) else None
+    try:
+        for c in configs:
+            with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
+                db = cluster.create_database() if c.postgres and cluster else str(Path(tmp) / "broker.db")
+                proc, access = start_broker(Path(tmp), c.settings, c.secured, db)
+                try:
+                    groups = args.groups_per_pool // (4 if c.use_json else 1)  # JSON is slow; keep the run short
+                    figures = asyncio.run(run_config(access, proc.pid, groups, args.per_submission, c.use_json,
+                                                     args.latency_batches, args.rounds))
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+            results.append((c, figures))
+    finally:
+        if cluster is not None:
+            cluster.close()
     if args.json:
         keys = ("ingest_traj_per_s", "batch_latency_ms_p50", "batch_latency_ms_p99")
         out = {k: results[0][1][k] for k in keys}
-        out.update({"ingest_traj_per_s_tls_auth": f["ingest_traj_per_s"] for n, f in results if "TLS" in n})
+        out.update({"ingest_traj_per_s_tls_auth": f["ingest_traj_per_s"] for c, f in results if c.secured})
+        for c, f in results:
+            if c.postgres:
+                out.update(ingest_traj_per_s_postgres=f["ingest_traj_per_s"],
+                           batch_latency_ms_p50_postgres=f["batch_latency_ms_p50"])
         print(json.dumps(out))
         return 0
     from rich.console import Console
@@ -232,8 +265,8 @@ def main() -> int:
                         f"{os.cpu_count()} cores, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     for col in ("configuration", "ingest traj/s", "broker CPU us/traj in+out", "ready batch p50 ms", "p99 ms"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
-    for name, f in results:
-        table.add_row(name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['broker_cpu_us_per_traj']:.0f}",
+    for c, f in results:
+        table.add_row(c.name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['broker_cpu_us_per_traj']:.0f}",
                       f"{f['batch_latency_ms_p50']:.1f}", f"{f['batch_latency_ms_p99']:.1f}")
     Console().print(table)
     return 0

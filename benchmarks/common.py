@@ -54,9 +54,10 @@ def emit(result: dict[str, Any], args: argparse.Namespace, print_table: Callable
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None,
-                 timeout: float = 60.0) -> None:
-    """Return once `url + path` answers at all (any HTTP status); RuntimeError if `proc` exits first or
-    nothing answers within `timeout` seconds."""
+                 timeout: float = 60.0, ok_only: bool = False) -> None:
+    """Return once `url + path` answers at all (any HTTP status; with `ok_only` only a 2xx, so that a
+    standby broker's 503 does not count); RuntimeError if `proc` exits first or nothing answers within
+    `timeout` seconds."""
     from deltamesh.tls import client_context
 
     deadline = time.monotonic() + timeout
@@ -68,7 +69,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: 
             with urllib.request.urlopen(url + path, timeout=1, context=context):
                 return
         except urllib.error.HTTPError:
-            return  # it answers
+            if not ok_only:
+                return  # it answers
+            time.sleep(0.1)
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")

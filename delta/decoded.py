@@ -27,7 +27,7 @@ from .decode import TensorUpdate, decode_checked
 from .dtypes import np_words, torch_dtype
 from .errors import CodecError, CorruptError
 from .hashing import tensor_digest
-from .manifest import Manifest
+from .manifest import Manifest, NamedByManifest
 from .parallel import thread_map
 from .piece import CODEC
 
@@ -50,7 +50,7 @@ class Located:
 
 
 @dataclass(frozen=True, eq=False)
-class DecodedVersion:
+class DecodedVersion(NamedByManifest):
     """One version's pieces, verified and decoded; apply it as often as needed (only `located` grows)."""
 
     manifest: Manifest
@@ -61,14 +61,6 @@ class DecodedVersion:
     snapshot with elements, or a tensor a delta adds."""
     located: dict[int, Located] = field(default_factory=dict, repr=False)
     """Where the delta's changes land, by tensor index, as found by an apply whose results hashed right."""
-
-    @property
-    def kind(self) -> str:
-        return self.manifest.kind
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
 
     @property
     def changed_words(self) -> int:

@@ -171,6 +171,25 @@ class Manifest:
             raise CorruptError(f"malformed manifest body: {type(e).__name__}: {e}") from e
 
 
+class NamedByManifest:
+    """Mixed into what holds one version's `manifest` (decoded, stored, ...), so it answers to the
+    version's model, number and kind as the manifest says, without copies that could disagree."""
+
+    manifest: Manifest
+
+    @property
+    def model(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def kind(self) -> Kind:
+        return self.manifest.kind
+
+
 def table_hash(entries: Iterable[TensorEntry]) -> str:
     """Digest of a tensor table, in name order: equal for equal weights whatever order they came in."""
     table = sorted([t.name, t.dtype, list(t.shape), t.hash] for t in entries)

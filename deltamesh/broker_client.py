@@ -5,8 +5,15 @@ and acknowledge them, the autoscaler and the demo read the status and the balanc
 through this client, which builds every path, speaks the binary trajectory/batch layout of
 `deltamesh.data` and raises `HttpError` with the broker's reason. It keeps no delivery bookkeeping:
 the trainer's at-least-once batch stream (`deltamesh.trainer.batch_client.BatchClient`) does that on top.
-A submission is acknowledged only once it is durable and resubmitting the same trajectory ids is
-harmless, so `submit` may retry on a 503 or a lost connection.
+
+Several brokers (one active, the others standby) are one client: given several URLs it sends every
+call to the broker it last reached, and on a lost connection or a 503 it moves on, to the broker
+that a standby names as its leader (`X-Broker-Leader`) when that is one of its own URLs, else to the
+next one, retrying with a short backoff until `failover_s` have passed. It never follows a leader it
+was not configured with: that would carry its bearer token to a host no one vouched for. Retrying
+any call is safe: a submission is acknowledged only once durable and resubmitting the same
+trajectory ids is harmless, acknowledgements and equal version reports repeat harmlessly, a batch
+poll carries the trainer's acknowledgements and held batches again, and an unused lease expires.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
+from deltamesh.config import split_urls
 from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, Trajectory, encode_trajectories
 from deltamesh.http import HttpError, bearer, client_session, request_bytes, request_json
 from deltamesh.tls import TlsSettings, check_token_transport
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,23 +55,46 @@ class SubmitResult:
     duplicates: int
 
 
+LEADER_HEADER = "X-Broker-Leader"
+"""The header of a standby broker's 503 that names the active broker's base URL (empty: unknown)."""
+
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+
+
 class BrokerClient:
-    """Calls to the broker at `url` with the caller's `token` (its role and name are the token's), over
-    TLS as `tls` says for https:// URLs. A pool names itself (`pool`, `region`, `gpus`) for leases and
-    submissions; a trainer passes the model_id to each of its calls. Close it (or use `async with`).
+    """Calls to the broker at `urls` (one URL, several separated by commas, or a sequence of them; see
+    the module's docstring for how it fails over) with the caller's `token` (its role and name are
+    the token's), over TLS as `tls` says for https:// URLs. A pool names itself (`pool`, `region`,
+    `gpus`) for leases and submissions; a trainer passes the model_id to each of its calls. A call
+    that finds no broker willing to answer within `failover_s` raises its last HttpError (0: at the
+    first failure, though the next call still goes to the next broker). Close it (or use `async with`).
 
-    Raises TlsError at once if the token would travel in clear text to a host that is not loopback."""
+    Raises TlsError at once if the token would travel in clear text to a host that is not loopback,
+    ValueError if `urls` names none."""
 
-    def __init__(self, url: str, *, token: str = "", tls: TlsSettings | None = None, pool: str = "",
-                 region: str = "", gpus: int = 1, connections: int = 8, timeout_s: float | None = 300.0) -> None:
-        self.base = url.rstrip("/")
+    def __init__(self, urls: str | Sequence[str], *, token: str = "", tls: TlsSettings | None = None,
+                 pool: str = "", region: str = "", gpus: int = 1, connections: int = 8,
+                 timeout_s: float | None = 300.0, failover_s: float = 60.0) -> None:
+        self.urls = split_urls(urls)
+        if not self.urls:
+            raise ValueError(f"no broker URL in {urls!r}")
         self.pool = pool
         self.region = region
         self.gpus = gpus
+        self.failover_s = failover_s
+        self._current = 0
+        self._not_followed: set[str] = set()
         if token:
-            check_token_transport(self.base, tls.insecure if tls is not None else False)
+            for url in self.urls:
+                check_token_transport(url, tls.insecure if tls is not None else False)
         headers = bearer(token) if token else None
         self._session = client_session(connections=connections, timeout_s=timeout_s, tls=tls, headers=headers)
+
+    @property
+    def base(self) -> str:
+        """The broker's URL that calls go to now."""
+        return self.urls[self._current]
 
     async def __aenter__(self) -> BrokerClient:
         return self
@@ -72,69 +105,88 @@ class BrokerClient:
     async def close(self) -> None:
         await self._session.close()
 
-    def _url(self, path: str) -> str:
-        return f"{self.base}{path}"
+    async def _call(self, request: Callable[..., Awaitable[T]], method: str, path: str, **kwargs: Any) -> T:
+        """`request` (`request_json` or `request_bytes`) against the current broker, failing over on
+        a lost connection or a 503 until `failover_s` have passed; any other error raises at once."""
+        deadline: float | None = None
+        delay = RETRY_FIRST_S
+        while True:
+            at = self._current
+            try:
+                return await request(self._session, method, f"{self.urls[at]}{path}", **kwargs)
+            except HttpError as e:
+                if e.status not in (0, 503):
+                    raise
+                self._fail_over(at, e)  # even when giving up: the caller's next call goes elsewhere
+                now = time.monotonic()
+                deadline = now + self.failover_s if deadline is None else deadline
+                if now >= deadline:
+                    raise
+                await asyncio.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    def _fail_over(self, failed: int, error: HttpError) -> None:
+        """Move on from broker `failed`, unless a concurrent call already did."""
+        if self._current != failed:
+            return
+        leader = error.headers.get(LEADER_HEADER, "").strip().rstrip("/") if error.status == 503 else ""
+        if leader in self.urls:
+            nxt = self.urls.index(leader)
+        else:
+            if leader and leader not in self._not_followed:
+                # Never follow it: our bearer token would go to a host the operator did not name.
+                self._not_followed.add(leader)
+                log.warning("broker %s names %s as its leader, which is not one of the configured brokers; "
+                            "not following it", self.urls[failed], leader)
+            nxt = (failed + 1) % len(self.urls)
+        if nxt != failed:
+            log.warning("broker %s failed (%s); switching to %s", self.urls[failed], error, self.urls[nxt])
+        self._current = nxt
 
     # -- anyone -----------------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
         """Each model's trainer version and buffers, and the tasks' progress."""
-        return await request_json(self._session, "GET", self._url("/v1/status"), timeout_s=30)
+        return await self._call(request_json, "GET", "/v1/status", timeout_s=30)
 
     async def balance(self) -> dict[str, Any]:
         """The report that drives the autoscaler: trainer waits and pool throughput per model."""
-        return await request_json(self._session, "GET", self._url("/v1/balance"), timeout_s=30)
+        return await self._call(request_json, "GET", "/v1/balance", timeout_s=30)
 
     # -- pools ------------------------------------------------------------------------------------------
     async def lease(self, max_tasks: int = 1) -> list[TaskLease]:
         """Up to `max_tasks` tasks; an empty list when none is available right now."""
         body = {"pool": self.pool, "region": self.region, "gpus": self.gpus, "max_tasks": max_tasks}
-        answer = await request_json(self._session, "POST", self._url("/v1/leases"), body=body, timeout_s=60)
+        answer = await self._call(request_json, "POST", "/v1/leases", body=body, timeout_s=60)
         return [TaskLease(**item) for item in answer["leases"]]
 
-    async def submit(self, trajectories: Sequence[Trajectory], *, retries: int = 0,
-                     retry_delay_s: float = 1.0) -> SubmitResult:
-        """Submit trajectories (tagged with this pool and region if they are not yet); returns once durable.
-
-        With `retries`, a 503 (store unavailable) or an unreachable broker is retried after
-        `retry_delay_s`; that is safe because submission is idempotent. Other errors raise HttpError.
-        """
+    async def submit(self, trajectories: Sequence[Trajectory]) -> SubmitResult:
+        """Submit trajectories (tagged with this pool and region if they are not yet); returns once durable."""
         for t in trajectories:
             t.pool = t.pool or self.pool
             t.region = t.region or self.region
-        data = encode_trajectories(trajectories)
-        headers = {"Content-Type": TRAJECTORIES_CONTENT_TYPE}
-        attempt = 0
-        while True:
-            try:
-                raw = await request_bytes(self._session, "POST", self._url("/v1/trajectories"), data=data,
-                                          headers=headers, timeout_s=120)
-                answer = json.loads(raw)
-                return SubmitResult(answer["accepted"], answer["duplicates"])
-            except HttpError as e:
-                if e.status not in (0, 503) or attempt >= retries:
-                    raise
-                attempt += 1
-                log.warning("submission to %s failed (%s); retrying", self.base, e)
-                await asyncio.sleep(retry_delay_s)
+        raw = await self._call(request_bytes, "POST", "/v1/trajectories", data=encode_trajectories(trajectories),
+                               headers={"Content-Type": TRAJECTORIES_CONTENT_TYPE}, timeout_s=120)
+        answer = json.loads(raw)
+        return SubmitResult(answer["accepted"], answer["duplicates"])
 
     # -- trainers ---------------------------------------------------------------------------------------
     async def report_version(self, model_id: str, version: int) -> dict[str, Any]:
         """The trainer of `model_id` now holds `version` (registers the model_id if the broker allows)."""
-        return await request_json(self._session, "POST", self._url(f"/v1/models/{model_id}/version"),
-                                  body={"version": version}, timeout_s=30)
+        return await self._call(request_json, "POST", f"/v1/models/{model_id}/version",
+                                body={"version": version}, timeout_s=30)
 
     async def report_step(self, model_id: str, wait_s: float, step_s: float) -> dict[str, Any]:
         """One training step's timings: seconds spent waiting for its batch and the whole step's length."""
-        return await request_json(self._session, "POST", self._url(f"/v1/models/{model_id}/steps"),
-                                  body={"wait_s": wait_s, "step_s": step_s}, timeout_s=30)
+        return await self._call(request_json, "POST", f"/v1/models/{model_id}/steps",
+                                body={"wait_s": wait_s, "step_s": step_s}, timeout_s=30)
 
     async def poll_batch(self, model_id: str, body: dict[str, Any], *, timeout_s: float) -> bytes:
         """Long-poll one batch (`size`, `version`, `timeout_s`, `ack`, `held`); empty bytes when none came."""
-        return await request_bytes(self._session, "POST", self._url(f"/v1/models/{model_id}/batch"),
-                                   data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                                   timeout_s=timeout_s)
+        return await self._call(request_bytes, "POST", f"/v1/models/{model_id}/batch",
+                                data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                timeout_s=timeout_s)
 
     async def ack_batches(self, model_id: str, batch_ids: Sequence[str]) -> dict[str, list[str]]:
         """Acknowledge batches: `{"acked", "already_acked", "requeued"}`."""
-        return await request_json(self._session, "POST", self._url(f"/v1/models/{model_id}/acks"),
-                                  body={"batch_ids": list(batch_ids)}, timeout_s=30)
+        return await self._call(request_json, "POST", f"/v1/models/{model_id}/acks",
+                                body={"batch_ids": list(batch_ids)}, timeout_s=30)

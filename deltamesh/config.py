@@ -7,7 +7,7 @@ file, takes that table, applies overrides (usually the flags that were given, se
 `deltamesh.config_flags`), checks types and unknown keys, and builds the dataclass, so a typo in a
 config file is an error rather than a silently ignored setting; a file written for an older layout
 fails naming where its keys moved (`deltamesh.config_moved`). Checks that many configs make
-(`http_url`) live here too, so that they read and fail alike.
+(`http_url`, `http_urls`) live here too, so that they read and fail alike.
 """
 
 from __future__ import annotations
@@ -105,6 +105,28 @@ def http_url(value: str, what: str) -> str:
     if not value.startswith(("http://", "https://")):
         raise ValueError(f"{what} must be an http(s) URL, got {value!r}")
     return value.rstrip("/")
+
+
+def split_urls(value: str | typing.Sequence[str]) -> list[str]:
+    """The URLs of a comma-separated string (or a sequence), each without its trailing slash, in
+    order and once each; blanks are dropped."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls: list[str] = []
+    for item in items:
+        url = item.strip().rstrip("/")
+        if url and url not in urls:
+            urls.append(url)
+    return urls
+
+
+def http_urls(value: str, what: str) -> str:
+    """`value`, one or more http(s) URLs separated by commas ("http://a:8700,http://b:8700"), as
+    `split_urls` normalises them, joined by commas again; ValueError naming `what` if it holds none
+    or one is not an http(s) URL."""
+    urls = [http_url(url, what) for url in split_urls(value)]
+    if not urls:
+        raise ValueError(f"{what} must be one or more http(s) URLs separated by commas, got {value!r}")
+    return ",".join(urls)
 
 
 def to_dict(config: Any) -> dict[str, Any]:

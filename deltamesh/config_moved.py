@@ -44,6 +44,9 @@ REMOVED_KEYS: tuple[tuple[str, str], ...] = (
     # A gateway's pools shared plain region tokens; every caller now has its own hashed, scoped token.
     ("gateway.pool_tokens", "use `gateway.tokens_file`, a hashed tokens file with one token per pool "
                             "(role pool, named after the pool; docs/api/gateway.md)"),
+    # Every broker call of a pool is retried now, failing over between the brokers it names.
+    ("pool.worker.submit_retries", "a pool retries every broker call (failing over between the URLs of "
+                                   "`pool.broker`) for up to a minute on its own (docs/api/broker.md)"),
 )
 
 _ABSENT = object()

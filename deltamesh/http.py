@@ -36,13 +36,16 @@ link is worth seconds per version. aiohttp's defaults (15 s client, 75 s server)
 
 
 class HttpError(Exception):
-    """A peer answered with a non-2xx status, or could not be reached. `status` is 0 when unreachable."""
+    """A peer answered with a non-2xx status, or could not be reached. `status` is 0 when unreachable;
+    `headers` are the answer's (empty when there was none), for callers that act on one (a standby
+    broker names its leader)."""
 
-    def __init__(self, status: int, reason: str, url: str):
+    def __init__(self, status: int, reason: str, url: str, headers: Mapping[str, str] | None = None):
         super().__init__(f"{url}: {status or 'unreachable'} {reason}")
         self.status = status
         self.reason = reason
         self.url = url
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
 
 
 def client_session(
@@ -115,7 +118,7 @@ async def request_bytes(
         async with session.request(method, url, data=data, params=query, headers=headers, timeout=timeout) as resp:
             raw = await resp.read()
             if resp.status >= 300:
-                raise HttpError(resp.status, _reason(raw, resp.reason), url)
+                raise HttpError(resp.status, _reason(raw, resp.reason), url, resp.headers)
             return raw
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise HttpError(0, f"{type(e).__name__}: {e}{_hint(url, e)}", url) from e

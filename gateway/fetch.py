@@ -10,7 +10,7 @@ accepted only when its length and xxh3-128 match the (signed) manifest. A source
 something wrong is penalised for the version and for a while, asked again only after a backoff, and
 dropped for a piece after `source_tries` such failures; a piece that no source serves intact fails
 the version with one FetchError naming the piece and what each source did
-(`deltamesh.gateway.scoring`). A piece announced but not yet arrived at a source (503) is asked again.
+(`deltamesh.gateway.fetch_judge`, `deltamesh.gateway.scoring`). A piece announced but not yet arrived at a source (503) is asked again.
 
 The manifest request can carry the first wave of piece requests with it (`prefetch`), so data flows
 one round trip after the version is known instead of two; those pieces are held unverified until
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Sequence
@@ -31,9 +30,9 @@ from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
+from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
 from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.scoring import Tries, penalise
-from deltamesh.gateway.sources import Source, order_sources
+from deltamesh.gateway.sources import Source
 from deltamesh.gateway_client import PEER_HEADER, version_url
 from deltamesh.http import JSON_LIMIT, HttpError
 
@@ -47,24 +46,11 @@ MIN_RATE_FRACTION = 0.05
 """Default share of a source's own measured rate below which it is dropped when an alternate exists."""
 SOURCE_TRIES = 3
 """Default number of served-something-wrong failures after which a source is not asked for a piece again."""
-MANIFEST = -1
-"""The index under which a version's manifest keeps its tries (pieces use their own index)."""
-
-Key = tuple[str, int, str]
-"""(model, version, kind)"""
-
-
-class FetchError(Exception):
-    """No source delivered a piece (or manifest): every one served it wrong too often, or none in time."""
 
 
 class NotAnnounced(FetchError):
     """A version asked for ahead (`manifest_bytes(wait_s=...)`) was not announced within the wait,
     or a newer one was announced instead."""
-
-
-def _name(key: Key) -> str:
-    return f"{key[0]} v{key[1]} {key[2]}"
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -101,13 +87,11 @@ class Fetcher:
     on_rejected: Callable[[Source, Key, CodecError], None] | None = None
     """Told of each manifest a source served that `accept` refused, and why (a pool books refusals per gateway)."""
     _early: dict[Key, dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
-    _tries: dict[tuple[Key, int], Tries] = field(default_factory=dict, init=False, repr=False)
-    _avoid: dict[Key, set[Source]] = field(default_factory=dict, init=False, repr=False)
-    """Per version, the sources that served bad bytes of it: asked after every other one."""
+    _judge: SourceJudge = field(init=False, repr=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
-    _rng: random.Random = field(default_factory=random.Random, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._judge = SourceJudge(self.sources, self.penalty_s, self.source_tries, self.monitor)
         if self.max_requests > 0:
             self._slots = asyncio.Semaphore(self.max_requests)
 
@@ -120,28 +104,12 @@ class Fetcher:
             rate = max(rate, self.min_rate_fraction * source.rate_bps)
         return Progress(self.stall_timeout_s + wait_s, self.stall_timeout_s, rate)
 
-    def _order(self, key: Key) -> list[Source]:
-        return order_sources(self.sources, self._avoid.get(key, ()))
-
-    def _tries_of(self, key: Key, index: int) -> Tries:
-        return self._tries.setdefault((key, index), Tries(self.source_tries))
-
-    def _failed(self, source: Source, key: Key, index: int, reason: str, *, wrong: bool) -> None:
-        """Book a failure of `source` on a piece (or the manifest): backoff, penalty, link error, log."""
-        what = "manifest" if index == MANIFEST else f"piece {index}"
-        self._tries_of(key, index).failed(source, reason, wrong=wrong, rng=self._rng)
-        self._note(source, f"{_name(key)} {what}: {reason}")
-
-    def _note(self, source: Source, reason: str, penalty: bool = True) -> None:
-        if penalty:
-            penalise(source, self.penalty_s, self._rng)
-        if self.monitor is not None and source.link is not None:
-            self.monitor.record_error(source.link, reason)
-        log.info("fetch from %s: %s", source.url, reason)
-
-    def _served_bad(self, source: Source, key: Key, index: int, reason: str) -> None:
-        self._avoid.setdefault(key, set()).add(source)
-        self._failed(source, key, index, reason, wrong=True)
+    def _rejected(self, source: Source, key: Key, error: CodecError) -> None:
+        """A manifest that `accept` refused (malformed or badly signed): that source is not to be believed."""
+        self._judge.tries(key, MANIFEST).exclude(source, f"manifest rejected: {error}")
+        self._judge.note(source, f"{name(key)} manifest rejected: {error}")
+        if self.on_rejected is not None:
+            self.on_rejected(source, key, error)
 
     # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
@@ -169,10 +137,10 @@ class Fetcher:
             raise
         except BaseException:
             self._discard_prefetch(key)
-            self._avoid.pop(key, None)
+            self._judge.clear_suspects(key)
             raise
         finally:
-            self._tries.pop((key, MANIFEST), None)
+            self._judge.forget_manifest(key)
 
     def _discard_prefetch(self, key: Key) -> None:
         """Cancel prefetched pieces of one version that no `pieces()` call took."""
@@ -192,7 +160,7 @@ class Fetcher:
     async def _next_manifest(self, key: Key, accept: Callable[[bytes], Awaitable[object]], wait_s: float):
         """The manifest of a version asked for ahead, from the preferred source (a long poll); the
         usual path with failover takes over if that source fails."""
-        source = self._order(key)[0]
+        source = self._judge.order(key)[0]
         url = f"{version_url(source.url, *key)}/manifest"
         try:
             raw = await get_small(self.wait_session or self.session, url, params={"wait": wait_s},
@@ -200,60 +168,48 @@ class Fetcher:
                                   limit=JSON_LIMIT)
         except HttpError as e:
             if e.status == 404:
-                raise NotAnnounced(f"{_name(key)} was not announced within {wait_s:g}s") from None
-            self._note(source, f"{_name(key)} manifest: {e}", penalty=e.status == 0 or e.status >= 500)
+                raise NotAnnounced(f"{name(key)} was not announced within {wait_s:g}s") from None
+            self._judge.note(source, f"{name(key)} manifest: {e}", penalty=e.status == 0 or e.status >= 500)
             return await self._manifest(key, accept)
         except Wrong as e:
-            self._failed(source, key, MANIFEST, str(e), wrong=True)
+            self._judge.failed(source, key, MANIFEST, str(e), wrong=True)
             return await self._manifest(key, accept)
         try:
             return await accept(raw)
-        except CodecError as e:  # malformed or badly signed: that source is not to be believed
-            self._tries_of(key, MANIFEST).exclude(source, f"manifest rejected: {e}")
-            self._note(source, f"{_name(key)} manifest rejected: {e}")
-            if self.on_rejected is not None:
-                self.on_rejected(source, key, e)
+        except CodecError as e:
+            self._rejected(source, key, e)
             return await self._manifest(key, accept)
 
     async def _manifest(self, key: Key, accept: Callable[[bytes], Awaitable[object]]):
         started = time.monotonic()
-        deadline = started + self.give_up_s
-        tries = self._tries_of(key, MANIFEST)
-        attempt = 0
-        while True:
-            order = tries.usable(self._order(key))
-            if not order:
-                raise FetchError(f"{_name(key)}: no source served a valid manifest ({tries.describe()})")
-            waiting = False
-            for source in order:
-                if tries.ready_at(source) > time.monotonic():
-                    continue
-                url = f"{version_url(source.url, *key)}/manifest"
-                if source.delay_s:
-                    await asyncio.sleep(source.delay_s)
-                try:
-                    raw = await get_small(self.session, url, headers={PEER_HEADER: self.peer},
-                                          rule=self._rule(source, len(order) > 1), limit=JSON_LIMIT)
-                    return await accept(raw)
-                except HttpError as e:
-                    if e.status in (404, 503) and time.monotonic() - started < self.stall_timeout_s:
-                        waiting = True
-                        break  # the preferred source has not got it yet (503: on its way); give it a moment
-                    tries.failed(source, f"HTTP {e.status or 'unreachable'} {e.reason}", wrong=False, rng=self._rng)
-                    self._note(source, f"{_name(key)} manifest: {e}",
-                               penalty=e.status == 0 or (e.status >= 500 and e.status != 503))
-                except Wrong as e:
-                    self._failed(source, key, MANIFEST, str(e), wrong=True)
-                except CodecError as e:  # malformed or badly signed: that source is not to be believed
-                    tries.exclude(source, f"manifest rejected: {e}")
-                    self._note(source, f"{_name(key)} manifest rejected: {e}")
-                    if self.on_rejected is not None:
-                        self.on_rejected(source, key, e)
-            if time.monotonic() > deadline:
-                raise FetchError(f"{_name(key)}: no source served a valid manifest within {self.give_up_s:.0f}s "
-                                 f"({tries.describe()})")
-            attempt += 1
-            await asyncio.sleep(tries.pause(order, waiting, attempt, deadline))
+
+        async def ask(source: Source, alternates: bool):
+            url = f"{version_url(source.url, *key)}/manifest"
+            if source.delay_s:
+                await asyncio.sleep(source.delay_s)
+            try:
+                raw = await get_small(self.session, url, headers={PEER_HEADER: self.peer},
+                                      rule=self._rule(source, alternates), limit=JSON_LIMIT)
+                return await accept(raw)
+            except HttpError as e:
+                if e.status in (404, 503) and time.monotonic() - started < self.stall_timeout_s:
+                    return Turn.WAIT  # the preferred source has not got it yet (503: on its way)
+                self._judge.tries(key, MANIFEST).failed(source, f"HTTP {e.status or 'unreachable'} {e.reason}",
+                                                        wrong=False, rng=self._judge.rng)
+                self._judge.note(source, f"{name(key)} manifest: {e}",
+                                 penalty=e.status == 0 or (e.status >= 500 and e.status != 503))
+            except Wrong as e:
+                self._judge.failed(source, key, MANIFEST, str(e), wrong=True)
+            except CodecError as e:
+                self._rejected(source, key, e)
+            return Turn.FAILED
+
+        def timed_out() -> str:
+            return (f"{name(key)}: no source served a valid manifest within {self.give_up_s:.0f}s "
+                    f"({self._judge.tries(key, MANIFEST).describe()})")
+
+        return await self._judge.rounds(key, MANIFEST, started + self.give_up_s, ask,
+                                        f"{name(key)}: no source served a valid manifest", timed_out)
 
     # -- pieces ------------------------------------------------------------------------------------
     async def piece(self, manifest: Manifest, index: int, prefix: bytes = b"",
@@ -275,46 +231,39 @@ class Fetcher:
                 return data
             except CorruptError as e:
                 for source in span.sources:  # which of them sent the bad bytes is unknown: all are suspects
-                    self._served_bad(source, key, index, f"bad bytes ({e})")
+                    self._judge.served_bad(source, key, index, f"bad bytes ({e})")
                 span = Span(data, 0, len(data))
                 if time.monotonic() > deadline:
-                    raise FetchError(f"piece {index} of {_name(key)}: no source served it intact within "
-                                     f"{self.give_up_s:.0f}s ({self._tries_of(key, index).describe()})") from e
+                    raise FetchError(f"piece {index} of {name(key)}: no source served it intact within "
+                                     f"{self.give_up_s:.0f}s ({self._judge.tries(key, index).describe()})") from e
 
     async def _fill(self, manifest: Manifest, index: int, span: Span, deadline: float) -> None:
         """Receive `span` of a piece into its buffer from the best source that has it, continuing from
         another source (with what arrived) when one fails."""
         key = (manifest.model_id, manifest.version, manifest.kind)
-        tries = self._tries_of(key, index)
         pending_since: float | None = None
-        attempt = 0
-        while True:
-            order = tries.usable(self._order(key))
-            if not order:
-                raise FetchError(f"piece {index} of {_name(key)}: no source served it intact ({tries.describe()})")
-            waiting = False
-            for source in order:
-                if tries.ready_at(source) > time.monotonic():
-                    continue
-                result = await self._try(source, manifest, index, span, alternates=len(order) > 1)
-                if result.outcome == "done":
-                    return
-                if result.outcome in ("pending", "missing"):
-                    # Not there yet (not arrived, or the version not even announced there): wait for
-                    # the preferred source, which is about to get it, unless it has kept us waiting
-                    # for longer than a stall; then ask the others too.
-                    waiting = True
-                    pending_since = pending_since or time.monotonic()
-                    if time.monotonic() - pending_since < self.stall_timeout_s:
-                        break
-                    continue
-                self._failed(source, key, index, result.reason, wrong=result.outcome == "wrong")
-            if time.monotonic() > deadline:
-                raise FetchError(f"piece {index} of {_name(key)}: no source delivered bytes {span.start}-{span.end} "
-                                 f"within {self.give_up_s:.0f}s ({span.filled - span.start} arrived; "
-                                 f"{tries.describe()})")
-            attempt += 1
-            await asyncio.sleep(tries.pause(order, waiting, attempt, deadline))
+
+        async def ask(source: Source, alternates: bool):
+            nonlocal pending_since
+            result = await self._try(source, manifest, index, span, alternates)
+            if result.outcome == "done":
+                return result
+            if result.outcome in ("pending", "missing"):
+                # Not there yet (not arrived, or the version not even announced there): wait for
+                # the preferred source, which is about to get it, unless it has kept us waiting
+                # for longer than a stall; then ask the others too.
+                pending_since = pending_since or time.monotonic()
+                return Turn.WAIT if time.monotonic() - pending_since < self.stall_timeout_s else Turn.NOT_YET
+            self._judge.failed(source, key, index, result.reason, wrong=result.outcome == "wrong")
+            return Turn.FAILED
+
+        def timed_out() -> str:
+            return (f"piece {index} of {name(key)}: no source delivered bytes {span.start}-{span.end} "
+                    f"within {self.give_up_s:.0f}s ({span.filled - span.start} arrived; "
+                    f"{self._judge.tries(key, index).describe()})")
+
+        await self._judge.rounds(key, index, deadline, ask, f"piece {index} of {name(key)}: no source served it intact",
+                                 timed_out)
 
     async def _received(self, source: Source, key: Key, nbytes: int) -> None:
         """Book bytes that just arrived: the source's bandwidth cap, then the progress hooks."""
@@ -332,7 +281,7 @@ class Fetcher:
     async def _prefetch(self, key: Key, index: int, wait_s: float) -> tuple[Source, Whole]:
         """Piece `index` of a version whose manifest is not here yet, from the preferred source; what
         came (`Whole`) is checked by `pieces()`, which fetches the rest the usual way."""
-        source = self._order(key)[0]
+        source = self._judge.order(key)[0]
         url = f"{version_url(source.url, *key)}/pieces/{index}"
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
@@ -402,9 +351,9 @@ class Fetcher:
                     manifest.check_piece(i, got.data)
                     return bytearray(got.data)
                 except CorruptError as e:
-                    self._served_bad(source, key, i, f"bad prefetched bytes ({e})")
+                    self._judge.served_bad(source, key, i, f"bad prefetched bytes ({e})")
             elif got.outcome == "wrong":
-                self._failed(source, key, i, got.reason, wrong=True)
+                self._judge.failed(source, key, i, got.reason, wrong=True)
                 return await self.piece(manifest, i, got.data, source)
             return await self.piece(manifest, i)
 
@@ -413,7 +362,7 @@ class Fetcher:
 
         async def assembled_bad(i: int, senders: list[Source], error: CorruptError) -> bytearray:
             for source in senders:  # which range was bad is unknown: every sender is a suspect
-                self._served_bad(source, key, i, f"bad bytes in a range ({error})")
+                self._judge.served_bad(source, key, i, f"bad bytes in a range ({error})")
             return await self.piece(manifest, i)
 
         try:
@@ -423,6 +372,4 @@ class Fetcher:
             for task in early.values():
                 task.cancel()
             await asyncio.gather(*early.values(), return_exceptions=True)
-            self._avoid.pop(key, None)
-            for k in [k for k in self._tries if k[0] == key]:
-                del self._tries[k]
+            self._judge.forget(key)

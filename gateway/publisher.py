@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -57,29 +57,30 @@ class Published:
     bytes_sent: int
 
 
+@dataclass(eq=False, repr=False)  # one publisher is one stream of versions; a repr would print the base weights
 class Publisher:
-    def __init__(self, gateway: str, key: Ed25519PrivateKey, model_id: str, *, full_every: int = 10,
-                 piece_bytes: int = DEFAULT_PIECE_BYTES, connections: int = 4,
-                 on_progress: Callable[[int], None] | None = None,
-                 on_encoded: Callable[[Encoded], None] | None = None,
-                 token: str | None = None, tls: TlsSettings | None = None):
-        if full_every < 0:
+    gateway: str
+    key: Ed25519PrivateKey
+    model_id: str
+    _: KW_ONLY
+    full_every: int = 10
+    piece_bytes: int = DEFAULT_PIECE_BYTES
+    connections: int = 4
+    on_progress: Callable[[int], None] | None = None
+    on_encoded: Callable[[Encoded], None] | None = None
+    token: str | None = None
+    tls: TlsSettings | None = None
+    base: tuple[int, Mapping[str, torch.Tensor]] | None = field(default=None, init=False)
+    """(version, weights) of the last published version: what the next delta is encoded against."""
+    _base_hash: str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.full_every < 0:
             raise ValueError("full_every must be >= 0 (0: only the first version is full)")
-        self.gateway = gateway.rstrip("/")
-        if token:
-            check_token_transport(self.gateway, tls.insecure if tls is not None else False)
-        self.token = token or None
-        self.tls = tls
-        self.key = key
-        self.model_id = model_id
-        self.full_every = full_every
-        self.piece_bytes = piece_bytes
-        self.connections = connections
-        self.on_progress = on_progress
-        self.on_encoded = on_encoded
-        self.base: tuple[int, Mapping[str, torch.Tensor]] | None = None
-        """(version, weights) of the last published version: what the next delta is encoded against."""
-        self._base_hash: str | None = None
+        self.gateway = self.gateway.rstrip("/")
+        if self.token:
+            check_token_transport(self.gateway, self.tls.insecure if self.tls is not None else False)
+        self.token = self.token or None
 
     def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None) -> None:
         """Encode the next delta against `weights` as version `version` (e.g. after a restart)."""

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltamesh.delta.hashing import digest
-from deltamesh.delta.manifest import Manifest
+from deltamesh.delta.manifest import Manifest, NamedByManifest
 
 KINDS = ("delta", "full")
 
 
 @dataclass(eq=False)
-class StoredVersion:
+class StoredVersion(NamedByManifest):
     """One (model, version, kind) in the store: its manifest and which of its pieces are on disk."""
 
     manifest: Manifest
@@ -31,18 +31,6 @@ class StoredVersion:
     lease_until: float = 0.0
     created: float = field(default_factory=time.monotonic)
     _arrivals: dict[int, asyncio.Event] = field(default_factory=dict, repr=False)
-
-    @property
-    def model(self) -> str:
-        return self.manifest.model_id
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-    @property
-    def kind(self) -> str:
-        return self.manifest.kind
 
     @property
     def complete(self) -> bool:

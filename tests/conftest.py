@@ -1,5 +1,6 @@
-"""Shared test fixtures: free ports, weight versions, trajectories, and a broker in this process on a real
-loopback socket or as its own `deltamesh broker` process (for kill and disk-full tests), always cleaned up."""
+"""Shared test fixtures: free ports, weight versions, trajectories, a broker in this process on a real
+loopback socket or as its own `deltamesh broker` process (for kill and disk-full tests), and a throwaway
+PostgreSQL cluster (benchmarks/postgres_cluster.py) with a fresh database per test; all cleaned up."""
 
 from __future__ import annotations
 
@@ -23,15 +24,44 @@ from aiohttp import web
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.config import BrokerConfig
-from deltamesh.mesh.broker.server import BROKER_KEY, build_app
+from deltamesh.mesh.broker.server import SLOT_KEY, build_app
 from deltamesh.mesh.broker.service import Broker
 from deltamesh.mesh.demo import processes
+
+# The PostgreSQL cluster helper is shared with the benchmarks, which import each other by name from there.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+from postgres_cluster import PostgresCluster, PostgresMissing  # noqa: E402
 
 
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     return processes.free_port()
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster(request: pytest.FixtureRequest) -> PostgresCluster:
+    """One throwaway PostgreSQL server for the whole session (fsync on, trust auth on 127.0.0.1), stopped
+    and deleted at the end even after failures. A test may `stop(mode="immediate")` and `start()` it; the
+    next `postgres_dsn` starts it again if a test left it down. Skips where PostgreSQL is not installed
+    (`make test` installs it: benchmarks/setup_postgres.sh)."""
+    try:
+        cluster = PostgresCluster.start_new()
+    except PostgresMissing as e:
+        pytest.skip(str(e))
+    request.addfinalizer(cluster.close)
+    return cluster
+
+
+@pytest.fixture
+def postgres_dsn(postgres_cluster: PostgresCluster) -> str:
+    """A DSN (postgresql://postgres@127.0.0.1:PORT/t_<random>) of an empty database made for this test
+    alone. It is not dropped afterwards (DROP DATABASE forces a checkpoint, which costs more than the
+    disk): it goes with the cluster at the end of the session."""
+    postgres_cluster.ensure_running()
+    return postgres_cluster.create_database()
 
 
 def next_bf16_version(weights: dict, seed: int, share: float = 0.02) -> dict:
@@ -108,7 +138,7 @@ def serve_broker(tmp_path: Path):
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             host, port = runner.addresses[0][:2]
-            yield f"http://{host}:{port}", app[BROKER_KEY]
+            yield f"http://{host}:{port}", app[SLOT_KEY].broker
         finally:
             await runner.cleanup()
 
@@ -118,13 +148,14 @@ def serve_broker(tmp_path: Path):
 class BrokerProcess:
     """A `deltamesh broker` child process; `start` waits until it answers, `kill` sends SIGKILL."""
 
-    def __init__(self, workdir: Path, db: Path, config: str, port: int):
+    def __init__(self, workdir: Path, db: Path | str, config: str, port: int):
         self.workdir, self.db, self.config, self.port = workdir, db, config, port
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.log = workdir / f"broker-{port}.log"
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, ready: str = "/v1/status") -> None:
+        """Start and wait until `ready` answers 200 (a standby broker answers only `/healthz`)."""
         cfg = self.workdir / "broker.toml"
         cfg.write_text(self.config)
         with open(self.log, "a") as log:
@@ -135,7 +166,7 @@ class BrokerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                self.get("/v1/status")
+                self.get(ready)
                 return
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.1)
@@ -165,8 +196,11 @@ def broker_process(tmp_path: Path, free_port: int):
     """Factory of `BrokerProcess`es (not yet started); every one is killed at the end of the test."""
     made: list[BrokerProcess] = []
 
-    def make(config: str = '[broker]\nmodels = ["m"]\n', db: Path | None = None) -> BrokerProcess:
-        bp = BrokerProcess(tmp_path, db or tmp_path / "broker.db", config, free_port)
+    def make(config: str = '[broker]\nmodels = ["m"]\n', db: Path | str | None = None,
+             port: int | None = None) -> BrokerProcess:
+        """`db`: a SQLite file (default: one in the test's folder) or a postgresql:// URL; `port`:
+        another than the test's free port, for several brokers at once."""
+        bp = BrokerProcess(tmp_path, db or tmp_path / "broker.db", config, port or free_port)
         made.append(bp)
         return bp
 

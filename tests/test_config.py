@@ -10,7 +10,7 @@ import pytest
 
 from deltamesh.config import ConfigError, load_config
 from deltamesh.config_flags import add_config_flags, config_overrides, flag, flag_name
-from deltamesh.config_moved import MOVED_KEYS
+from deltamesh.config_moved import MOVED_KEYS, REMOVED_KEYS
 
 
 @dataclass
@@ -224,6 +224,13 @@ def test_an_old_pool_file_names_what_moved(tmp_path: Path):
         assert line in message, message
 
 
+def test_a_pool_file_with_submit_retries_names_what_replaced_them(tmp_path: Path):
+    from deltamesh.mesh.pool.config import PoolConfig
+
+    message = refusal(tmp_path, PoolConfig, '[pool]\nname = "eu-1"\n[pool.worker]\nsubmit_retries = 3\n', "pool")
+    assert "`pool.worker.submit_retries` was removed: a pool retries every broker call" in message, message
+
+
 def test_an_old_trainer_file_names_what_moved(tmp_path: Path):
     from deltamesh.trainer.loop_config import TrainLoopConfig
 
@@ -244,9 +251,10 @@ def test_every_moved_key_names_an_existing_setting():
 
     known = {f"{table}.{s.path}" for table, cls in (("pool", PoolConfig), ("trainer", TrainLoopConfig))
              for _, _, found in settings(cls) for s in found}
+    removed = {old for old, _ in REMOVED_KEYS}
     for old, new in MOVED_KEYS:
         assert old not in known, old
-        assert new == "trainer" or new in known, new
+        assert new == "trainer" or new in known or new in removed, new  # moved, and later removed
 
 
 @pytest.mark.parametrize("argv, needle", [

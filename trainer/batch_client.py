@@ -1,19 +1,23 @@
 """`BatchClient`, the trainer's side of the broker's batch API (see docs/api/broker.md).
 
 It reports versions and step timings, long-polls batches in the layout of `deltamesh.data`
-and acknowledges them through the base layer's `BrokerClient`, keeping the bookkeeping that makes
-delivery at-least-once across restarts.
+and acknowledges them through the base layer's `BrokerClient` (which fails over between several
+brokers), keeping the bookkeeping that makes delivery at-least-once across restarts and failovers.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from deltamesh.broker_client import BrokerClient
 from deltamesh.data import Batch, decode_batch
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
+
+TRAINED_MEMORY = 10_000
+"""How many acknowledged batch ids a client remembers, to skip a batch served again after a failover."""
 
 
 class BatchClient:
@@ -27,21 +31,28 @@ class BatchClient:
     (the default) a batch counts as trained once the next one is asked for; a trainer that must
     acknowledge later (after a checkpoint) passes `auto_ack=False` and calls `ack`.
 
+    A batch whose acknowledgement was lost (a broker that failed over before it was durable) is
+    served again under the same id by the broker that took over. The client remembers the last
+    `TRAINED_MEMORY` ids it acknowledged; such a batch is acknowledged again and never handed to
+    the trainer twice (the poll goes on).
+
     `next_batch` remembers how long it waited and when it was last called, so a trainer that calls it
     once per step can report `step_timings()` without measuring anything itself. Use one client per
     model_id, polling one batch at a time.
     """
 
-    def __init__(self, broker_url: str, model_id: str, *, auto_ack: bool = True, token: str = "",
-                 tls: TlsSettings | None = None):
+    def __init__(self, broker_url: str | Sequence[str], model_id: str, *, auto_ack: bool = True, token: str = "",
+                 tls: TlsSettings | None = None, failover_s: float = 60.0):
         self.model_id = model_id
         self.auto_ack = auto_ack
-        self._broker = BrokerClient(broker_url, token=token, tls=tls, connections=4, timeout_s=None)
+        self._broker = BrokerClient(broker_url, token=token, tls=tls, connections=4, timeout_s=None,
+                                    failover_s=failover_s)
         self._last_call: float | None = None
         self._wait_s = 0.0
         self._last_step: tuple[float, float] = (0.0, 0.0)
         self._held: list[str] = []  # received, not yet acknowledged: the broker keeps them for us
         self._acks: list[str] = []  # acknowledged here, not yet confirmed by the broker
+        self._trained: OrderedDict[str, None] = OrderedDict()  # acknowledged here, newest last
 
     async def __aenter__(self) -> BatchClient:
         return self
@@ -74,22 +85,28 @@ class BatchClient:
         """Wait up to `timeout_s` for a batch of (at most, whole groups) `size` samples; None on timeout.
 
         The request also carries the pending acknowledgements and the batches held; a failed poll
-        loses neither (they go with the next one)."""
+        loses neither (they go with the next one). A batch already acknowledged here is not returned:
+        its acknowledgement goes with the next poll, which is made at once, within the same `timeout_s`."""
         start = time.monotonic()
         if self._last_call is not None:
             self._last_step = (self._wait_s, start - self._last_call)
         self._last_call = start
         if self.auto_ack:
             self._mark_acked(self._held)
-        sent = list(self._acks)
-        body = {"size": size, "version": version, "timeout_s": timeout_s, "ack": sent, "held": list(self._held)}
-        data = await self._broker.poll_batch(self.model_id, body, timeout_s=timeout_s + 30)
-        self._confirmed(sent)
+        deadline = start + timeout_s
+        while True:
+            wait_s = max(0.0, deadline - time.monotonic())
+            sent = list(self._acks)
+            body = {"size": size, "version": version, "timeout_s": wait_s, "ack": sent, "held": list(self._held)}
+            data = await self._broker.poll_batch(self.model_id, body, timeout_s=wait_s + 30)
+            self._confirmed(sent)
+            batch = decode_batch(data) if data else None
+            if batch is None or batch.batch_id not in self._trained:
+                break
+            self._mark_acked([batch.batch_id])  # trained already: acknowledge it again, never train twice
         self._wait_s = time.monotonic() - start
-        if not data:
-            return None
-        batch = decode_batch(data)
-        self._held.append(batch.batch_id)
+        if batch is not None:
+            self._held.append(batch.batch_id)
         return batch
 
     async def ack(self, batch_ids: Sequence[str] | None = None) -> dict[str, list[str]]:
@@ -119,6 +136,10 @@ class BatchClient:
                 self._held.remove(batch_id)
             if batch_id not in self._acks:
                 self._acks.append(batch_id)
+            self._trained[batch_id] = None
+            self._trained.move_to_end(batch_id)
+        while len(self._trained) > TRAINED_MEMORY:
+            self._trained.popitem(last=False)
 
     def _confirmed(self, batch_ids: Sequence[str]) -> None:
         done = set(batch_ids)

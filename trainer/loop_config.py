@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from deltamesh.config import http_url
+from deltamesh.config import http_url, http_urls
 from deltamesh.config_flags import flag
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
@@ -25,8 +25,9 @@ class TrainLoopConfig(TrainerConfig):
     """One trainer process: the compute core's settings, its broker, origin gateway, initial model,
     signing key and loop settings."""
 
-    broker: str = field(default="", metadata=flag(metavar="URL"))
-    """Base URL of the broker the batches come from."""
+    broker: str = field(default="", metadata=flag(metavar="URL[,URL...]"))
+    """Base URL of the broker the batches come from, or of its active and standby brokers separated
+    by commas (`http://a:8700,http://b:8700`): calls fail over between them."""
     broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role trainer`); empty for an anonymous broker."""
     gateway: str = field(default="", metadata=flag(metavar="URL"))
@@ -66,7 +67,7 @@ class TrainLoopConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.broker = http_url(self.broker, "broker")
+        self.broker = http_urls(self.broker, "broker")
         self.gateway = http_url(self.gateway, "gateway")
         if not self.model:
             raise ValueError("model (the initial model directory) is required")

@@ -71,12 +71,15 @@ class _LoopThread:
 
 
 class MeshClient:
-    """The broker's batch API and the origin gateway, for one model_id, as seen from the training loop."""
+    """The broker's batch API and the origin gateway, for one model_id, as seen from the training loop.
+
+    `broker` is one URL or several (comma-separated: active and standby brokers); each call to them
+    fails over for up to `broker_failover_s` (see `deltamesh.broker_client`)."""
 
     def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
                  piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
                  tls: TlsSettings | None = None, statement_every_s: float = 0.0,
-                 on_published: Callable[[PublishOutcome], None] | None = None):
+                 on_published: Callable[[PublishOutcome], None] | None = None, broker_failover_s: float = 60.0):
         self.model_id = model_id
         self.on_published = on_published
         """Called (on the client's thread) as each publish ends, successful or not."""
@@ -84,7 +87,7 @@ class MeshClient:
         self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
                                    connections=connections, token=gateway_token, tls=tls)
         self._thread = _LoopThread(f"mesh-{model_id}")
-        self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls))
+        self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._reports: list[concurrent.futures.Future[None]] = []
         self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))
@@ -98,9 +101,9 @@ class MeshClient:
             if self._publishing is None or self._publishing.done():  # a version in flight brings its own
                 await self.publisher.publish_statement()
 
-    async def _open(self, broker: str, token: str, tls: TlsSettings | None) -> BatchClient:
+    async def _open(self, broker: str, token: str, tls: TlsSettings | None, failover_s: float) -> BatchClient:
         # Its HTTP session belongs to this thread's loop. The loop says when a batch's update is safe.
-        return BatchClient(broker, self.model_id, auto_ack=False, token=token, tls=tls)
+        return BatchClient(broker, self.model_id, auto_ack=False, token=token, tls=tls, failover_s=failover_s)
 
     def close(self) -> None:
         """Finish the publish in flight and the pending reports, then stop the thread."""

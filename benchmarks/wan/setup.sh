@@ -11,16 +11,7 @@ have_debian() {
 }
 
 if ! have_debian; then
-    if [ "$(id -u)" != 0 ]; then
-        echo "wan setup: need root to apt-get install the emulator's packages" >&2
-        exit 1
-    fi
-    export DEBIAN_FRONTEND=noninteractive
-    # Another apt run on the same machine holds the lock for a while; wait for it instead of failing.
-    APT=(apt-get -q -y -o DPkg::Lock::Timeout=300)
-    "${APT[@]}" update >/dev/null
-    "${APT[@]}" install --no-install-recommends \
-        iptables iproute2 procps >/dev/null
+    bash "$(dirname "$0")/../apt_install.sh" wan iptables iproute2 procps
 fi
 
 # The NFQUEUE target and the tbf qdisc come from kernel modules; load them when the kernel has

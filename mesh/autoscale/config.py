@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from deltamesh.config import http_urls
 from deltamesh.config_flags import flag
 
 
@@ -13,15 +14,17 @@ from deltamesh.config_flags import flag
 class AutoscaleConfig:
     """The autoscaler: which broker it reads, how it launches pools, and its bounds and thresholds."""
 
-    broker: str = field(default="http://127.0.0.1:8700", metadata=flag(metavar="URL"))
-    """Base URL of the broker whose balance report drives the decisions."""
+    broker: str = field(default="http://127.0.0.1:8700", metadata=flag(metavar="URL[,URL...]"))
+    """Base URL of the broker whose balance report drives the decisions, or of its active and standby
+    brokers separated by commas (`http://a:8700,http://b:8700`): calls fail over between them."""
     broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role admin`); empty for an anonymous broker."""
     launcher: Literal["local", "command"] = "local"
     """local: pool processes on this machine; command: a command that sets the pool count elsewhere."""
     command: list[str] = field(default_factory=list, metadata=flag(metavar="ARG"))
-    """local: argv of one pool process ("{index}" and "{broker}" are filled in per process); command:
-    argv run on every change ("{count}" is the number of pools wanted)."""
+    """local: argv of one pool process ("{index}" and "{broker}", every broker URL separated by commas,
+    are filled in per process); command: argv run on every change ("{count}" is the number of pools
+    wanted)."""
     gpus_per_pool: int = 1
     """GPUs one pool brings."""
     min_pools: int = 0
@@ -46,6 +49,7 @@ class AutoscaleConfig:
     """Kept above the consumption rate when shrinking."""
 
     def __post_init__(self) -> None:
+        self.broker = http_urls(self.broker, "broker")
         if not self.command:
             raise ValueError("autoscale.command must be set (the pool process, or the scaling command)")
         if self.gpus_per_pool < 1 or not 0 <= self.min_pools <= self.max_pools:

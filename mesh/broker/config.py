@@ -15,6 +15,7 @@ from typing import Literal
 
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
+from deltamesh.mesh.broker.stores import check_db
 from deltamesh.tls import TlsSettings
 
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -147,13 +148,35 @@ class BalanceConfig:
 
 
 @dataclass
+class LeaderConfig:
+    """Active/standby brokers on one PostgreSQL database (`[broker.leader]`; unused with SQLite): the
+    active broker holds a lease that it renews, a standby takes it over once it expires."""
+
+    url: str = field(default="", metadata=flag("--advertise-url", metavar="URL"))
+    """This broker's URL as its clients reach it; standbys name it to callers while this broker is
+    active. Default: made from `listen` (http or https as the broker serves)."""
+    ttl_s: float = 3.0
+    """How long the lease lasts unrenewed: a killed active broker is replaced within about this much."""
+    margin_s: float = 0.5
+    """The active broker stops serving this long before its lease can expire at the database."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.margin_s < self.ttl_s / 2:
+            raise ValueError("leader.margin_s must be positive and under half of leader.ttl_s")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"leader.url must be an http:// or https:// URL, got {self.url!r}")
+
+
+@dataclass
 class BrokerConfig:
     """Everything `deltamesh broker` needs: where it serves and stores, its limits, and its sections."""
 
     listen: str = field(default="127.0.0.1:8700", metadata=flag(metavar="HOST:PORT"))
     """Address to serve on."""
-    db: str = field(default="broker.db", metadata=flag(metavar="PATH"))
-    """SQLite file of the broker's durable store (one broker per file)."""
+    db: str = field(default="broker.db", metadata=flag(metavar="PATH|URL"))
+    """The broker's durable store: an SQLite file (one broker per file), or a PostgreSQL database as a
+    postgresql:// URL (e.g. postgresql://user@host/dbname), which standby brokers can share and take over.
+    The broker creates and migrates its tables there (`deltamesh broker migrate`)."""
     models: list[str] = field(default_factory=list, metadata=flag("--model", metavar="ID"))
     """Model_ids known from the start."""
     allow_register: bool = True
@@ -182,18 +205,22 @@ class BrokerConfig:
     """The balance report (`[broker.balance]`)."""
     tokens_file: str = field(default="", metadata=flag(metavar="TOML"))
     """Who may call which route: a tokens file of `deltamesh tokens add` (re-read when it changes or on
-    SIGHUP). Required unless `anonymous`."""
+    SIGHUP). Without one, a broker on PostgreSQL takes its tokens from its database (`deltamesh tokens
+    add --db`), and one on SQLite must be `anonymous`."""
     anonymous: bool = False
     """Serve without authentication, every caller allowed: only for a broker that no one else can reach."""
     tls: TlsSettings = field(default_factory=TlsSettings)
     """TLS of the broker's server (`[broker.tls]`): HTTPS with `--tls-cert/--tls-key`, mTLS with `--client-ca`."""
+    leader: LeaderConfig = field(default_factory=LeaderConfig)
+    """Active/standby brokers on PostgreSQL (`[broker.leader]`)."""
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
         if self.tokens_file and self.anonymous:
             raise ValueError("tokens_file and anonymous exclude each other")
         if not self.db:
-            raise ValueError("db must name the broker's SQLite file")
+            raise ValueError("db must name the broker's SQLite file or PostgreSQL URL")
+        check_db(self.db)
         bad = [m for m in self.models if not MODEL_ID.match(m)]
         if bad:
             raise ValueError(f"models {bad} do not match {MODEL_ID.pattern}")

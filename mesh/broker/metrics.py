@@ -44,4 +44,8 @@ class BrokerMetrics:
                                    ["model_id"], registry=r)
         self.target_gpus = Gauge("deltamesh_broker_target_gpus", "Rollout GPU target per trainer",
                                  ["model_id"], registry=r)
+        self.leader = Gauge("deltamesh_broker_active", "1 while this broker is the active one (always, on SQLite)",
+                            registry=r)
+        self.elections = Counter("deltamesh_broker_elections_total",
+                                 "Times this broker took the leadership lease and rebuilt its state", registry=r)
         self.rollout_gpus = Gauge("deltamesh_broker_rollout_gpus", "GPUs of pools seen recently", registry=r)

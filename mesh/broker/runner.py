@@ -20,6 +20,9 @@ from deltamesh.data import Trajectory
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+# A broker closes on shutdown and when it stops being the active one; callers caught in between get a
+# 503 and retry (at the next active broker), never a 500.
+_CLOSED = "this broker is shutting down or no longer active; nothing was written"
 
 
 class StoreRunner:
@@ -38,23 +41,27 @@ class StoreRunner:
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self.store: BrokerStore | None = None
+        self._closed = False
 
     async def start(self) -> None:
         self.store = await self._run(self._open_store)
         self._flusher = asyncio.create_task(self._flush_forever(), name="broker-group-commit")
 
     async def close(self) -> None:
+        self._closed = True  # from here on every call answers StoreUnavailable instead of waiting
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
         for _, fut in self._pending:
             if not fut.done():
-                fut.set_exception(ConnectionAbortedError("broker is shutting down"))
+                fut.set_exception(StoreUnavailable(_CLOSED))
         if self.store is not None:
-            await self._run(self.store.close)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
         self._executor.shutdown(wait=True)
 
     async def _run(self, fn: Callable[..., R], *args: Any) -> R:
+        if self._closed:
+            raise StoreUnavailable(_CLOSED)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def call(self, fn: Callable[..., R], *args: Any) -> R:
@@ -63,6 +70,8 @@ class StoreRunner:
 
     async def ingest(self, trajectories: Sequence[Trajectory]) -> IngestResult:
         """Store one submission durably; returns once its commit is done. Raises StoreConflict/StoreUnavailable."""
+        if self._closed:
+            raise StoreUnavailable(_CLOSED)
         fut: asyncio.Future[IngestResult] = asyncio.get_running_loop().create_future()
         self._pending.append((trajectories, fut))
         self._wakeup.set()
@@ -87,7 +96,7 @@ class StoreRunner:
         except asyncio.CancelledError:
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(ConnectionAbortedError("broker is shutting down"))
+                    fut.set_exception(StoreUnavailable(_CLOSED))
             raise
         except Exception as e:  # StoreUnavailable, or a bug: no submission of this commit was stored
             if isinstance(e, StoreUnavailable):

@@ -8,13 +8,18 @@ broker runs `anonymous`. Tokens come from a hashed tokens file that is re-read w
 Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
 conflicting data, 404 unknown model or batch id, 409 version going backwards or a trajectory id
 reused with other content, 413 body too large, 503 store unavailable), always as `{"error": reason}`.
-Endpoints are documented in docs/api/broker.md.
+Several brokers may share one PostgreSQL database (slot.py, leadership.py): a standby answers every
+`/v1/` route with 503, `Retry-After` and the active broker's URL in `X-Broker-Leader` (and in the body's
+`leader`), so that clients fail over to it. Endpoints are documented in docs/api/broker.md.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import secrets
+import socket
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -22,19 +27,23 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from deltamesh.auth import OPEN, Policy, auth_middleware, identity, require_name
-from deltamesh.http import error_response, json_errors, parse_json, read_body, read_json
+from deltamesh.broker_client import LEADER_HEADER  # on a standby's 503: where its clients fail over to
+from deltamesh.http import error_response, json_errors, parse_json, parse_listen, read_body, read_json
+from deltamesh.mesh.broker.auth_tokens import broker_token_store
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
+from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
-from deltamesh.mesh.broker.sqlite_store import SqliteStore
-from deltamesh.mesh.broker.store import BrokerStore, IdConflict, StoreConflict, StoreUnavailable
+from deltamesh.mesh.broker.slot import BrokerSlot, Standby
+from deltamesh.mesh.broker.store import BrokerStore, IdConflict, LeaderTerm, StoreConflict, StoreUnavailable
+from deltamesh.mesh.broker.stores import is_postgres, open_store as open_db
 from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.tokens import TokenStore
 from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 
 log = logging.getLogger(__name__)
 
-BROKER_KEY = web.AppKey("broker", Broker)
+SLOT_KEY = web.AppKey("broker", BrokerSlot)
 TOKENS_KEY = web.AppKey("tokens", TokenStore)
 MAX_VERSION = 2**53  # versions travel as JSON numbers: beyond this they are not exact anywhere
 
@@ -103,10 +112,13 @@ def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Calla
         except StoreUnavailable as e:
             resp = error_response(503, str(e))
             resp.headers["Retry-After"] = RETRY_AFTER_S
+        except Standby as e:
+            resp = web.json_response({"error": str(e), "leader": e.leader}, status=503,
+                                     headers={"Retry-After": RETRY_AFTER_S, LEADER_HEADER: e.leader})
         except web.HTTPException as e:
-            request.app[BROKER_KEY].metrics.rejected.labels(str(e.status)).inc()
+            request.app[SLOT_KEY].metrics.rejected.labels(str(e.status)).inc()
             raise
-        request.app[BROKER_KEY].metrics.rejected.labels(str(resp.status)).inc()
+        request.app[SLOT_KEY].metrics.rejected.labels(str(resp.status)).inc()
         return resp
     return handler
 
@@ -125,35 +137,63 @@ def _bind_to_pool(request: web.Request, trajectories: list) -> None:
         t.pool = t.pool or who.name
 
 
+def _broker_slot(config: BrokerConfig, db: str | Path | None, open_store: Callable[[], BrokerStore] | None,
+                 metrics: BrokerMetrics) -> BrokerSlot:
+    """One always-active broker on an embedded store; on PostgreSQL, one that serves while it leads."""
+    if open_store is not None:
+        given = open_store
+        return BrokerSlot(lambda term: Broker(config, given, metrics=metrics), metrics)
+    if db is None:
+        raise ValueError("build_app needs db or open_store")
+    where = str(db)
+    if not is_postgres(where):
+        return BrokerSlot(lambda term: Broker(config, lambda: open_db(where, durability=config.durability),
+                                              metrics=metrics), metrics)
+
+    def make_broker(term: LeaderTerm | None) -> Broker:
+        return Broker(config, lambda: open_db(where, durability=config.durability, term=term), metrics=metrics)
+
+    from deltamesh.mesh.broker.leadership import Leadership  # psycopg: only for brokers on PostgreSQL
+    from deltamesh.mesh.broker.postgres_schema import migrate
+
+    holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+    leadership = Leadership(where, holder, config.leader.url or _own_url(config), config.leader,
+                            prepare=lambda: migrate(where))
+    return BrokerSlot(make_broker, metrics, leadership)
+
+
+def _own_url(config: BrokerConfig) -> str:
+    host, port = parse_listen(config.listen)
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()
+        log.warning("leader.url is not set: standbys will name this broker %s:%d to clients", host, port)
+    scheme = "https" if config.tls.cert else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def build_app(config: BrokerConfig, db: str | Path | None = None, *,
               open_store: Callable[[], BrokerStore] | None = None) -> web.Application:
-    """The broker as an aiohttp application; the store opens on start-up and closes on clean-up."""
-    if open_store is None:
-        if db is None:
-            raise ValueError("build_app needs db or open_store")
-        path = db
+    """The broker as an aiohttp application; the store opens on start-up and closes on clean-up.
 
-        def open_store() -> BrokerStore:
-            return SqliteStore(path, durability=config.durability)
-
-    if not config.tokens_file and not config.anonymous:
-        raise ValueError("the broker needs a tokens file (tokens_file; `deltamesh tokens add`) "
-                         "or anonymous = true for a broker that no one else can reach")
+    On a PostgreSQL `db` the process is one of possibly several brokers on that database: it serves
+    only while it holds the leadership lease, and answers 503 naming the active broker otherwise."""
+    tokens = broker_token_store(config, db if db is not None else config.db)
     if config.anonymous:
         log.warning("broker serves without authentication (anonymous = true): every caller may do anything")
-    tokens = TokenStore(config.tokens_file or None)
-    broker = Broker(config, open_store)
+    metrics = BrokerMetrics()
+    slot = _broker_slot(config, db, open_store, metrics)
     policy = Policy(ROUTES, tokens, enabled=not config.anonymous,
-                    denied=lambda status: broker.metrics.rejected.labels(str(status)).inc())
+                    denied=lambda status: metrics.rejected.labels(str(status)).inc())
     app = web.Application(middlewares=[json_errors, auth_middleware(policy)], client_max_size=config.max_body_bytes)
-    app[BROKER_KEY] = broker
+    app[SLOT_KEY] = slot
     app[TOKENS_KEY] = tokens
 
     async def on_startup(app: web.Application) -> None:
-        await broker.start()
+        await slot.start()
 
     async def on_cleanup(app: web.Application) -> None:
-        await broker.close()
+        await slot.close()
+        tokens.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -177,7 +217,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
             raise DataFormatError(f"Content-Type must be {TRAJECTORIES_CONTENT_TYPE} or application/json, "
                                   f"got {request.content_type!r}")
         _bind_to_pool(request, trajectories)
-        result = await broker.submit(trajectories)
+        result = await slot.current().submit(trajectories)
         return web.json_response({"accepted": result.accepted, "duplicates": result.duplicates})
 
     @routes.post("/v1/leases")
@@ -191,11 +231,14 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         require_name(request, pool)
         gpus = _field(body, "gpus", int, 1, minimum=0)
         max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
+        broker = slot.current()
         leases = await broker.lease(pool, region, gpus, max_tasks)
         return web.json_response({"leases": leases, "tasks": broker.status()["tasks"]})
 
     @routes.get("/v1/leases")
+    @_errors
     async def list_leases(request: web.Request) -> web.Response:
+        broker = slot.current()
         who = identity(request)
         pool = who.name if who is not None and who.role == "pool" else request.query.get("pool")
         return web.json_response({"leases": broker.leases(pool)})
@@ -207,7 +250,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         v = _field(body, "version", int, minimum=0)
         if v >= MAX_VERSION:
             raise web.HTTPBadRequest(reason=f"version must be below 2**53, got {v}")
-        return web.json_response(await broker.report_version(request.match_info["model_id"], v))
+        return web.json_response(await slot.current().report_version(request.match_info["model_id"], v))
 
     @routes.post("/v1/models/{model_id}/steps")
     @_errors
@@ -217,7 +260,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         step_s = _field(body, "step_s", float, minimum=0)
         if wait_s > step_s:
             raise web.HTTPBadRequest(reason="wait_s cannot exceed step_s")
-        return web.json_response(broker.report_step(request.match_info["model_id"], wait_s, step_s))
+        return web.json_response(slot.current().report_step(request.match_info["model_id"], wait_s, step_s))
 
     @routes.post("/v1/models/{model_id}/batch")
     @_errors
@@ -228,7 +271,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         timeout_s = min(_field(body, "timeout_s", float, 30.0, minimum=0), config.max_poll_s)
         ack, held = _batch_ids(body, "ack", []), _batch_ids(body, "held", [])
         # A poller that has gone away (its connection closed) takes no batch it could never receive.
-        served = await broker.next_batch(request.match_info["model_id"], size, v, timeout_s, ack=ack, held=held,
+        served = await slot.current().next_batch(request.match_info["model_id"], size, v, timeout_s, ack=ack, held=held,
                                          alive=lambda: request.transport is not None)
         if served is None:
             return web.Response(status=204)
@@ -239,25 +282,30 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
     @_errors
     async def acks(request: web.Request) -> web.Response:
         body = await read_json(request)
-        result = await broker.ack(request.match_info["model_id"], _batch_ids(body, "batch_ids"))
+        result = await slot.current().ack(request.match_info["model_id"], _batch_ids(body, "batch_ids"))
         return web.json_response(result.as_json())
 
     @routes.get("/v1/status")
+    @_errors
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(broker.status())
+        return web.json_response(slot.current().status())
 
     @routes.get("/v1/balance")
+    @_errors
     async def balance(request: web.Request) -> web.Response:
-        return web.json_response(broker.balance())
+        return web.json_response(slot.current().balance())
 
     @routes.get("/healthz")
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        return web.json_response({"ok": True, **slot.role()})
 
     @routes.get("/metrics")
-    async def metrics(request: web.Request) -> web.Response:
-        broker.balance()  # refresh the report's gauges
-        return web.Response(body=generate_latest(broker.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def prometheus(request: web.Request) -> web.Response:
+        try:
+            slot.current().balance()  # refresh the report's gauges
+        except Standby:
+            pass  # a standby still shows its own counters and that it is not active
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.add_routes(routes)
     return app

@@ -5,9 +5,9 @@ Durability: an acknowledgement is sent only after COMMIT returns. With `durabili
 it survives the broker process being killed (the WAL is in the OS page cache) but not the machine
 crashing. The connection runs in EXCLUSIVE locking mode, so SQLite keeps the WAL index in process
 memory (no shared-memory file that could fault on a full disk) and a second broker on the same file
-fails at start instead of interleaving writes. Token arrays are stored as one blob per trajectory:
-tokens int32 | logprobs float32 (raw little-endian) | zstd(versions int32 | loss_mask uint8). Disk full and
-I/O errors roll the transaction back and surface as StoreUnavailable.
+fails at start instead of interleaving writes. Token arrays are stored as one blob per trajectory
+(store_rows.pack_payload, shared with PostgresStore). Disk full and I/O errors roll the transaction back
+and surface as StoreUnavailable.
 
 A served batch is a row of `batches` in state `delivered` until the trainer acknowledges it (`acked`)
 or the broker puts its groups back (`requeued`); its fresh groups point at it (`groups.batch_no`) and
@@ -26,12 +26,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import zstandard
 
 from deltamesh.mesh.broker.store import (
-    Delivery, GroupKey, GroupSummary, GroupVerdict, IdConflict, IngestResult, Lease, StoreConflict, StoreSnapshot,
+    GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot,
     StoreUnavailable, TaskRecord, content_digest,
+)
+from deltamesh.mesh.broker.store_rows import (
+    TASK_COLUMNS, TRAJECTORY_COLUMNS, disagreeing_samples, group_mismatch, group_overflow, id_conflict, lease_values,
+    pack_payload, read_snapshot, task_from_row, task_values, trajectory_from_row, trajectory_values,
 )
 from deltamesh.data import Trajectory
 
@@ -71,26 +74,6 @@ _UPGRADES = {  # from schema -> statements that bring it to the next one
     # Rows from before have no content digest: a reused id among them still counts as a duplicate.
     "2": ["ALTER TABLE trajectories ADD COLUMN digest TEXT"],
 }
-
-
-def pack_payload(t: Trajectory, compressor: zstandard.ZstdCompressor) -> bytes:
-    # versions and loss_mask are nearly constant along a trajectory: 5 bytes a token shrink to a few dozen
-    # bytes in all, a third less to write and sync for 8 us. Tokens and logprobs barely compress; raw.
-    def raw(a: np.ndarray, dtype: str) -> memoryview:  # the array's own bytes: joined below with one copy, not two
-        return np.ascontiguousarray(a, dtype=dtype).data
-
-    tail = compressor.compress(b"".join((raw(t.versions, "<i4"), raw(t.loss_mask, "u1"))))
-    return b"".join((raw(t.tokens, "<i4"), raw(t.logprobs, "<f4"), tail))
-
-
-def unpack_payload(blob: bytes, n: int, decompressor: zstandard.ZstdDecompressor
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, logprobs, versions, loss_mask) of a stored blob of `n` tokens."""
-    tail = decompressor.decompress(blob[8 * n:], max_output_size=5 * n) if len(blob) > 8 * n else b""
-    if len(tail) != 5 * n:
-        raise ValueError(f"stored payload does not hold {n} tokens")
-    return (np.frombuffer(blob, "<i4", n, 0), np.frombuffer(blob, "<f4", n, 4 * n),
-            np.frombuffer(tail, "<i4", n, 0), np.frombuffer(tail, "u1", n, 4 * n))
 
 
 class SqliteStore:
@@ -151,42 +134,14 @@ class SqliteStore:
     # ---- start-up -------------------------------------------------------------------------------------
 
     def load(self) -> StoreSnapshot:
-        db = self._db
-        cursor = json.loads(db.execute("SELECT value FROM meta WHERE key='cursor'").fetchone()[0])
-        leases = [
-            Lease(no, task, epoch, pool, region, json.loads(mids), n, issued, deadline, state)
-            for no, task, epoch, pool, region, mids, n, issued, deadline, state in db.execute(
-                "SELECT lease_no, task_id, epoch, pool, region, model_ids, n_samples, issued_at, deadline, state "
-                "FROM leases WHERE state IN ('active', 'expired') ORDER BY lease_no")
-        ]
-        cols = "model_id, group_id, task_id, size, min_version, max_version, reward_min, reward_max, reward_mean, seq, state, reason"
-        history = [GroupSummary(*r) for r in db.execute(
-            f"SELECT {cols} FROM groups WHERE seq IS NOT NULL ORDER BY seq DESC LIMIT ?", (self.history_limit,))]
-        deliveries = {batch_id: Delivery(batch_id, model_id, []) for batch_id, model_id in db.execute(
-            "SELECT batch_id, model_id FROM batches WHERE state='delivered' ORDER BY batch_no")}
-        for batch_id, *summary in db.execute(
-                f"SELECT b.batch_id, {', '.join('g.' + c for c in cols.split(', '))} FROM groups g "
-                "JOIN batches b ON b.batch_no = g.batch_no WHERE g.state='delivered' ORDER BY g.seq"):
-            deliveries[batch_id].groups.append(GroupSummary(*summary))
-        return StoreSnapshot(
-            models=dict(db.execute("SELECT model_id, version FROM models")),
-            task_ids=[r[0] for r in db.execute("SELECT task_id FROM tasks ORDER BY seq")],
-            cursor=(int(cursor[0]), int(cursor[1])),
-            next_lease_no=db.execute("SELECT COALESCE(MAX(lease_no), 0) + 1 FROM leases").fetchone()[0],
-            leases=leases,
-            fresh=[GroupSummary(*r) for r in db.execute(f"SELECT {cols} FROM groups WHERE state='fresh' ORDER BY seq")],
-            replay=[GroupSummary(*r) for r in db.execute(
-                f"SELECT {cols} FROM groups WHERE state='consumed' ORDER BY batch_no, seq")],
-            deliveries=list(deliveries.values()),
-            history=history[::-1],
-        )
+        epoch, position = json.loads(self._db.execute("SELECT value FROM meta WHERE key='cursor'").fetchone()[0])
+        return read_snapshot(self._db.execute, prefix="", param="?", cursor=(int(epoch), int(position)),
+                             history_limit=self.history_limit)
 
     def import_tasks(self, tasks: Sequence[TaskRecord]) -> None:
         with self._transaction():
-            self._db.executemany(
-                "INSERT INTO tasks(task_id, prompt, metadata, n_samples, model_ids) VALUES (?, ?, ?, ?, ?)",
-                [(t.task_id, json.dumps(t.prompt), json.dumps(t.metadata), t.n_samples,
-                  None if t.model_ids is None else json.dumps(t.model_ids)) for t in tasks])
+            self._db.executemany(f"INSERT INTO tasks({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                                 [task_values(t) for t in tasks])
 
     def set_model_version(self, model_id: str, version: int) -> None:
         with self._transaction():
@@ -199,17 +154,13 @@ class SqliteStore:
         with self._transaction():
             self._db.executemany(
                 "INSERT INTO leases(lease_no, lease_id, task_id, epoch, pool, region, model_ids, n_samples, issued_at, "
-                "deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(le.lease_no, le.lease_id, le.task_id, le.epoch, le.pool, le.region,
-                  json.dumps(le.model_ids), le.n_samples, le.issued_at, le.deadline, le.state) for le in new])
+                "deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [lease_values(le) for le in new])
             self._db.executemany("UPDATE leases SET state='reissued' WHERE lease_id=?", [(i,) for i in reissued])
             self._db.execute("UPDATE meta SET value=? WHERE key='cursor'", (json.dumps(list(cursor)),))
             tasks = {}
             for task_id in {le.task_id for le in new}:
-                prompt, meta, n, mids = self._db.execute(
-                    "SELECT prompt, metadata, n_samples, model_ids FROM tasks WHERE task_id=?", (task_id,)).fetchone()
-                tasks[task_id] = TaskRecord(task_id, json.loads(prompt), json.loads(meta), n,
-                                            None if mids is None else json.loads(mids))
+                tasks[task_id] = task_from_row(self._db.execute(
+                    f"SELECT {TASK_COLUMNS} FROM tasks WHERE task_id=?", (task_id,)).fetchone())
         return tasks
 
     def expire_leases(self, lease_ids: Sequence[str]) -> list[str]:
@@ -246,15 +197,11 @@ class SqliteStore:
                 f"SELECT id, digest FROM trajectories WHERE id IN ({','.join('?' * len(chunk))})", chunk))
         reused = [i for i, d in existing.items() if d is not None and d != digests[i]]
         if reused:
-            raise IdConflict(f"trajectory id {reused[0]!r} was submitted before with other content "
-                             f"({len(reused)} such ids); ids must name one trajectory")
+            raise id_conflict(reused)
         new = [t for t in trajectories if t.id not in existing]
         db.executemany(
             "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(t.id, t.model_id, t.group_id, t.task_id, t.reward, t.min_version, t.max_version, len(t.tokens), t.pool,
-              t.region, json.dumps({"timings": t.timings, "metadata": t.metadata}), pack_payload(t, self._compressor),
-              digests[t.id])
-             for t in new])
+            [trajectory_values(t, pack_payload(t, self._compressor), digests[t.id]) for t in new])
         result = IngestResult(accepted=len(new), duplicates=len(existing),
                               accepted_by_model=dict(Counter(t.model_id for t in new)))
         first: dict[GroupKey, Trajectory] = {}
@@ -263,7 +210,7 @@ class SqliteStore:
             key = (t.model_id, t.group_id)
             seen = first.setdefault(key, t)
             if (seen.group_size, seen.task_id) != (t.group_size, t.task_id):
-                raise StoreConflict(f"group {t.group_id!r} of {t.model_id!r}: trajectories disagree on group_size or task_id")
+                raise disagreeing_samples(key)
             counts[key] += 1
         for key, added in counts.items():
             summary = self._add_to_group(key, first[key], added, verdict)
@@ -279,10 +226,9 @@ class SqliteStore:
         row = db.execute("SELECT size, count, task_id FROM groups WHERE model_id=? AND group_id=?", key).fetchone()
         size, count = (sample.group_size, 0) if row is None else (row[0], row[1])
         if row is not None and (size, row[2]) != (sample.group_size, sample.task_id):
-            raise StoreConflict(f"group {key[1]!r} of {key[0]!r} has size {size} and task {row[2]!r}; "
-                                f"got group_size {sample.group_size} and task {sample.task_id!r}")
+            raise group_mismatch(key, size, row[2], sample)
         if count + added > size:
-            raise StoreConflict(f"group {key[1]!r} of {key[0]!r} would hold {count + added} samples; its size is {size}")
+            raise group_overflow(key, count + added, size)
         if row is None:
             db.execute("INSERT INTO groups(model_id, group_id, task_id, size, count, state) VALUES (?, ?, ?, ?, ?, 'open')",
                        (*key, sample.task_id, size, added))
@@ -335,17 +281,8 @@ class SqliteStore:
 
     def _group_trajectories(self, key: GroupKey) -> list[Trajectory]:
         size = self._db.execute("SELECT size FROM groups WHERE model_id=? AND group_id=?", key).fetchone()[0]
-        out = []
-        for tid, task_id, reward, n, pool, region, meta, vmin, vmax, payload in self._db.execute(
-                "SELECT id, task_id, reward, n_tokens, pool, region, meta, min_version, max_version, payload "
-                "FROM trajectories WHERE model_id=? AND group_id=? ORDER BY rowid", key):
-            if payload is None:
-                raise StoreConflict(f"group {key[1]!r} of {key[0]!r} has no stored tokens (it was dropped)")
-            tokens, logprobs, versions, loss_mask = unpack_payload(payload, n, self._decompressor)
-            extra = json.loads(meta)
-            out.append(Trajectory(tid, task_id, key[1], size, key[0], tokens, logprobs, loss_mask, versions, reward,
-                                  pool, region, extra["timings"], extra["metadata"], vmin, vmax))
-        return out
+        return [trajectory_from_row(key, size, row, self._decompressor) for row in self._db.execute(
+            f"SELECT {TRAJECTORY_COLUMNS} FROM trajectories WHERE model_id=? AND group_id=? ORDER BY rowid", key)]
 
     def batch_states(self, model_id: str, batch_ids: Sequence[str]) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -3,9 +3,10 @@
 The broker keeps its working state (buffers, lease table, cursor, curator) in memory and uses the
 store as a durable log of changes: each method is one transaction that either commits completely or
 changes nothing, and the broker acknowledges only after it returns. `load` rebuilds everything at
-start-up. That is all a backend must do, so a server database (PostgreSQL) can replace the embedded
-SQLite one (`SqliteStore`) by implementing `BrokerStore`. Methods are blocking; the broker calls
-them from one worker thread, never from its event loop.
+start-up. That is all a backend must do: the embedded SQLite one (`SqliteStore`) and PostgreSQL
+(`PostgresStore`, which a standby broker can take over; see `LeaderTerm`) implement `BrokerStore`
+(`stores.open_store` picks one). Methods are blocking; the broker calls them from one worker thread,
+never from its event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ GroupKey = tuple[str, str]
 
 class StoreUnavailable(Exception):
     """The store cannot commit right now (disk full, I/O error, locked); nothing was changed. HTTP 503."""
+
+
+class NotLeader(StoreUnavailable):
+    """This broker no longer holds the leadership lease; nothing was written. HTTP 503."""
+
+
+@dataclass(frozen=True)
+class LeaderTerm:
+    """A broker's hold on the leadership of a shared store: who holds it and in which epoch (a takeover
+    starts a new epoch). A store given a term commits only while the lease row still names it."""
+
+    holder: str
+    epoch: int
 
 
 class StoreConflict(Exception):

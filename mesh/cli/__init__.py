@@ -8,14 +8,16 @@ A command's setting flags are derived from its config dataclass (`deltamesh.conf
 callable, so `deltamesh --help` stays fast.
 
 The helpers below are the one way commands do what they all do: `config_command` adds a command
-whose settings are a config dataclass, `command_config` loads them, `command_group` adds a command
-that only holds subcommands, `failed` reports why a command stops and `stop_on_signals` gives a
-long-running command its clean stop.
+whose settings are a config dataclass, `command_config` loads them (or stops the command, raising
+`CommandFailed`, which the command then reports), `command_group` adds a command that only holds subcommands,
+`failed` reports why a command stops and `stop_on_signals` gives a long-running command its clean
+stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
@@ -88,16 +90,38 @@ def config_command(commands: argparse._SubParsersAction, name: str, cls: type, r
     if section is not None:
         parser.add_argument("--config", metavar="FILE", help=f"TOML file with a [{section}] table")
     add_config_flags(parser, cls, section=section)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=_reporting_failures(run))
     return parser
 
 
+def _reporting_failures(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run`, with a `CommandFailed` raised inside it reported (`failed`) and made its exit code."""
+    @functools.wraps(run)
+    def reporting(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except CommandFailed as e:
+            return failed(e.reason, e.code)
+
+    return reporting
+
+
+class CommandFailed(Exception):
+    """Stops a command added by `config_command` from inside a helper: the command reports `reason` as
+    one line (`failed`) and exits with `code`."""
+
+    def __init__(self, reason: object, code: int = 2) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+        self.code = code
+
+
 def command_config(args: argparse.Namespace, cls: type[T], section: str | None = None,
-                   overrides: Callable[[argparse.Namespace], dict] | None = None) -> T | None:
+                   overrides: Callable[[argparse.Namespace], dict] | None = None) -> T:
     """The settings of a command added by `config_command`: the table `section` of its --config file
     (if it reads one) under what the flags override (`overrides(args)` where the command adds
-    overrides of its own). None when they do not load, the reason logged: the command then exits
-    2, since a bad setting is the user's to fix and a traceback would only hide the reason."""
+    overrides of its own). When they do not load the command stops with exit code 2 (`CommandFailed`),
+    the reason logged: a bad setting is the user's to fix and a traceback would only hide the reason."""
     from deltamesh.config import load_config
     from deltamesh.config_flags import config_overrides
 
@@ -105,8 +129,7 @@ def command_config(args: argparse.Namespace, cls: type[T], section: str | None =
         given = config_overrides(args, cls) if overrides is None else overrides(args)
         return load_config(cls, args.config if section is not None else None, section=section, overrides=given)
     except ValueError as e:  # a ConfigError, or flags that `overrides` refuses
-        failed(e)
-        return None
+        raise CommandFailed(e) from None
 
 
 def failed(reason: object, code: int = 2) -> int:

@@ -13,11 +13,12 @@ import argparse
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
     from deltamesh.mesh.autoscale.config import AutoscaleConfig
     from deltamesh.mesh.broker.config import BrokerConfig
-    from deltamesh.mesh.cli import config_command
+    from deltamesh.mesh.cli import broker_migrate, config_command
 
-    config_command(commands, "broker", BrokerConfig, run_broker, section="broker",
-                   help="run the dataflow broker (tasks out, trajectories in, batches out)",
-                   description="Run the dataflow broker.")
+    broker = config_command(commands, "broker", BrokerConfig, run_broker, section="broker",
+                            help="run the dataflow broker (tasks out, trajectories in, batches out)",
+                            description="Run the dataflow broker.")
+    broker_migrate.register(broker)  # `deltamesh broker migrate --db URL`
     config_command(commands, "autoscale", AutoscaleConfig, run_autoscale, section="autoscale",
                    help="resize the rollout pool from the broker's balance report",
                    description="Run the autoscaler.")
@@ -33,8 +34,6 @@ def run_broker(args: argparse.Namespace) -> int:
     from deltamesh.tls import server_context
 
     config = command_config(args, BrokerConfig, "broker")
-    if config is None:
-        return 2
     try:
         host, port = parse_listen(config.listen)
         app = build_app(config, config.db)
@@ -65,8 +64,6 @@ def run_autoscale(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, stop_on_signals
 
     config = command_config(args, AutoscaleConfig, "autoscale")
-    if config is None:
-        return 2
 
     async def main() -> None:
         stop = stop_on_signals()

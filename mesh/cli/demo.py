@@ -70,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.demo.summary import print_summary
 
     config = command_config(args, DemoConfig, "demo", overrides=overrides)
-    if config is None:
-        return 2
     live = console.is_terminal and not args.plain and sys.stdout.isatty()
     result = asyncio.run(run_demo(config, console=console, live=live))
     print_summary(console, result)

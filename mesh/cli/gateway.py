@@ -19,8 +19,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, failed
 
     config = command_config(args, GatewayConfig, "gateway")
-    if config is None:
-        return 2
     try:
         run_gateway(config)
     except ValueError as e:  # no credentials, a bad tokens file or TLS files

@@ -129,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, failed
 
     config = command_config(args, LinksConfig)
-    if config is None:
-        return 2
 
     def fetch() -> dict:
         return call_once(config.gateway, GatewayClient.links, token=config.token, tls=config.tls)

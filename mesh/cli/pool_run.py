@@ -55,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.workflows import WorkflowError
 
     config = command_config(args, PoolConfig, "pool", overrides=overrides)
-    if config is None:
-        return 2
 
     async def main() -> int:
         stop = stop_on_signals()

@@ -26,8 +26,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
 
     config = command_config(args, PoolSyncConfig)
-    if config is None:
-        return 2
 
     async def main() -> int:
         async with WeightSync(config) as sync:

@@ -64,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, failed
 
     config = command_config(args, PoolsConfig)
-    if config is None:
-        return 2
     try:
         answer = call_once(config.gateway, GatewayClient.pools, token=config.token, tls=config.tls)
     except HttpError as e:

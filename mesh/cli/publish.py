@@ -34,8 +34,6 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import command_config, failed
 
     config = command_config(args, PublishConfig)
-    if config is None:
-        return 2
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     state = PublishState(config.state or cache / "deltamesh" / "publish" / config.model)
     console = Console(stderr=True)

@@ -34,6 +34,4 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         setup_logging(args.log_level, process_name=f"rank{os.environ.get('RANK', '?')}")
     cfg = command_config(args, TrainLoopConfig, "trainer")
-    if cfg is None:
-        return 2
     return run_training(cfg)

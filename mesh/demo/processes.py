@@ -3,8 +3,8 @@
 Every child runs in a session (process group) of its own, so stopping it reaches whatever it started
 too; on Linux it also gets SIGTERM should the demo itself die without cleaning up. `ServiceSet.stop`
 sends SIGTERM to each group, gives it a grace period, then SIGKILLs what is left; the demo calls it
-on every way out (normal end, Ctrl-C, SIGTERM, an error). `free_port` and `log_tail` serve the tests
-and benchmarks that run such processes too.
+on every way out (normal end, Ctrl-C, SIGTERM, an error). `free_port`, `log_tail` and `end_process`
+serve the tests and benchmarks that run such processes too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ def log_tail(path: Path, chars: int = 3000) -> str:
         return path.read_text(errors="replace")[-chars:]
     except OSError:
         return ""
+
+
+def end_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
+    """Send `sig` to a child that is still running, give it `grace_s` to exit, then SIGKILL it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def _die_with_parent() -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from deltamesh.config import http_url
+from deltamesh.config import http_url, http_urls
 from deltamesh.config_flags import flag
 from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import parse_listen
@@ -89,8 +89,6 @@ class WorkerConfig:
     """Pause before asking again when the broker had no task (or the pool may not lease)."""
     broker_refresh_s: float = 1.0
     """How often the trainer versions are read from the broker for the staleness bound."""
-    submit_retries: int = 10
-    """Retries of a submission the broker could not take (submission is idempotent)."""
     drain_s: float = 30.0
     """On stop: how long running episodes may take to finish and submit (unfinished leases expire)."""
 
@@ -101,8 +99,8 @@ class WorkerConfig:
             raise ValueError("worker.max_staleness must be >= 0")
         if min(self.lease_batch, self.max_episodes) < 1:
             raise ValueError("worker.lease_batch and worker.max_episodes must be >= 1")
-        if self.submit_retries < 0 or self.drain_s < 0:
-            raise ValueError("worker.submit_retries and worker.drain_s must be >= 0")
+        if self.drain_s < 0:
+            raise ValueError("worker.drain_s must be >= 0")
         if min(self.idle_s, self.broker_refresh_s) <= 0:
             raise ValueError("worker.idle_s and worker.broker_refresh_s must be > 0")
 
@@ -115,8 +113,9 @@ class PoolConfig:
     """How each policy's weight stream follows the region's gateways (`[pool.sync]`)."""
     name: str = ""
     """Pool name (registered with the gateway and the broker)."""
-    broker: str = field(default="", metadata=flag(metavar="URL"))
-    """Base URL of the dataflow broker."""
+    broker: str = field(default="", metadata=flag(metavar="URL[,URL...]"))
+    """Base URL of the dataflow broker, or of its active and standby brokers separated by commas
+    (`http://a:8700,http://b:8700`): calls fail over between them."""
     broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role pool --name NAME`); empty for an anonymous broker."""
     dir: str = "pool-weights"
@@ -154,7 +153,7 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name is required")
-        self.broker = http_url(self.broker, "broker")
+        self.broker = http_urls(self.broker, "broker")
         if not self.models:
             raise ValueError("models must describe at least one policy (or give --model)")
         ids = [m.model_id for m in self.models]

@@ -4,7 +4,8 @@ While the lease gate allows it (every engine serves a published version within t
 bound), the worker keeps up to `max_episodes` episodes running, leasing at most `lease_batch` tasks
 per request; episodes that run side by side share engine batches (see `batching.py`). Each episode's
 trajectories (tagged by the workflow with pool, region, model_id and the version of every token) are
-submitted together; submission is idempotent, so it is retried on a 503 or a lost broker. An
+submitted together; submission is idempotent, so the client retries it (and fails over to another
+broker) on a 503 or a lost broker. An
 episode that fails, or a pool that dies, simply lets its lease expire: the broker then hands the
 task out again. On stop the worker leases nothing more and gives running episodes `drain_s` to finish.
 """
@@ -138,7 +139,7 @@ class RolloutWorker:
             log.warning("task %s finished after its lease %s expired; the broker may have handed it out again",
                         lease.task_id, lease.lease_id)
         try:
-            await self.client.submit(trajectories, retries=self.settings.submit_retries)
+            await self.client.submit(trajectories)
         except HttpError as e:
             self._episode_done(False, started)
             log.error("submission of lease %s refused: %s", lease.lease_id, e)

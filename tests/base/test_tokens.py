@@ -1,12 +1,15 @@
-"""Scoped tokens: stored hashed, matched to a name and role, added and revoked without a restart."""
+"""Scoped tokens: stored hashed, matched to a name and role, added and revoked without a restart, from a
+file or another source refreshed in the background."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
-from deltamesh.tokens import TokenError, TokenSpec, TokenStore, add_token, bearer_token, revoke_token
+from deltamesh.tokens import TokenError, TokenSpec, TokenStore, add_token, bearer_token, issue_token, revoke_token
 
 
 def test_tokens_are_stored_hashed_and_name_their_holder(tmp_path):
@@ -65,3 +68,58 @@ def test_bearer_header_parsing():
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer ") is None
     assert bearer_token(None) is None
+
+
+class ScriptedSource:
+    """A token source in memory that records which threads read it, and fails while `broken` is set."""
+
+    where = "scripted"
+
+    def __init__(self, entries: list) -> None:
+        self.entries, self.version, self.broken = entries, 0, ""
+        self.readers: set[int] = set()
+
+    def stamp(self):
+        self.readers.add(threading.get_ident())
+        if self.broken:
+            raise TokenError(self.broken)
+        return self.version
+
+    def load(self):
+        return self.stamp(), list(self.entries)
+
+
+def eventually(check, within_s: float = 2.0) -> None:
+    began = time.monotonic()
+    while not check():
+        assert time.monotonic() - began < within_s
+        time.sleep(0.01)
+
+
+def test_a_source_refreshed_in_the_background_is_never_read_by_authenticate(caplog):
+    token, entry = issue_token(TokenSpec("a", "pool"), "scripted")
+    source = ScriptedSource([entry])
+    store = TokenStore(source=source, refresh_s=0.02)
+    try:
+        assert store.authenticate(token).name == "a"
+        source.readers.clear()
+        source.broken = "database down"
+        for _ in range(50):  # the tokens last read stay in force, and the caller never waits on the source
+            assert store.authenticate(token).name == "a"
+            time.sleep(0.002)
+        assert source.readers and threading.get_ident() not in source.readers
+        assert [r.getMessage() for r in caplog.records if "not reloaded" in r.getMessage()] == [
+            "tokens of scripted not reloaded, the previous tokens stay in force: database down"]  # once
+        source.broken, source.entries, source.version = "", [], 1  # revoked
+        eventually(lambda: store.authenticate(token) is None)
+        source.entries = [entry]
+        store.reload()  # SIGHUP: wakes the refresher even though the stamp did not move
+        eventually(lambda: store.authenticate(token) is not None)
+    finally:
+        store.close()
+    assert not store._refresher.is_alive()
+
+
+def test_a_store_reads_a_file_or_a_source_not_both(tmp_path):
+    with pytest.raises(ValueError, match="not both"):
+        TokenStore(tmp_path / "tokens.toml", source=ScriptedSource([]))

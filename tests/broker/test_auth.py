@@ -19,7 +19,7 @@ from deltamesh.broker_client import BrokerClient
 from deltamesh.certs import issue, make_ca
 from deltamesh.http import HttpError, serving
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
-from deltamesh.mesh.broker.server import BROKER_KEY, ROUTES, build_app
+from deltamesh.mesh.broker.server import ROUTES, SLOT_KEY, build_app
 from deltamesh.tls import TlsError, TlsSettings, server_context
 from deltamesh.tokens import TokenSpec, add_token, revoke_token
 from deltamesh.trainer.batch_client import BatchClient
@@ -69,7 +69,7 @@ async def broker(tmp_path, tokens_file, *, tls: TlsSettings | None = None, datas
                           tasks=TasksConfig(dataset=str(dataset)) if dataset else TasksConfig())
     app = build_app(config, tmp_path / "broker.db")
     async with serving(app, "127.0.0.1:0", ssl_context=server_context(tls) if tls else None) as url:
-        yield url, app[BROKER_KEY]
+        yield url, app[SLOT_KEY].broker
 
 
 async def raw_call(url: str, method: str, path: str, body, token: str | None) -> int:
@@ -170,7 +170,8 @@ def test_trainer_and_admin_roles_over_mtls(tmp_path, tokens):
                 assert await trainer.next_batch(1, timeout_s=0) is None
             async with BrokerClient(url, token=tok["admin"], tls=client_tls) as admin:
                 assert "models" in await admin.balance()
-            async with BrokerClient(url, tls=TlsSettings(ca=str(ca.cert)), token=tok["admin"]) as no_cert:
+            # failover_s=0: a refused handshake looks like a lost connection, which the client would retry
+            async with BrokerClient(url, tls=TlsSettings(ca=str(ca.cert)), token=tok["admin"], failover_s=0) as no_cert:
                 with pytest.raises(HttpError) as e:
                     await no_cert.status()
                 assert "client certificate" in str(e.value)
@@ -188,7 +189,7 @@ def test_metrics_need_the_metrics_role(tmp_path, tokens):
                 async with s.get(f"{url}/metrics", headers={"Authorization": f"Bearer {tok['metrics']}"}) as r:
                     assert r.status == 200 and "deltamesh_broker" in await r.text()
                 async with s.get(f"{url}/healthz") as r:
-                    assert r.status == 200 and json.loads(await r.text()) == {"ok": True}
+                    assert r.status == 200 and json.loads(await r.text()) == {"ok": True, "role": "active"}
 
     asyncio.run(scenario())
 

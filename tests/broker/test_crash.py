@@ -31,7 +31,7 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
     unacked: list[list[Trajectory]] = []  # each submission in flight when the broker died
 
     async def client(i: int) -> None:
-        async with BrokerClient(broker.url, pool=f"pool{i}") as pool:
+        async with BrokerClient(broker.url, pool=f"pool{i}", failover_s=0) as pool:  # no waiting for a restart
             for n in range(100_000):
                 trajs = (make_group(f"c{i}-{n}a", [1.0, 0.0, 1.0, 0.0], tokens=256)
                          + make_group(f"c{i}-{n}b", [0.0, 0.0, 1.0, 1.0], tokens=256))

@@ -194,7 +194,8 @@ def test_acknowledged_batches_are_never_served_again_across_broker_restarts(brok
         return broker.get("/v1/status")["models"]["m"]
 
     async def scenario() -> None:
-        async with BatchClient(broker.url, "m", auto_ack=False) as trainer:
+        # failover_s=0: a call to the killed broker fails at once instead of waiting for it to return
+        async with BatchClient(broker.url, "m", auto_ack=False, failover_s=0) as trainer:
             b1 = await trainer.next_batch(8, timeout_s=5)
             assert b1.groups == ["g0", "g1"] and (await trainer.ack())["acked"] == [b1.batch_id]
             b2 = await trainer.next_batch(8, timeout_s=5)

@@ -53,7 +53,9 @@ def test_disk_full_gives_503_and_recovers(broker_process, make_group, small_disk
     broker.start()
 
     async def scenario() -> None:
-        async with BrokerClient(broker.url, pool="p") as pool, BatchClient(broker.url, "m") as trainer:
+        # failover_s=0: the broker's 503 itself is under test, not the client's retries
+        async with BrokerClient(broker.url, pool="p", failover_s=0) as pool, \
+                BatchClient(broker.url, "m", failover_s=0) as trainer:
             before = make_group("before", [1.0, 0.0, 1.0, 0.0], tokens=2048)
             assert (await pool.submit(before)).accepted == 4
             filler = fill(small_disk / "filler")

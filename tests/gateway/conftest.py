@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,12 +25,15 @@ from typing import AsyncIterator, Callable
 import pytest
 import torch
 
+from deltamesh.delta import read_weights
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
-from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.http import serving
 from deltamesh.gateway.server import create_app, ssl_context
+from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 POOL_TOKEN = "region-token-1"
@@ -46,14 +48,8 @@ def _register_helper(name: str) -> None:
     spec.loader.exec_module(module)
 
 
-for _helper in ("hostile", "relay_double"):
+for _helper in ("passthrough", "hostile", "relay_double"):
     _register_helper(_helper)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -129,10 +125,7 @@ class GatewayProc:
             self.proc.wait(10)
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
 
 def wait_healthy(url: str, timeout: float, proc: GatewayProc | None = None,
@@ -203,19 +196,11 @@ class PoolProc:
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            end_process(self.proc, sig)
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
 
 @pytest.fixture
@@ -309,6 +294,16 @@ class GatewayTestKit:
 
     def version(self, model: str, version: int, kind: str = "delta", **kw) -> tuple[Manifest, bytes, list[bytes]]:
         return fake_version(self.key.key, model, version, kind, **kw)
+
+    async def timed_sync(self, config: PoolSyncConfig, weights: dict[str, torch.Tensor]) -> float:
+        """Sync a pool once to the head, which must bring its directory to `weights` bit for bit; the
+        seconds that took."""
+        async with WeightSync(config) as sync:
+            started = time.monotonic()
+            assert await sync.sync_once() is True
+            took = time.monotonic() - started
+            assert same_bits(read_weights(sync.config.dir), weights)
+        return took
 
     def config(self, tmp: Path, **kw) -> GatewayConfig:
         """A gateway's config for an in-process gateway: anonymous unless it names a tokens file or client CA."""

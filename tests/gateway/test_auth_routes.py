@@ -50,6 +50,21 @@ async def call(s, method: str, url: str, token: str | None = None, **kw) -> tupl
             return resp.status, {"raw": raw[:100]}
 
 
+TWO_POOLS = (("pool", "p1"), ("pool2", "p2"))
+"""(token, pool name) of two pools, each registering with its own token."""
+
+
+@contextlib.asynccontextmanager
+async def gateway_with_two_pools(kit, tmp_path: Path, tokens: tuple[Path, dict[str, str]]):
+    """`gateway`, with the two pools of TWO_POOLS registered."""
+    path, tok = tokens
+    async with gateway(kit, tmp_path, path) as (url, s, gw):
+        for who, name in TWO_POOLS:
+            status, body = await call(s, "POST", f"{url}/v1/pools", tok[who], json={"name": name, "model": MODEL})
+            assert status == 201, body
+        yield url, s, gw
+
+
 def state(gw) -> tuple:
     """Everything a call could change: versions and their pieces, the epoch, pools, downstreams, the ledger,
     the head statement."""
@@ -230,13 +245,10 @@ def test_registration_is_checked_field_by_field(kit, tmp_path, tokens):
 
 
 def test_a_pool_deregisters_itself_and_is_gone(kit, tmp_path, tokens):
-    path, tok = tokens
+    tok = tokens[1]
 
     async def main():
-        async with gateway(kit, tmp_path, path) as (url, s, gw):
-            for who, name in (("pool", "p1"), ("pool2", "p2")):
-                status, _ = await call(s, "POST", f"{url}/v1/pools", tok[who], json={"name": name, "model": MODEL})
-                assert status == 201
+        async with gateway_with_two_pools(kit, tmp_path, tokens) as (url, s, gw):
             status, body = await call(s, "DELETE", f"{url}/v1/pools/p2", tok["pool"])
             assert status == 403 and "'p2'" in body["error"]
             status, body = await call(s, "DELETE", f"{url}/v1/pools/p1", tok["pool"])
@@ -258,11 +270,9 @@ def test_a_revoked_pool_is_refused_at_its_next_heartbeat_and_others_go_on(kit, t
     path, tok = tokens
 
     async def main():
-        async with gateway(kit, tmp_path, path) as (url, s, gw):
-            for who, name in (("pool", "p1"), ("pool2", "p2")):
-                assert (await call(s, "POST", f"{url}/v1/pools", tok[who], json={"name": name, "model": MODEL}))[0] == 201
+        async with gateway_with_two_pools(kit, tmp_path, tokens) as (url, s, gw):
             for _ in range(2):
-                for who, name in (("pool", "p1"), ("pool2", "p2")):
+                for who, name in TWO_POOLS:
                     status, _ = await call(s, "POST", f"{url}/v1/pools/{name}/heartbeat", tok[who], json={"version": 0})
                     assert status == 200
             assert revoke_token(path, "p1") == 1

@@ -30,6 +30,11 @@ def snapshot(gw) -> tuple:
             sorted(p.name for p in (gw.store.root / "models" / MODEL).iterdir()))
 
 
+def store_at(kit, root) -> VersionStore:
+    """The version store at `root`, trusting the kit's trainer key, as a gateway (re)starting opens it."""
+    return VersionStore(root, [kit.key.key.public_key()])
+
+
 def test_one_hash_per_version_no_rollback_no_replay_over_http(kit, tmp_path):
     tokens = tmp_path / "tokens.toml"
     trainer = add_token(tokens, TokenSpec("trainer-1", "trainer", [MODEL]))
@@ -77,8 +82,7 @@ def test_one_hash_per_version_no_rollback_no_replay_over_http(kit, tmp_path):
 
 def test_the_ledger_survives_restart_and_collection(kit, tmp_path):
     async def main():
-        keys = [kit.key.key.public_key()]
-        store = VersionStore(tmp_path, keys)
+        store = store_at(kit, tmp_path)
         store.load()
         raws = {}
         for v, kind in [(1, "full"), (2, "delta"), (3, "delta")]:
@@ -87,7 +91,7 @@ def test_the_ledger_survives_restart_and_collection(kit, tmp_path):
         store.collect(keep_deltas=1, keep_fulls=1)  # v2's delta goes; the head and the only full stay
         assert store.get(MODEL, 2, "delta") is None
 
-        again = VersionStore(tmp_path, keys)  # a restart
+        again = store_at(kit, tmp_path)  # a restart
         assert again.load() == 2
         epoch = again.epoch
         with pytest.raises(RollbackError):
@@ -98,7 +102,7 @@ def test_the_ledger_survives_restart_and_collection(kit, tmp_path):
 
         # Even with the whole model's directory gone, the ledger remembers: no replay of the head.
         shutil.rmtree(tmp_path / "models" / MODEL)
-        wiped = VersionStore(tmp_path, keys)
+        wiped = store_at(kit, tmp_path)
         assert wiped.load() == 0
         with pytest.raises(ReplayError):
             await wiped.put_manifest(raws[(3, "delta")], published=True)
@@ -106,7 +110,7 @@ def test_the_ledger_survives_restart_and_collection(kit, tmp_path):
             await wiped.put_manifest(raws[(1, "full")], published=True)
         assert wiped.head(MODEL) is None and wiped.epoch == 0
         # A relay mirrors older versions on demand: only the one-hash rule applies to it.
-        relay = VersionStore(tmp_path / "relay", keys)
+        relay = store_at(kit, tmp_path / "relay")
         relay.load()
         await relay.put_manifest(raws[(3, "delta")])
         entry, new = await relay.put_manifest(raws[(2, "delta")])
@@ -119,13 +123,12 @@ def test_the_ledger_survives_restart_and_collection(kit, tmp_path):
 
 def test_a_torn_ledger_line_is_dropped(kit, tmp_path):
     async def main():
-        keys = [kit.key.key.public_key()]
-        store = VersionStore(tmp_path, keys)
+        store = store_at(kit, tmp_path)
         store.load()
         await store.put_manifest(kit.version(MODEL, 1, "full")[1], published=True)
         with open(tmp_path / "ledger.jsonl", "a") as f:
             f.write('{"model": "tiny-1", "vers')  # a crash in the middle of an append
-        again = VersionStore(tmp_path, keys)
+        again = store_at(kit, tmp_path)
         again.load()
         assert (tmp_path / "ledger.jsonl").read_text().count("\n") == 1
         assert again.ledger.top(MODEL) == 1

@@ -106,6 +106,18 @@ def _lie(case: str, m: Mesh, kit) -> dict:
     return {}
 
 
+async def _run_until(runner: WeightSync | PolicyWeights, version: int) -> None:
+    """Run a weight stream until it holds `version` or its loop ends (15 s at most), then stop it."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    for _ in range(300):
+        if runner.version == version or task.done():
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+
+
 REASON = {"rollback": "rollback", "equivocation": "equivocation", "freeze_head": "stale", "old_statement": "stale",
           "forged_statement": "statement", "other_model_statement": "statement"}
 
@@ -122,16 +134,9 @@ def test_a_lying_relay_is_refused_and_the_pool_moves_on_through_the_honest_gatew
                 at_refusal.append(kit.same_bits(read_weights(tmp_path / "pool"), m.weights[2]))
 
             config = _config(kit, tmp_path, [m.double.url, m.honest], **_lie(case, m, kit))
-            stop = asyncio.Event()
             async with WeightSync(config, on_refusal=refused) as sync:
                 assert sync.version == 2 and sync.guard.held == 2
-                task = asyncio.create_task(sync.run(stop))
-                for _ in range(300):
-                    if sync.version == 3 or task.done():
-                        break
-                    await asyncio.sleep(0.05)
-                stop.set()
-                await task
+                await _run_until(sync, 3)
                 assert sync.version == 3, (refusals, sync.last_error)
                 assert kit.same_bits(read_weights(tmp_path / "pool"), m.weights[3])
                 reason = REASON[case]
@@ -206,14 +211,7 @@ def test_a_rollout_pool_reports_refusals_in_status_and_metrics(kit, tmp_path):
             _lie("rollback", m, kit)
             metrics = PoolMetrics(CollectorRegistry())
             weights = PolicyWeights(DirEngine(), _config(kit, tmp_path, [m.double.url, m.honest]), metrics=metrics)
-            stop = asyncio.Event()
-            task = asyncio.create_task(weights.run(stop))
-            for _ in range(300):
-                if weights.version == 3 or task.done():
-                    break
-                await asyncio.sleep(0.05)
-            stop.set()
-            await task
+            await _run_until(weights, 3)
             assert weights.version == 3
             text = generate_latest(metrics.registry).decode()
             assert f'deltamesh_pool_gateway_refusals_total{{model="{MODEL}",reason="rollback"}} 1.0' in text

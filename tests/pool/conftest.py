@@ -30,7 +30,7 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
-from deltamesh.mesh.demo.processes import free_port, log_tail
+from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"
@@ -101,13 +101,8 @@ class Service:
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            end_process(self.proc, sig, grace_s=30)
 
     def status(self) -> dict:
         return get_json(self.url + "/v1/status")

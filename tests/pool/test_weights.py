@@ -4,6 +4,7 @@ transformers engine: in-place hot swap, the synced directory, restarts and the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import torch
@@ -40,6 +41,38 @@ async def _until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def _gateway(kit, first: dict[str, torch.Tensor] | None, piece_bytes: int = 16384):
+    """A gateway in this process with `first` published as v1 (a full): `async with ... as (url, pub)`."""
+    async with kit.running_gateway(kit.gateway_config()) as url:
+        pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=piece_bytes)
+        if first is not None:
+            await pub.publish(first, 1)
+        yield url, pub
+
+
+@contextlib.asynccontextmanager
+async def _pool_weights(kit, url: str, *, hot_swap: bool = True, running: bool = False):
+    """A pool's weights on a fresh engine, subscribed to the gateway at `url`: `async with ... as
+    (engine, weights)`. With `running` they run their own loop; otherwise the test drives `sync_round`."""
+    engine = _engine(kit)
+    try:
+        weights = PolicyWeights(engine, _sync_config(kit, url), hot_swap=hot_swap)
+        async with (_Running(weights) if running else weights) as w:
+            yield engine, w
+    finally:
+        await engine.close()
+
+
+def _change_behind_the_pools_back(engine: TransformersEngine, v1: dict[str, torch.Tensor],
+                                  v2: dict[str, torch.Tensor]) -> None:
+    """Move one live word of a tensor that the v1 -> v2 delta changes, so the delta's base no longer
+    matches the live weights."""
+    name = next(n for n, t in v2.items() if not torch.equal(t.view(torch.int16), v1[n].view(torch.int16)))
+    with torch.no_grad():
+        live_tensors(engine.model)[name].view(-1)[0] += 1.0
+
+
 class _Running:
     """`PolicyWeights.run` as a task, stopped and awaited on exit."""
 
@@ -64,11 +97,8 @@ def test_hot_swap_in_place_then_restart_resumes_from_the_directory(kit):
     v3 = kit.next_version(v2, 3)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
-            await pub.publish(v1, 1)
-            engine = _engine(kit)
-            async with _Running(PolicyWeights(engine, _sync_config(kit, url))) as w:
+        async with _gateway(kit, v1) as (url, pub):
+            async with _pool_weights(kit, url, running=True) as (engine, w):
                 await _until(lambda: w.ready, 30, "the first sync")
                 # The engine started from other weights (v0 of the model directory): the full snapshot
                 # went in place, before the directory was written.
@@ -79,11 +109,9 @@ def test_hot_swap_in_place_then_restart_resumes_from_the_directory(kit):
                 assert _same(engine, v2) and w.status.swaps == {"in_place": 2, "reload": 0}
                 assert w.status.fetched == {"full": 1, "delta": 1}
                 assert dir_manifest(w.dir).version == 2
-            await engine.close()
 
             # A restarted pool: a fresh engine from the model directory, the same synced directory.
-            engine = _engine(kit)
-            async with _Running(PolicyWeights(engine, _sync_config(kit, url))) as w:
+            async with _pool_weights(kit, url, running=True) as (engine, w):
                 await _until(lambda: w.ready, 30, "the restart")
                 assert w.status.resumed_from_dir == 2 and engine.version == 2 and _same(engine, v2)
                 assert w.status.fetched == {"full": 0, "delta": 0}, "nothing is downloaded again"
@@ -91,7 +119,6 @@ def test_hot_swap_in_place_then_restart_resumes_from_the_directory(kit):
                 await _until(lambda: engine.version == 3, 30, "v3")
                 assert w.status.fetched == {"full": 0, "delta": 1} and w.status.swaps == {"in_place": 1, "reload": 1}
                 assert _same(engine, v3)
-            await engine.close()
 
     asyncio.run(main())
 
@@ -103,21 +130,14 @@ def test_a_failed_in_place_update_falls_back_to_the_directory(kit):
     v2 = kit.next_version(v1, 2)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
-            await pub.publish(v1, 1)
-            engine = _engine(kit)
-            async with _Running(PolicyWeights(engine, _sync_config(kit, url))) as w:
-                await _until(lambda: w.ready, 30, "the first sync")
-                name = next(n for n, t in v2.items() if not torch.equal(t.view(torch.int16), v1[n].view(torch.int16)))
-                with torch.no_grad():
-                    live_tensors(engine.model)[name].view(-1)[0] += 1.0
-                await pub.publish(v2)
-                await _until(lambda: engine.version == 2, 30, "v2")
-                assert _same(engine, v2)
-                assert w.status.swaps == {"in_place": 1, "reload": 1}
-                assert "in-place update to v2 failed" in w.status.last_error
-            await engine.close()
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url, running=True) as (engine, w):
+            await _until(lambda: w.ready, 30, "the first sync")
+            _change_behind_the_pools_back(engine, v1, v2)
+            await pub.publish(v2)
+            await _until(lambda: engine.version == 2, 30, "v2")
+            assert _same(engine, v2)
+            assert w.status.swaps == {"in_place": 1, "reload": 1}
+            assert "in-place update to v2 failed" in w.status.last_error
 
     asyncio.run(main())
 
@@ -127,19 +147,16 @@ def test_without_hot_swap_every_version_is_reloaded_from_disk(kit):
     v2 = kit.next_version(v1, 2)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
-            engine = _engine(kit)
-            async with _Running(PolicyWeights(engine, _sync_config(kit, url), hot_swap=False)) as w:
-                await asyncio.sleep(0.5)
-                assert not w.ready and w.version is None, "nothing published: not ready to generate"
-                await pub.publish(v1, 1)
-                await _until(lambda: w.ready, 30, "v1")
-                await pub.publish(v2)
-                await _until(lambda: engine.version == 2, 30, "v2")
-                assert _same(engine, v2) and read_weights(w.dir).keys() == v2.keys()
-                assert w.status.swaps == {"in_place": 0, "reload": 2}
-            await engine.close()
+        async with _gateway(kit, None) as (url, pub), \
+                _pool_weights(kit, url, hot_swap=False, running=True) as (engine, w):
+            await asyncio.sleep(0.5)
+            assert not w.ready and w.version is None, "nothing published: not ready to generate"
+            await pub.publish(v1, 1)
+            await _until(lambda: w.ready, 30, "v1")
+            await pub.publish(v2)
+            await _until(lambda: engine.version == 2, 30, "v2")
+            assert _same(engine, v2) and read_weights(w.dir).keys() == v2.keys()
+            assert w.status.swaps == {"in_place": 0, "reload": 2}
 
     asyncio.run(main())
 
@@ -152,33 +169,28 @@ def test_each_piece_is_decoded_once_per_round_for_engine_and_directory(kit, monk
     v3 = kit.next_version(v2, 3)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=512)
-            await pub.publish(v1, 1)
-            engine = _engine(kit)
-            async with PolicyWeights(engine, _sync_config(kit, url)) as w:
-                assert await w.sync_round() and engine.version == 1
-                published = [await pub.publish(v2), await pub.publish(v3)]
-                pieces = sum(len(m.pieces) for r in published for m in r.manifests if m.kind == "delta")
-                assert pieces >= 4
-                decoded: list[tuple[int, int]] = []
-                real = decode_module.decode_checked
+        async with _gateway(kit, v1, piece_bytes=512) as (url, pub), _pool_weights(kit, url) as (engine, w):
+            assert await w.sync_round() and engine.version == 1
+            published = [await pub.publish(v2), await pub.publish(v3)]
+            pieces = sum(len(m.pieces) for r in published for m in r.manifests if m.kind == "delta")
+            assert pieces >= 4
+            decoded: list[tuple[int, int]] = []
+            real = decode_module.decode_checked
 
-                def counting(manifest, index, data):
-                    decoded.append((manifest.version, index))
-                    return real(manifest, index, data)
+            def counting(manifest, index, data):
+                decoded.append((manifest.version, index))
+                return real(manifest, index, data)
 
-                monkeypatch.setattr(decode_module, "decode_checked", counting)
-                monkeypatch.setattr(decoded_module, "decode_checked", counting)
-                assert await w.sync_round() is True
-                monkeypatch.undo()
-                assert len(decoded) == pieces and len(set(decoded)) == pieces, "every piece decoded exactly once"
-                assert engine.version == 3 and _same(engine, v3)
-                assert w.status.swaps == {"in_place": 3, "reload": 0} and w.status.fetched == {"full": 1, "delta": 2}
-                on_disk = read_weights(w.dir)
-                assert dir_manifest(w.dir).version == 3 and on_disk.keys() == v3.keys()
-                assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v3.items())
-            await engine.close()
+            monkeypatch.setattr(decode_module, "decode_checked", counting)
+            monkeypatch.setattr(decoded_module, "decode_checked", counting)
+            assert await w.sync_round() is True
+            monkeypatch.undo()
+            assert len(decoded) == pieces and len(set(decoded)) == pieces, "every piece decoded exactly once"
+            assert engine.version == 3 and _same(engine, v3)
+            assert w.status.swaps == {"in_place": 3, "reload": 0} and w.status.fetched == {"full": 1, "delta": 2}
+            on_disk = read_weights(w.dir)
+            assert dir_manifest(w.dir).version == 3 and on_disk.keys() == v3.keys()
+            assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v3.items())
 
     asyncio.run(main())
 
@@ -190,34 +202,27 @@ def test_a_failed_engine_update_leaves_it_bit_identical_and_the_directory_brings
     v2 = kit.next_version(v1, 2)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
-            await pub.publish(v1, 1)
-            engine = _engine(kit)
-            async with PolicyWeights(engine, _sync_config(kit, url)) as w:
-                assert await w.sync_round() and engine.version == 1
-                name = next(n for n, t in v2.items() if not torch.equal(t.view(torch.int16), v1[n].view(torch.int16)))
-                with torch.no_grad():
-                    live_tensors(engine.model)[name].view(-1)[0] += 1.0
-                before = {n: t.clone() for n, t in live_tensors(engine.model).items()}
-                seen_at_reload: dict[str, torch.Tensor] = {}
-                load_version = engine.load_version
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
+            assert await w.sync_round() and engine.version == 1
+            _change_behind_the_pools_back(engine, v1, v2)
+            before = {n: t.clone() for n, t in live_tensors(engine.model).items()}
+            seen_at_reload: dict[str, torch.Tensor] = {}
+            load_version = engine.load_version
 
-                async def reload(path, version):
-                    assert dir_manifest(path).version == version == 2, "the directory is written first"
-                    seen_at_reload.update({n: t.clone() for n, t in live_tensors(engine.model).items()})
-                    await load_version(path, version)
+            async def reload(path, version):
+                assert dir_manifest(path).version == version == 2, "the directory is written first"
+                seen_at_reload.update({n: t.clone() for n, t in live_tensors(engine.model).items()})
+                await load_version(path, version)
 
-                engine.load_version = reload
-                await pub.publish(v2)
-                assert await w.sync_round() is True
-                assert seen_at_reload.keys() == before.keys()
-                for n, t in before.items():
-                    assert torch.equal(seen_at_reload[n].view(torch.int16), t.view(torch.int16)), n
-                assert engine.version == 2 and w.version == 2 and _same(engine, v2)
-                assert w.status.swaps == {"in_place": 1, "reload": 1}
-                assert "in-place update to v2 failed" in w.status.last_error
-            await engine.close()
+            engine.load_version = reload
+            await pub.publish(v2)
+            assert await w.sync_round() is True
+            assert seen_at_reload.keys() == before.keys()
+            for n, t in before.items():
+                assert torch.equal(seen_at_reload[n].view(torch.int16), t.view(torch.int16)), n
+            assert engine.version == 2 and w.version == 2 and _same(engine, v2)
+            assert w.status.swaps == {"in_place": 1, "reload": 1}
+            assert "in-place update to v2 failed" in w.status.last_error
 
     asyncio.run(main())
 
@@ -229,31 +234,26 @@ def test_a_failed_reload_is_retried_by_the_next_round(kit):
     v1 = kit.next_version(kit.base_weights(), 1)
 
     async def main():
-        async with kit.running_gateway(kit.gateway_config()) as url:
-            pub = Publisher(url, kit.private_key, kit.model, full_every=0, piece_bytes=16384)
-            await pub.publish(v1, 1)
-            engine = _engine(kit)
-            async with PolicyWeights(engine, _sync_config(kit, url), hot_swap=False) as w:
-                load_version = engine.load_version
-                calls = []
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url, hot_swap=False) as (engine, w):
+            load_version = engine.load_version
+            calls = []
 
-                async def flaky(path, version):
-                    calls.append(version)
-                    if len(calls) <= 2:
-                        raise OSError("disk hiccup")
-                    await load_version(path, version)
+            async def flaky(path, version):
+                calls.append(version)
+                if len(calls) <= 2:
+                    raise OSError("disk hiccup")
+                await load_version(path, version)
 
-                engine.load_version = flaky
-                assert await w.sync_round() is True
-                assert w.sync.version == 1 and w.version is None and not _same(engine, v1)
-                assert "loading v1" in w.status.last_error and "disk hiccup" in w.status.last_error
-                started = time.monotonic()
-                assert await w.sync_round(wait_s=30) is False
-                assert time.monotonic() - started < 10, "the poll is cut short while the engine is behind"
-                assert calls == [1, 1] and w.version is None
-                assert await w.sync_round() is False
-                assert calls == [1, 1, 1] and w.version == 1 and _same(engine, v1)
-                assert w.status.swaps == {"in_place": 0, "reload": 1}
-            await engine.close()
+            engine.load_version = flaky
+            assert await w.sync_round() is True
+            assert w.sync.version == 1 and w.version is None and not _same(engine, v1)
+            assert "loading v1" in w.status.last_error and "disk hiccup" in w.status.last_error
+            started = time.monotonic()
+            assert await w.sync_round(wait_s=30) is False
+            assert time.monotonic() - started < 10, "the poll is cut short while the engine is behind"
+            assert calls == [1, 1] and w.version is None
+            assert await w.sync_round() is False
+            assert calls == [1, 1, 1] and w.version == 1 and _same(engine, v1)
+            assert w.status.swaps == {"in_place": 0, "reload": 1}
 
     asyncio.run(main())

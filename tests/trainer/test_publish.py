@@ -245,7 +245,7 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
         client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, on_published=outcomes.append)
+                            connections=2, on_published=outcomes.append, broker_failover_s=0)
         try:
             assert client.start(0, weights_at(0), threading.Event()).published is not None
             client.publish(weights_at(1), 1)
@@ -281,7 +281,7 @@ def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_
 
     with gateway_in_thread(tmp_path / "store", public) as url:
         client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, statement_every_s=0.2)
+                            connections=2, statement_every_s=0.2, broker_failover_s=0)
         try:
             client.start(0, weights_at(0), threading.Event())
             first = asyncio.run(issued(url))
