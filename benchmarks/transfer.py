@@ -3,7 +3,7 @@
 Four scenarios (transfer_scenarios.py and transfer_training.py describe each method):
 
 1. `long_link`: one 400 Mbit/s, 300 ms link; a 200 MB version, deltamesh's parallel piece fetch vs
-   one HTTP stream (`single_stream`).
+   one HTTP stream (`single_stream`), and the same fetch from a gateway serving HTTPS (`deltamesh_tls`).
 2. `relay_chain`: origin -> A -> B over two long hops; deltamesh cut-through relaying vs
    `store_and_forward` vs B pulling straight from the origin (`direct`).
 3. `fan_out`: origin -> 3 regions x 4 pools; deltamesh relays vs every pool pulling its own copy from
@@ -16,7 +16,8 @@ Needs root and the WAN emulator (benchmarks/wan/setup.sh). Scenarios 1-3 first m
 long link and print the measured rate and RTT beside the asked ones (a link the delayer cannot keep up
 with shows there). Each figure is the median of --repeats runs. `--json` prints one object
 {"scenarios": [{"name", "link": {"mbit", "rtt_ms", ...}, "methods": {"<method>": {"seconds",
-"utilization", "origin_egress_bytes", "payload_bytes", ...}}}]};
+"utilization", "origin_egress_bytes", "payload_bytes", ...}}}]} (long_link adds
+"tls_minus_plain_points": {"cold", "warm"});
 utilization = payload bits / seconds / link rate. Results are also saved (merged by scenario name)
 to .cache/transfer/results.json (results-quick.json with --quick), which benchmarks/simulate.py reads.
 `--quick` runs a small version over links with a fifth of the RTT, once: for trying things out.
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="16 MB version, RTTs / 5, one run, 4 training steps")
     ap.add_argument("--repeats", type=int, help="runs per method (default 3; 1 with --quick)")
     ap.add_argument("--payload-mb", type=float, help="version size for scenarios 1-3 (default 200)")
-    ap.add_argument("--methods", help="comma-separated baselines to run beside deltamesh (default: all)")
+    ap.add_argument("--methods", help="comma-separated baselines and variants (e.g. deltamesh_warm, deltamesh_tls) "
+                                      "to run beside deltamesh (default: all)")
     ap.add_argument("--connections", type=int, default=16,
                     help="parallel piece fetches over long links (relay gateways, pullers)")
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",

@@ -3,10 +3,11 @@
 `benchmarks/transfer.py` starts one of these per role with `Host.spawn`: a publisher that uploads a
 prepared version to the origin gateway, deltamesh pullers that fetch a version's pieces from a
 gateway (parallel, verified, as a relay or pool agent does), a plain HTTP file server and single-stream
-clients for the baselines, and small probes. Every timed agent follows the same protocol so that all
-agents of a run start at the same instant: it does its set-up (imports, reading its input), creates
-its `--ready` file, waits for the `--go` file to appear, does its work and writes one JSON object of
-wall-clock times (`time.time()`, one clock for every namespace of the machine) to `--out`.
+clients for the baselines, and small probes (`--ca` verifies an https:// gateway, see transfer_tls.py).
+Every timed agent follows the same protocol so that all agents of a run start at the same instant: it
+does its set-up (imports, reading its input), creates its `--ready` file, waits for the `--go` file to
+appear, does its work and writes one JSON object of wall-clock times (`time.time()`, one clock for
+every namespace of the machine) to `--out`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from transfer_tls import add_ca_arg, client_tls, url_context
 
 GO_POLL_S = 0.002
 AHEAD_WAIT_S = 60.0
@@ -65,10 +68,10 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
 
 def wait_http(args: argparse.Namespace) -> int:
     """Exit 0 once `url` answers at all (any HTTP status below 500), 1 after the timeout."""
-    deadline = time.monotonic() + args.timeout
+    deadline, context = time.monotonic() + args.timeout, url_context(args)
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(args.url, timeout=2):
+            with urllib.request.urlopen(args.url, timeout=2, context=context):
                 return 0
         except urllib.error.HTTPError as e:
             if e.code < 500:
@@ -82,7 +85,7 @@ def wait_http(args: argparse.Namespace) -> int:
 
 def fetch_text(args: argparse.Namespace) -> int:
     """Print the body of `url` (a gateway's /metrics or /v1/links, a file server's /stats)."""
-    with urllib.request.urlopen(args.url, timeout=30) as r:
+    with urllib.request.urlopen(args.url, timeout=30, context=url_context(args)) as r:
         sys.stdout.write(r.read().decode())
     return 0
 
@@ -108,7 +111,8 @@ def publish(args: argparse.Namespace) -> int:
         offset += entry.length
 
     async def main() -> dict:
-        async with client_session(connections=max(8, args.connections), timeout_s=None) as session:
+        async with client_session(connections=max(8, args.connections), timeout_s=None,
+                                  tls=client_tls(args)) as session:
             t_start = ready_then_wait(args)
             if args.after:
                 while not os.path.exists(args.after):
@@ -184,7 +188,8 @@ def pull(args: argparse.Namespace) -> int:
         return {"t_go": t_asked, "t_announced": result["t_manifest"], "t_fetch": result["t_manifest"], **result}
 
     async def main() -> dict:
-        async with client_session(connections=2 * args.connections + 4, timeout_s=None) as session:
+        async with client_session(connections=2 * args.connections + 4, timeout_s=None,
+                                  tls=client_tls(args)) as session:
             t_go = ready_then_wait(args)
             if args.warm_version is None:
                 return await pull_one(session, args.version, t_go)
@@ -328,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("wait-http", help="wait until a URL answers")
     p.add_argument("url")
     p.add_argument("--timeout", type=float, default=60.0)
+    add_ca_arg(p)
     p.set_defaults(run=wait_http)
 
     p = sub.add_parser("fetch", help="print the body of a URL")
     p.add_argument("url")
+    add_ca_arg(p)
     p.set_defaults(run=fetch_text)
 
     p = sub.add_parser("publish", help="upload a prepared version to an origin gateway")
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", required=True, help="trainer private key (PEM)")
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--after", help="start only once this file exists (a puller's --armed)")
+    add_ca_arg(p)
     add_sync_args(p)
     p.set_defaults(run=publish)
 
@@ -368,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="first fetch this version over the same connections (untimed), idle, then ask ahead")
     p.add_argument("--armed", help="with --warm-version: created once the requests for --version wait at the gateway")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
+    add_ca_arg(p)
     add_sync_args(p)
     p.set_defaults(run=pull)
 

@@ -1,8 +1,9 @@
 """Running the transfer scenarios' processes on an emulated network: gateways, agents, counters, routes.
 
 `Mesh` wraps one `wan.Wan` with what every scenario needs: a working folder and trainer key, real
-`deltamesh gateway` processes in hosts, timed agents (transfer_agent.py) started together through
-ready/go files, the bytes a gateway or file server has sent, and the bytes that left a host's links.
+`deltamesh gateway` processes in hosts (over HTTPS with a CA made for the run where asked, see
+transfer_tls.py), timed agents (transfer_agent.py) started together through ready/go files, the bytes
+a gateway or file server has sent, and the bytes that left a host's links.
 `route_through` lets a host reach a far host through a middle one by plain IP forwarding, with the
 middle host's link delays still applied to forwarded packets (the AstraFlow baseline's pools reach
 the trainer node that way). `set_tcp_buffers` chooses the hosts' TCP buffer limits and congestion
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.processes import log_tail
+from transfer_tls import RunPki
 from wan import Host, Wan, WanError
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,9 @@ TCP_BUFFERS = {
 }
 
 
-def url_of(host: Host, port: int = GATEWAY_PORT) -> str:
+def url_of(host: Host, port: int = GATEWAY_PORT, tls: bool = False) -> str:
     """The URL of a server on `host` (its own address, routed from its neighbours)."""
-    return f"http://{host.ip}:{port}"
+    return f"{'https' if tls else 'http'}://{host.ip}:{port}"
 
 
 @dataclass
@@ -124,6 +126,8 @@ class Mesh:
         self.key = generate_key()
         self.private_key = work / "trainer.key"
         self.public_key = save_keypair(self.key, self.private_key)
+        self.pki = RunPki(work / "pki")
+        self._gateways: dict[tuple[str, int], str] = {}
         self._batches = 0
 
     def batch(self) -> Batch:
@@ -131,16 +135,20 @@ class Mesh:
         return Batch(self, self.work / f"run{self._batches:03d}.go")
 
     def gateway(self, host: Host, region: str, upstreams: list[str] = (), *, relay_connections: int = 4,
-                port: int = GATEWAY_PORT, extra: list[str] = ()) -> str:
-        """Start a `deltamesh gateway` on `host` and wait until it answers; returns its URL."""
-        url = url_of(host, port)
+                port: int = GATEWAY_PORT, extra: list[str] = (), tls: bool = False) -> str:
+        """Start a `deltamesh gateway` on `host` (serving HTTPS with a certificate of the run's CA if
+        `tls`) and wait until it answers; returns its URL."""
+        url = url_of(host, port, tls)
         args = [DELTAMESH, "gateway", "--region", region, "--listen", f"0.0.0.0:{port}",
                 "--store", str(self.work / f"store-{region}"), "--trusted-key", str(self.public_key),
                 "--advertise", url, "--anonymous", "--relay-connections", str(relay_connections),
                 "--keep-fulls", "1", "--probe-interval-s", "2", *extra]
+        if tls:
+            args += self.pki.server_flags(host.ip, region)
         for up in upstreams:
             args += ["--upstream", up]
         self.spawn_logged(host, f"gateway-{region}", args)
+        self._gateways[(host.name, port)] = url
         self.wait_http(host, f"{url}/healthz")
         return url
 
@@ -156,15 +164,21 @@ class Mesh:
         with open(self.work / f"{name}.log", "ab") as log_file:
             return host.spawn(argv, stdout=log_file, stderr=subprocess.STDOUT)
 
+    def ca_args(self, url: str) -> list[str]:
+        """The agent flags that verify `url` against the run's CA, if it is https://."""
+        return ["--ca", str(self.pki.ca)] if url.startswith("https://") else []
+
     def wait_http(self, host: Host, url: str, timeout_s: float = 90.0) -> None:
-        host.run([sys.executable, str(AGENT), "wait-http", url, "--timeout", str(timeout_s)], timeout=timeout_s + 30)
+        host.run([sys.executable, str(AGENT), "wait-http", url, "--timeout", str(timeout_s), *self.ca_args(url)],
+                 timeout=timeout_s + 30)
 
     def fetch(self, host: Host, url: str) -> str:
-        return host.run([sys.executable, str(AGENT), "fetch", url], timeout=60).stdout
+        return host.run([sys.executable, str(AGENT), "fetch", url, *self.ca_args(url)], timeout=60).stdout
 
     def gateway_bytes_out(self, host: Host, port: int = GATEWAY_PORT) -> int:
         """Piece bytes the gateway on `host` has served so far (its Prometheus counter)."""
-        text = self.fetch(host, f"{url_of(host, port)}/metrics")
+        base = self._gateways.get((host.name, port), url_of(host, port))
+        text = self.fetch(host, f"{base}/metrics")
         return int(metric_sum(text, "deltamesh_gateway_bytes_out_total"))
 
     def file_bytes_out(self, host: Host) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 MB = 1e6
 
 TARGETS = {
-    "long_link": "target: deltamesh utilization >= 85%",
+    "long_link": "targets: deltamesh utilization >= 85%; over TLS within 5 points of plain",
     "relay_chain": "target: two hops (deltamesh) <= 1.15x one hop (direct)",
     "fan_out": "targets: origin egress <= 3x the version; all 12 pools <= 1.25x one pool",
 }
@@ -36,6 +36,9 @@ def print_network_scenario(s: dict) -> None:
     if "two_hops_over_one" in s:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in s["two_hops_over_one"].items())
         print(f"  two hops / one hop (direct): {ratios}")
+    if s.get("tls_minus_plain_points"):
+        gaps = ", ".join(f"{k} {v:+.1f}" for k, v in s["tls_minus_plain_points"].items())
+        print(f"  utilization over TLS minus plain (points): {gaps}")
     if "one_pool_seconds" in s:
         dm = s["methods"]["deltamesh"]
         print(f"  one pool alone: {s['one_pool_seconds']:.2f}s; all {s['pools']} pools / one pool: "

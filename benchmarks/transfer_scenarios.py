@@ -2,8 +2,10 @@
 through the same emulated links in one run.
 
 * `long_link`: origin -> regionA over one long link. `deltamesh`: a pool-style puller in regionA
-  fetches the version's pieces from the origin gateway with parallel connections. `single_stream`:
-  one HTTP GET of the whole version from a plain file server at the origin.
+  fetches the version's pieces from the origin gateway with parallel connections. `deltamesh_tls`:
+  the same from a second origin gateway serving HTTPS (a certificate of a CA made for the run, which
+  the puller verifies; transfer_tls.py), in the same run. `single_stream`: one HTTP GET of the whole
+  version from a plain file server at the origin.
 * `relay_chain`: origin -> regionA -> regionB. `deltamesh`: regionA's gateway relays cut-through and
   regionB's puller fetches from it as soon as it announces the version. `store_and_forward`: the same,
   but regionB starts only once regionA holds the whole version (shardcast-style relaying, without its
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 TOPOLOGIES = Path(__file__).resolve().parent / "wan" / "topologies"
 REGIONS = ("regionA", "regionB", "regionC")
 DIRECT_PORT = 8601
+TLS_PORT = 8443
 
 
 @dataclass
@@ -154,7 +157,7 @@ class Scenario:
         own = batch is None
         batch = batch or self.mesh.batch()
         batch.add(origin, "publish", "publish", "--gateway", gateway, "--payload", str(self.settings.payload),
-                  "--version", str(version), "--key", str(self.mesh.private_key),
+                  "--version", str(version), "--key", str(self.mesh.private_key), *self.mesh.ca_args(gateway),
                   *(["--after", str(after)] if after else []))
         if own:
             batch.start()
@@ -162,7 +165,7 @@ class Scenario:
 
     def add_pull(self, batch, host: Host, gateway: str, version: int, *, connections: int, after_complete=False,
                  warm_version: int | None = None, armed: Path | None = None):
-        args = ["--gateway", gateway, "--model", MODEL_ID, "--version", str(version),
+        args = ["--gateway", gateway, "--model", MODEL_ID, "--version", str(version), *self.mesh.ca_args(gateway),
                 "--trusted-key", str(self.mesh.public_key), "--connections", str(connections), "--name", host.name]
         if warm_version is not None:
             args += ["--warm-version", str(warm_version), "--armed", str(armed)]
@@ -187,23 +190,30 @@ def long_link(settings: Settings) -> dict:
     fetched over the connections the previous one came over, after they idled (hosts run with
     `tcp_slow_start_after_idle=0`, see transfer_mesh). deltamesh's warm puller holds the head, so
     it asks for the next version ahead, as a relay does; its clock starts when the publish starts,
-    the baseline's when its GET is sent (its file is in place)."""
+    the baseline's when its GET is sent (its file is in place). `deltamesh_tls*`: the same from an
+    origin gateway serving HTTPS, interleaved with the plain runs."""
     with work_dir(settings) as work, Wan("txl") as wan:
         build_topology(wan, "long_link", settings.rtt_scale)
         run = Scenario(wan, settings, work)
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
         set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
+        methods = ("deltamesh", "deltamesh_tls", "single_stream", "deltamesh_warm", "deltamesh_tls_warm",
+                   "single_stream_warm")
         # Two full versions kept: a warm run's warm-up version and its timed one.
-        gateway = run.mesh.gateway(origin, "origin", extra=["--keep-fulls", "2"])
+        keep = ["--keep-fulls", "2"]
+        gateways = {GATEWAY_PORT: run.mesh.gateway(origin, "origin", extra=keep)}
+        if any(settings.runs(m) for m in methods if "_tls" in m):
+            gateways[TLS_PORT] = run.mesh.gateway(origin, "origin-tls", port=TLS_PORT, extra=keep, tls=True)
         files = run.mesh.file_server(origin, settings.payload / "version.bin")
-        methods = ("deltamesh", "single_stream", "deltamesh_warm", "single_stream_warm")
         samples: dict[str, list[Sample]] = {m: [] for m in methods}
         pull = f"pull-{far.name}"
         for _ in range(settings.repeats):
             for method in filter(settings.runs, methods):
                 batch = run.mesh.batch()
                 if method.startswith("deltamesh"):
+                    port = TLS_PORT if "_tls" in method else GATEWAY_PORT
+                    gateway = gateways[port]
                     warm = run.next_version() if method.endswith("_warm") else None
                     version = run.next_version()
                     armed = work / f"armed-{version}"
@@ -214,7 +224,7 @@ def long_link(settings: Settings) -> dict:
                         run.publish(origin, gateway, version, batch, after=armed)
                     run.add_pull(batch, far, gateway, version, connections=settings.connections, warm_version=warm,
                                  armed=armed)
-                    egress, name = (lambda: run.mesh.gateway_bytes_out(origin)), pull
+                    egress, name = (lambda: run.mesh.gateway_bytes_out(origin, port)), pull
                 else:
                     batch.add(far, "get", "get", "--url", files, *(["--warm"] if method.endswith("_warm") else []))
                     egress, name = (lambda: run.mesh.file_bytes_out(origin)), "get"
@@ -226,7 +236,19 @@ def long_link(settings: Settings) -> dict:
                     seconds, out, wire = result["t_done"] - result["t_start"], out // 2, wire // 2
                 samples[method].append(Sample(seconds, out, wire, {"steady_mbit": steady_mbit(result)}))
                 log.info("long_link: %s %.2fs; %s", method, seconds, _timeline(result))
-        return scenario_json("long_link", link, samples, settings)
+        scenario = scenario_json("long_link", link, samples, settings)
+        scenario["tls_minus_plain_points"] = tls_gap(scenario["methods"])
+        return scenario
+
+
+def tls_gap(methods: dict) -> dict[str, float]:
+    """Utilization over TLS minus plain, in percentage points, cold and warm (where both ran)."""
+    gap = {}
+    for mode, tail in (("cold", ""), ("warm", "_warm")):
+        plain, tls = methods.get(f"deltamesh{tail}"), methods.get(f"deltamesh_tls{tail}")
+        if plain and tls:
+            gap[mode] = round(100 * (tls["utilization"] - plain["utilization"]), 1)
+    return gap
 
 
 def _timeline(result: dict) -> str:

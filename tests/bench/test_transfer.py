@@ -4,6 +4,7 @@ of its long-link scenario through the WAN emulator (needs root)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -11,11 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 import transfer
+from deltamesh.http import serving
+from deltamesh.tls import TlsSettings, server_context
 from transfer_mesh import metric_sum
 from transfer_report import print_report
-from transfer_scenarios import Sample, steady_mbit, summarize
+from transfer_scenarios import Sample, steady_mbit, summarize, tls_gap
+from transfer_tls import RunPki
 from transfer_training import staleness, training_json
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -46,6 +51,41 @@ def test_metric_sum_adds_every_labelled_sample_of_one_counter_only():
         "deltamesh_gateway_bytes_out_totalx 5",
     ])
     assert metric_sum(text, "deltamesh_gateway_bytes_out_total") == 3_001_000
+
+
+def test_tls_gap_is_tls_minus_plain_utilization_in_points_where_both_ran():
+    methods = {"deltamesh": {"utilization": 0.543}, "deltamesh_tls": {"utilization": 0.512},
+               "deltamesh_warm": {"utilization": 0.883}, "single_stream": {"utilization": 0.1}}
+    assert tls_gap(methods) == {"cold": -3.1}
+    assert tls_gap({**methods, "deltamesh_tls_warm": {"utilization": 0.871}}) == {"cold": -3.1, "warm": -1.2}
+
+
+def test_agent_probes_verify_an_https_gateway_against_the_runs_ca(tmp_path):
+    pki = RunPki(tmp_path / "pki")
+    flags = pki.server_flags("127.0.0.1", "origin-tls")
+    tls = TlsSettings(cert=flags[1], key=flags[3])
+    app = web.Application()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="deltamesh_gateway_bytes_out_total 7\n")
+
+    app.router.add_get("/metrics", metrics)
+
+    async def probe(url: str, *extra: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(BENCHMARKS / "transfer_agent.py"), "fetch",
+                                                    url, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await proc.communicate()
+        return proc.returncode, (out + err).decode()
+
+    async def main() -> None:
+        async with serving(app, "127.0.0.1:0", ssl_context=server_context(tls)) as base:
+            assert base.startswith("https://")
+            code, out = await probe(f"{base}/metrics", "--ca", str(pki.ca))
+            assert code == 0 and metric_sum(out, "deltamesh_gateway_bytes_out_total") == 7
+            code, out = await probe(f"{base}/metrics")  # not the system store's: refused, never downgraded
+            assert code != 0 and "CERTIFICATE_VERIFY_FAILED" in out
+
+    asyncio.run(main())
 
 
 def _timeline():
@@ -83,6 +123,7 @@ def test_results_are_merged_by_scenario_and_printed(tmp_path, capsys):
                 "connections": 16, "piece_bytes": 3e6, "load_average": [1.0],
                 "methods": {m: {"seconds": 5.0, "utilization": 0.8, "origin_egress_bytes": 200e6,
                                 "payload_bytes": 200e6, "runs": [5.0]} for m in ("deltamesh", "single_stream")}}
+    scenario["tls_minus_plain_points"] = {"cold": -3.1, "warm": -1.2}
     transfer.save({"scenarios": [scenario]}, path)
     transfer.save({"scenarios": [{**scenario, "name": "relay_chain", "two_hops_over_one": {"deltamesh": 1.1},
                                   "link": {"mbit": 200, "rtt_ms": 300, "hops": [{"mbit": 400, "rtt_ms": 150}]}}]}, path)
@@ -94,6 +135,7 @@ def test_results_are_merged_by_scenario_and_printed(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "long_link: 200 MB version over 400 Mbit/s, 300 ms RTT" in table
     assert "two hops / one hop (direct): deltamesh 1.10x" in table
+    assert "utilization over TLS minus plain (points): cold -3.1, warm -1.2" in table
 
 
 @pytest.mark.slow
