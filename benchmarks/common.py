@@ -54,10 +54,10 @@ def emit(result: dict[str, Any], args: argparse.Namespace, print_table: Callable
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None,
-                 timeout: float = 60.0, ok_only: bool = False) -> None:
+                 timeout: float = 60.0, ok_only: bool = False, poll_s: float = 0.1) -> None:
     """Return once `url + path` answers at all (any HTTP status; with `ok_only` only a 2xx, so that a
     standby broker's 503 does not count); RuntimeError if `proc` exits first or nothing answers within
-    `timeout` seconds."""
+    `timeout` seconds. It asks every `poll_s` seconds (smaller where the wait itself is measured)."""
     from deltamesh.tls import client_context
 
     deadline = time.monotonic() + timeout
@@ -71,9 +71,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: 
         except urllib.error.HTTPError:
             if not ok_only:
                 return  # it answers
-            time.sleep(0.1)
+            time.sleep(poll_s)
         except OSError:
-            time.sleep(0.1)
+            time.sleep(poll_s)
     raise RuntimeError(f"{url} did not come up")
 
 

@@ -37,6 +37,15 @@ SERVER_SETTINGS = {
     "synchronous_commit": "on",
     "max_connections": "200",  # tests open a store, a fence checker and a migration at once
     "log_min_messages": "warning",
+    # Sized as a server that takes a broker's ingest would be: no checkpoint (and its burst of page
+    # writes and full-page images) in the middle of a benchmark run, WAL buffered between group commits.
+    "shared_buffers": "'256MB'",
+    "wal_buffers": "'32MB'",
+    "max_wal_size": "'8GB'",
+    "checkpoint_timeout": "'30min'",
+    "wal_compression": "off",
+    "wal_init_zero": "off",
+    "wal_recycle": "on",
 }
 
 

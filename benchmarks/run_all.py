@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: tuple[str, ...] = (
     "codec",
     "gateway",
+    "startup",
     "transfer",
     "simulate",
     "broker",

@@ -18,13 +18,17 @@ while the synced directory is being written; `*_round_seconds` runs until the po
   engine without hot swap does.
 
 Each is measured for a delta (one step later) and a full snapshot (a version published as a full
-snapshot only, so the plan must take it). Models: SmolLM2-135M-Instruct (real weights, one real
+snapshot only, so the plan must take it), with two engines in the same run: the transformers engine
+and, on SmolLM2, vLLM in process (`VLLMEngine`: in place hands vLLM's `reload_weights` only the layers
+the version touches, from memory; reload lets the same running vLLM reload the fsynced directory with
+`reload_weights(weights_path=...)`). For vLLM, `*_vllm_seconds` is the time spent inside vLLM's own
+reload (its re-processing of those layers): the floor of either way. Models: SmolLM2-135M-Instruct (real weights, one real
 Adam step) and a synthetic model with Qwen3-0.6B's shapes (1.19 GB of seeded random bf16 weights,
 1% of words moving per version). Medians of `--repeats` runs. Prints a table, or with --json one
-object `{"cases": [{"model", "kind", "in_place_seconds", "reload_seconds", ...}]}`. `--kinds` and
+object `{"cases": [{"model", "engine", "kind", "in_place_seconds", "reload_seconds", ...}]}`. `--kinds` and
 `--ways` measure a subset (`swap_compare.py` times only the in-place delta, against an older checkout).
 
-    .venv/bin/python benchmarks/swap.py [--quick] [--json] [--repeats N] [--no-synthetic]
+    .venv/bin/python benchmarks/swap.py [--quick] [--json] [--repeats N] [--no-synthetic] [--engines ...]
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from deltamesh.delta import generate_key, read_weights, save_keypair, write_weig
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
-from deltamesh.mesh.engines.base import SamplingParams
+from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.http import serving
 from deltamesh.mesh.pool.weights import PolicyWeights
@@ -63,6 +67,7 @@ log = logging.getLogger("benchmarks.swap")
 Weights = dict[str, torch.Tensor]
 MODES = {"in_place": True, "reload": False}
 KINDS = ("delta", "full")
+ENGINES = ("transformers", "vllm")
 TOKEN = "bench-token"
 
 
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-synthetic", action="store_true", help="skip the Qwen3-0.6B-shaped synthetic model")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="which kinds of version to time")
     p.add_argument("--ways", nargs="+", choices=list(MODES), default=list(MODES), help="which ways in to time")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                   help="engines to time (vllm on SmolLM2 only)")
     p.add_argument("--verbose", action="store_true", help="show the services' own logs")
     p.add_argument("--workdir", help="where model copies, gateway store and synced directories go (default: a temp dir)")
     return parse_bench_args(p, argv)
@@ -127,7 +134,7 @@ def synthetic_input(workdir: Path, layers: int) -> ModelInput:
 class Generating:
     """Keeps an engine generating (one greedy token per call) and notes when each version first served."""
 
-    def __init__(self, engine: TransformersEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.prompt = engine.encode("12+30=")
         self.first_served: dict[int, float] = {}
@@ -189,8 +196,17 @@ class Trainer:
         return published.version, published.manifests[0].payload_bytes
 
 
+def start_engine(name: str, model: ModelInput) -> Engine:
+    if name == "vllm":
+        # Imported here: swap_compare.py runs this script against older code trees that have no vLLM engine.
+        from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        return VLLMEngine(VLLMEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
+    return TransformersEngine(TransformersEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
+
+
 async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: Sequence[str] = KINDS,
-                        ways: Sequence[str] = tuple(MODES)) -> list[dict]:
+                        ways: Sequence[str] = tuple(MODES), engine_name: str = "transformers") -> list[dict]:
     key = generate_key()
     public = save_keypair(key, workdir / "trainer.key")
     config = GatewayConfig(store=str(workdir / "store"), trusted_keys=[str(public)], anonymous=True,
@@ -200,13 +216,13 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
     first_token: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
     round_over: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
     payload: dict[str, list[int]] = {k: [] for k in kinds}
+    in_engine: dict[tuple[str, str], list[float]] = {c: [] for c in cells}  # vLLM: inside its reload
     async with serving(create_app(config), "127.0.0.1:0") as url, contextlib.AsyncExitStack() as stack:
         trainer = Trainer(url, key, model)
         await trainer.start()
         pools = {}
         for mode in ways:
-            engine = await asyncio.to_thread(
-                TransformersEngine, TransformersEngineConfig(model_id=model.name, model_dir=str(model.model_dir)))
+            engine = await asyncio.to_thread(start_engine, engine_name, model)
             stack.push_async_callback(engine.close)
             sync = PoolSyncConfig(gateways=[url], token=TOKEN, name=f"bench-{mode}", dir=str(workdir / mode),
                                   trusted_keys=[str(public)], model=model.name, connections=4, give_up_s=600)
@@ -233,13 +249,15 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                     served_after[(kind, mode)].append(served)
                     first_token[(kind, mode)].append(first)
                     round_over[(kind, mode)].append(over)
+                    if engine_name == "vllm":
+                        in_engine[(kind, mode)].append(engine.last_reload_s)
                     payload[kind].append(nbytes)
                     log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s, round over after "
                              "%.3f s (%d payload bytes)", model.name, kind, mode, version, served, first, over, nbytes)
     gc.collect()
     cases = []
     for kind in kinds:
-        case = {"model": model.name, "kind": kind, "model_bytes": model.model_bytes,
+        case = {"model": model.name, "engine": engine_name, "kind": kind, "model_bytes": model.model_bytes,
                 "payload_bytes": int(statistics.median(payload[kind])), "runs": repeats, "note": model.note}
         for mode in ways:
             case.update({
@@ -248,6 +266,8 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                 f"{mode}_round_seconds": statistics.median(round_over[(kind, mode)]),
                 f"{mode}_runs": served_after[(kind, mode)], f"{mode}_round_runs": round_over[(kind, mode)],
             })
+            if in_engine[(kind, mode)]:
+                case[f"{mode}_vllm_seconds"] = statistics.median(in_engine[(kind, mode)])
         cases.append(case)
     return cases
 
@@ -262,16 +282,18 @@ def print_table(result: dict) -> None:
         return fmt.format(c[key]) if key in c else "-"
 
     table = Table(title="version available at the gateway -> engine serving it (median s)")
-    for col in ("model", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
-                "first token: in place s", "reload s", "round over: in place s", "reload s"):
-        table.add_column(col, justify="left" if col in ("model", "kind") else "right")
+    for col in ("model", "engine", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
+                "first token: in place s", "reload s", "round over: in place s", "reload s",
+                "inside vLLM: in place s", "reload s"):
+        table.add_column(col, justify="left" if col in ("model", "engine", "kind") else "right")
     for c in result["cases"]:
         ratio = (f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x"
                  if "reload_seconds" in c and "in_place_seconds" in c else "-")
-        table.add_row(c["model"], f"{c['model_bytes'] / 1e6:.0f}", c["kind"], f"{c['payload_bytes'] / 1e6:.1f}",
-                      cell(c, "in_place_seconds"), cell(c, "reload_seconds"), ratio,
+        table.add_row(c["model"], c.get("engine", "transformers"), f"{c['model_bytes'] / 1e6:.0f}", c["kind"],
+                      f"{c['payload_bytes'] / 1e6:.1f}", cell(c, "in_place_seconds"), cell(c, "reload_seconds"), ratio,
                       cell(c, "in_place_first_token_seconds"), cell(c, "reload_first_token_seconds"),
-                      cell(c, "in_place_round_seconds"), cell(c, "reload_round_seconds"))
+                      cell(c, "in_place_round_seconds"), cell(c, "reload_round_seconds"),
+                      cell(c, "in_place_vllm_seconds"), cell(c, "reload_vllm_seconds"))
     console = Console(width=160)
     console.print(table)
     console.print(f"{result['repeats']} runs per cell; {result['threads']} torch threads; "
@@ -289,14 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         builders = []
         if not args.no_smollm2:
-            builders.append(lambda: smollm2_input(args.lr))
-        if not args.no_synthetic:
-            builders.append(lambda: synthetic_input(root, 4 if args.quick else 28))
-        for i, build in enumerate(builders):
+            builders.append((lambda: smollm2_input(args.lr), args.engines))
+        if not args.no_synthetic and "transformers" in args.engines:
+            builders.append((lambda: synthetic_input(root, 4 if args.quick else 28), ["transformers"]))
+        for i, (build, engines) in enumerate(builders):
             model = build()
-            workdir = root / f"case{i}"
-            workdir.mkdir()
-            result["cases"] += asyncio.run(measure_model(model, args.repeats, workdir, args.kinds, args.ways))
+            for engine_name in engines:
+                workdir = root / f"case{i}-{engine_name}"
+                workdir.mkdir()
+                result["cases"] += asyncio.run(
+                    measure_model(model, args.repeats, workdir, args.kinds, args.ways, engine_name))
+                gc.collect()
             del model
             gc.collect()
     emit(result, args, print_table)

@@ -84,7 +84,7 @@ def run_turn(env: dict[str, str], expect: Path, args: argparse.Namespace, cwd: P
     if not imported.is_relative_to(expect.resolve()):
         raise RuntimeError(f"imported {imported}, expected code from {expect}")
     cmd = [sys.executable, str(args.after / "benchmarks" / "swap.py"), "--json", "--no-synthetic",
-           "--kinds", "delta", "--ways", "in_place", "--repeats", str(args.repeats), "--lr", str(args.lr)]
+           "--kinds", "delta", "--ways", "in_place", "--engines", "transformers", "--repeats", str(args.repeats), "--lr", str(args.lr)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd)
     if done.returncode != 0:
         raise RuntimeError(f"swap.py against {expect} failed ({done.returncode}):\n{done.stderr[-3000:]}")

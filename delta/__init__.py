@@ -10,66 +10,62 @@ directory, or to a live engine's tensors on any device, through one applier with
     decoded = decode_version(manifest, enc.pieces)                   # a pool decodes once, then
     swap_in_place(live_tensors(model), decoded, base_hash=h)         # ... its engine and
     apply_to_dir(path, [decoded])                                    # ... its synced directory
+
+The names below load their module on first use (PEP 562), so that `import deltamesh.delta.manifest`
+or `from deltamesh.delta import load_manifest` loads no torch: a gateway imports the manifest,
+hashing, key and piece layers, and a gateway host has no torch (tests/delta/test_torch_free.py).
 """
 
-from .apply import Applier, apply, apply_version
-from .decode import TensorUpdate, decode_piece
-from .decoded import DecodedVersion, VersionDecoder, decode_version
-from .directory import apply_to_dir, dir_manifest
-from .dtypes import word_view
-from .encode import PIECE_BYTES, Encoded, encode_delta, encode_full
-from .errors import BaseMismatchError, CodecError, CorruptError, SignatureError
-from .hashing import digest, tensor_digest
-from .keys import generate_key, key_id, load_private_key, load_public_key, save_keypair
-from .live import SwapStats, copy_in, live_hash, live_tensors, swap_in_place
-from .manifest import Manifest, PieceEntry, TensorEntry, load_manifest, load_manifest_unverified
-from .statement import HeadStatement, StaleStatementError, check_fresh, load_statement, sign_statement
-from .storage import read_weights, write_weights
-from .tensors import weights_hash
+from __future__ import annotations
 
-__all__ = [
-    "Applier",
-    "BaseMismatchError",
-    "CodecError",
-    "CorruptError",
-    "DecodedVersion",
-    "Encoded",
-    "HeadStatement",
-    "Manifest",
-    "PIECE_BYTES",
-    "PieceEntry",
-    "SignatureError",
-    "StaleStatementError",
-    "SwapStats",
-    "TensorEntry",
-    "TensorUpdate",
-    "VersionDecoder",
-    "apply",
-    "apply_to_dir",
-    "apply_version",
-    "check_fresh",
-    "copy_in",
-    "decode_piece",
-    "decode_version",
-    "digest",
-    "dir_manifest",
-    "encode_delta",
-    "encode_full",
-    "generate_key",
-    "key_id",
-    "live_hash",
-    "live_tensors",
-    "load_manifest",
-    "load_manifest_unverified",
-    "load_private_key",
-    "load_public_key",
-    "load_statement",
-    "read_weights",
-    "save_keypair",
-    "sign_statement",
-    "swap_in_place",
-    "tensor_digest",
-    "weights_hash",
-    "word_view",
-    "write_weights",
-]
+import importlib
+import sys
+import types
+from typing import Any
+
+# Each module of this package -> the public names it defines.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "apply": ("Applier", "apply", "apply_version"),
+    "decode": ("TensorUpdate", "decode_piece"),
+    "decoded": ("DecodedVersion", "VersionDecoder", "decode_version"),
+    "directory": ("apply_to_dir", "dir_manifest"),
+    "dtypes": ("word_view",),
+    "encode": ("PIECE_BYTES", "Encoded", "encode_delta", "encode_full"),
+    "errors": ("BaseMismatchError", "CodecError", "CorruptError", "KeyFileError", "SignatureError"),
+    "hashing": ("digest",),
+    "keys": ("generate_key", "key_id", "load_private_key", "load_public_key", "save_keypair"),
+    "live": ("SwapStats", "copy_in", "live_hash", "live_tensors", "swap_in_place"),
+    "manifest": ("Manifest", "PieceEntry", "TensorEntry", "load_manifest", "load_manifest_unverified"),
+    "statement": ("HeadStatement", "StaleStatementError", "check_fresh", "load_statement", "sign_statement"),
+    "storage": ("read_weights", "write_weights"),
+    "tensors": ("tensor_digest", "weights_hash"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+class _Package(types.ModuleType):
+    """This package, keeping its public names when a submodule of the same name loads: the import
+    system binds a loaded submodule on its package (`apply` the module over `apply` the function).
+    So `import deltamesh.delta.apply as m` gives the function: take names from a submodule with
+    `from deltamesh.delta.apply import Applier`."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -24,11 +24,10 @@ import torch
 from .decoded import Located, DecodedVersion, VersionDecoder, decode_version
 from .dtypes import dtype_name, np_words, torch_dtype, word_view
 from .errors import BaseMismatchError, CodecError, CorruptError
-from .hashing import tensor_digest
 from .manifest import Manifest, TensorEntry, table_hash
 from .parallel import thread_map
 from .patch import Patched, Rollback, locate_cpu, locate_torch, patch_cpu, patch_torch
-from .tensors import tensor_entry
+from .tensors import tensor_digest, tensor_entry
 
 CheckBase = Literal["first", "last"]
 

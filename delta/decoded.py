@@ -26,10 +26,10 @@ import torch
 from .decode import TensorUpdate, decode_checked
 from .dtypes import np_words, torch_dtype
 from .errors import CodecError, CorruptError
-from .hashing import tensor_digest
 from .manifest import Manifest, NamedByManifest
 from .parallel import thread_map
 from .piece import CODEC
+from .tensors import tensor_digest
 
 Step = tuple[Manifest, Sequence[bytes]]
 """A version as it travels: its verified manifest and its pieces (bytes)."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .errors import CodecError
-from .manifest import DTYPE_SIZES
+from .manifest import DTYPE_SIZES, FLOAT_DTYPES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -31,7 +31,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 
 # Signed words of each width: torch arithmetic on them wraps modulo 2**bits, which is what deltas need.
 WORD_DTYPES: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -13,6 +13,11 @@ class SignatureError(CodecError):
     """A manifest whose signature does not verify, or was signed by a key that is not trusted."""
 
 
+class KeyFileError(SignatureError):
+    """A key file that cannot be read, or that holds the wrong kind of key (a private key where the
+    public one belongs): the operator's input to fix, which commands report as one line (exit code 2)."""
+
+
 class CorruptError(CodecError):
     """Bytes that do not match their recorded hash or length, or do not decode."""
 

@@ -15,7 +15,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import SignatureError
+from .errors import KeyFileError, SignatureError
 from .hashing import digest
 
 __all__ = [
@@ -64,24 +64,41 @@ def save_keypair(key: Ed25519PrivateKey, private_path: str | Path, public_path: 
 
 
 def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """The private key in the PEM file at `path`; KeyFileError (one line) when it cannot be read or is
+    not an Ed25519 private key."""
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as e:
-        raise SignatureError(f"cannot load private key {path}: {e}") from e
+        pem = Path(path).read_bytes()
+    except OSError as e:
+        raise KeyFileError(f"cannot read private key {path}: {e.strerror or e}") from None
+    if b"PUBLIC KEY-----" in pem:
+        raise KeyFileError(f"{path} holds a public key; the private key is the file without .pub")
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError) as e:
+        raise KeyFileError(f"cannot load private key {path}: {e}") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise SignatureError(f"{path} is not an Ed25519 private key")
+        raise KeyFileError(f"{path} is not an Ed25519 private key")
     return key
 
 
 def load_public_key(source: str | Path | bytes) -> Ed25519PublicKey:
-    """Load a public key from a PEM file path or PEM bytes."""
+    """Load a public key from a PEM file path or PEM bytes; KeyFileError (one line) when it cannot be
+    read or is not an Ed25519 public key. The message names a file, never the bytes (which could be a
+    private key given by mistake)."""
+    name = "the key given" if isinstance(source, bytes) else str(source)
     try:
         pem = source if isinstance(source, bytes) else Path(source).read_bytes()
+    except OSError as e:
+        raise KeyFileError(f"cannot read public key {name}: {e.strerror or e}") from None
+    if b"PRIVATE KEY-----" in pem:
+        raise KeyFileError(f"{name} holds a private key, which must stay with the trainer: give its public "
+                           "key (`deltamesh keys generate` writes it to PATH.pub)")
+    try:
         key = serialization.load_pem_public_key(pem)
-    except (OSError, ValueError, TypeError) as e:
-        raise SignatureError(f"cannot load public key {source!r:.80}: {e}") from e
+    except (ValueError, TypeError) as e:
+        raise KeyFileError(f"cannot load public key {name}: {e}") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise SignatureError("not an Ed25519 public key")
+        raise KeyFileError(f"{name} is not an Ed25519 public key")
     return key
 
 

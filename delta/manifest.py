@@ -51,6 +51,9 @@ DTYPE_SIZES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }
+# The sign-magnitude ones (their words need the order-preserving key of `bitdiff.py`). Here, not in
+# `dtypes.py`, because the piece layer checks against it and a gateway imports that without torch.
+FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from .decode import TensorUpdate, changes_torch
 from .decoded import Located, empty_tensor
 from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
-from .hashing import digest, tensor_digest
+from .hashing import digest
 from .manifest import TensorEntry
+from .tensors import tensor_digest
 
 PASS_CHUNK_BYTES = 1 << 20
 

@@ -12,8 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from .errors import CorruptError
-from .dtypes import FLOAT_DTYPES
-from .manifest import DTYPE_SIZES, Manifest
+from .manifest import DTYPE_SIZES, FLOAT_DTYPES, Manifest
 
 MAGIC = b"DMPC"
 PIECE_FORMAT = 1

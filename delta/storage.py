@@ -20,8 +20,7 @@ from safetensors.torch import load_file
 
 from .dtypes import dtype_name
 from .errors import CodecError, CorruptError
-from .hashing import tensor_bytes
-from .tensors import cpu_tensor
+from .tensors import cpu_tensor, tensor_bytes
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

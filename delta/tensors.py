@@ -8,12 +8,29 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from .dtypes import dtype_name
 from .errors import CodecError
-from .hashing import tensor_digest
+from .hashing import digest as bytes_digest
 from .manifest import TensorEntry, table_hash
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 view of a CPU tensor's bytes (a copy only if it is not contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's raw bytes, as 32 hex characters (`hashing.digest` of `tensor_bytes`)."""
+    return bytes_digest(tensor_bytes(t))
 
 
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:

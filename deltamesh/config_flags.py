@@ -15,6 +15,11 @@ Help is the field's attribute docstring (the string literal written under the fi
 body), with the dataclass's default appended. A field may declare short aliases (`--gateway` for
 `--sync.gateways`) and a metavar in its metadata with `flag(...)`; an alias holds wherever the
 field's section is nested.
+
+Secrets: a field declared with `flag(secret_env="DELTAMESH_TOKEN")` (a token) is never required on the
+command line, where other users of the host see it (`ps`). Besides its flag (`--token`) it takes
+`--token-file PATH` (the first line of a file; the two exclude each other) and, when neither is given,
+the environment variable named (which then overrides the config file too). docs/CONFIG.md, "Secrets".
 """
 
 from __future__ import annotations
@@ -24,26 +29,32 @@ import ast
 import dataclasses
 import inspect
 import json
+import logging
+import os
 import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 ALIASES = "aliases"
 METAVAR = "metavar"
+SECRET_ENV = "secret_env"
 _DEST = "setting:"  # namespace attributes of derived flags; no hand-written flag's dest looks like this
 
 
-def flag(*aliases: str, metavar: str | None = None) -> dict[str, Any]:
+def flag(*aliases: str, metavar: str | None = None, secret_env: str | None = None) -> dict[str, Any]:
     """Field metadata naming a setting's short aliases and metavar:
-    `gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))`."""
+    `gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))`;
+    `secret_env` makes it a secret, also read from a file (`--X-file`) or that environment variable."""
     for alias in aliases:
         if not alias.startswith("--") or "_" in alias:
             raise ValueError(f"alias {alias!r} must be a long option written with dashes")
     meta: dict[str, Any] = {ALIASES: tuple(aliases)}
     if metavar:
         meta[METAVAR] = metavar
+    if secret_env:
+        meta[SECRET_ENV] = secret_env
     return meta
 
 
@@ -61,15 +72,18 @@ class Setting:
     options: dict[str, Any]
     finish: Callable[[Any], Any]
     """Turns the parsed value into the override (KEY=VALUE pairs into a dict, ...)."""
+    from_file: bool = False
+    """The `--X-file PATH` flag of a secret setting, rather than its own flag."""
 
     @property
     def flags(self) -> list[str]:
         name = flag_name(self.path)
-        return [name, *(a for a in self.field.metadata.get(ALIASES, ()) if a != name)]
+        names = [name, *(a for a in self.field.metadata.get(ALIASES, ()) if a != name)]
+        return [f"{n}-file" for n in names] if self.from_file else names
 
     @property
     def dest(self) -> str:
-        return _DEST + self.path
+        return _DEST + self.path + ("-file" if self.from_file else "")
 
 
 def settings(cls: type) -> Iterator[tuple[str, type, list[Setting]]]:
@@ -112,21 +126,49 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *, section: str
         class_doc, docs = field_docs(sub)
         group = parser.add_argument_group(title, _first_sentence(class_doc) or None)
         for s in found:
-            help_text = _help(docs.get(s.field.name, ""), s)
+            doc = docs.get(s.field.name, "")
+            help_text = _secret_help(doc, s) if SECRET_ENV in s.field.metadata else _help(doc, s)
             group.add_argument(*s.flags, dest=s.dest, default=None, help=help_text, **s.options)
 
 
-def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The overrides made by the flags of `cls` that were given: dotted path -> value. `args` must come
-    from a parser that `add_config_flags` gave the flags of `cls`."""
+def config_overrides(args: argparse.Namespace, cls: type, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The overrides made by the flags of `cls` that were given: dotted path -> value, and a secret
+    that no flag gave from its environment variable (in `environ`, default the process's). `args` must
+    come from a parser that `add_config_flags` gave the flags of `cls`. ValueError (one line) for a
+    secret's file that cannot be read, or a secret given both as a flag and as a file."""
     given = vars(args)
+    environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for _, _, found in settings(cls):
         for s in found:
             value = given[s.dest]
-            if value is not None:
-                out[s.path] = s.finish(value)
+            if value is None:
+                continue
+            if s.path in out:  # a secret's flag and its file flag (the flag comes first)
+                raise ValueError(f"{s.flags[0]} and {s.flags[0].removesuffix('-file')} exclude each other")
+            out[s.path] = read_secret(value, s.flags[0]) if s.from_file else s.finish(value)
+        for s in found:
+            env = s.field.metadata.get(SECRET_ENV)
+            if env and s.path not in out and environ.get(env):
+                out[s.path] = environ[env]
     return out
+
+
+def read_secret(path: str, what: str) -> str:
+    """The secret in the file at `path` (its first line, without surrounding blanks), for the flag
+    `what`; ValueError naming both when it cannot be read or holds nothing. A file that others may
+    read is used, with a warning: the secret is only as private as the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.readline().strip()
+            mode = os.fstat(f.fileno()).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not secret:
+        raise ValueError(f"{what} {path}: the file is empty")
+    if mode & 0o077:
+        logging.getLogger(__name__).warning("%s %s: others may read it (chmod 600 it)", what, path)
+    return secret
 
 
 def _sections(cls: type, prefix: str) -> Iterator[tuple[str, type, list[Setting]]]:
@@ -145,6 +187,8 @@ def _sections(cls: type, prefix: str) -> Iterator[tuple[str, type, list[Setting]
         if spec is not None:
             options, finish = spec
             own.append(Setting(prefix + f.name, f, options, finish))
+            if SECRET_ENV in f.metadata:
+                own.append(Setting(prefix + f.name, f, {"metavar": "PATH"}, _same, from_file=True))
     yield prefix, cls, own
     for sub_prefix, sub in nested:
         yield from _sections(sub, sub_prefix)
@@ -258,6 +302,20 @@ def _default(f: dataclasses.Field) -> str | None:
     if isinstance(value, dict):
         return json.dumps(value) if value else "none"
     return str(value)
+
+
+def _secret_help(doc: str, s: Setting) -> str:
+    """The help of a secret's flags (`doc`: its field's): who may use them, and the ways that keep the
+    secret off the command line."""
+    env = s.field.metadata[SECRET_ENV]
+    own = s.flags[0].removesuffix("-file")
+    if s.from_file:
+        text = (f"Read {own} from the first line of this file; without either flag, ${env} is read. Anyone "
+                "running the command may; keep the file private (chmod 600).")
+    else:
+        text = (f"{doc} Anyone running the command may give it here, but other users of the host see command "
+                f"lines (ps): prefer {own}-file PATH or ${env}.")
+    return text.replace("%", "%%")
 
 
 def _first_sentence(text: str) -> str:

@@ -14,6 +14,8 @@ import contextlib
 import errno
 import json
 import logging
+import os
+import socket
 import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -197,17 +199,48 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None) -> None:
+STOP_GRACE_S = 1.0
+"""How long a stopping server lets requests in flight finish (long polls are released at once): a
+server stops within 2 s, and a client whose download is cut short resumes it from another source."""
+
+
+def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+          sock: socket.socket | None = None, what: str = "server") -> int:
     """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown; HTTPS with
-    `ssl_context` (`deltamesh.tls.server_context`)."""
+    `ssl_context` (`deltamesh.tls.server_context`). On `sock` when given (`listen_socket(host, port)`,
+    bound by a caller that checks the port before it builds the app). Returns the exit status for the
+    signal that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its "stopping" line."""
+    from deltamesh.signals import on_stop_signals, signal_exit
+
     try:
         import uvloop
 
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
         loop_factory = asyncio.new_event_loop
-    web.run_app(app, host=host, port=port, print=None, loop=loop_factory(), access_log=None,
-                keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context)
+    sock = sock or listen_socket(host, port)  # before the app starts: a taken port fails before any "up" line
+    loop = loop_factory()
+    stopped_by: list[int] = []
+
+    def stop(sig: int) -> None:
+        stopped_by.append(sig)
+        raise web.GracefulExit()  # what aiohttp's own handler does: run_app then shuts the app down
+
+    on_stop_signals(loop, stop, what)
+    web.run_app(app, sock=sock, print=None, loop=loop, access_log=None, handle_signals=False,
+                shutdown_timeout=STOP_GRACE_S, keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context)
+    return signal_exit(stopped_by[0] if stopped_by else None)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); OSError "cannot listen on HOST:PORT: REASON" (its errno
+    kept, EADDRINUSE for a port in use) when it cannot be bound."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)  # create_server's text names the address again
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {reason[:1].lower()}{reason[1:]}") from None
 
 
 @contextlib.asynccontextmanager

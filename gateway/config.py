@@ -46,7 +46,7 @@ class GatewayConfig:
     anonymous: bool = False
     """Serve without authentication, every caller allowed, and probe no announced URL: only for a gateway
     that no one else can reach (tests, a demo on one machine)."""
-    upstream_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    upstream_token: str = field(default="", metadata=flag(metavar="TOKEN", secret_env="DELTAMESH_UPSTREAM_TOKEN"))
     """A relay's `gateway` token (named after its region), sent to its upstreams; empty when its client
     certificate (tls cert, common name gateway/REGION) identifies it, or its upstreams are anonymous."""
     keep_deltas: int = 20
@@ -83,6 +83,9 @@ class GatewayConfig:
     region emulated in the application, for demos on one machine; 0 for none."""
     heartbeat_timeout_s: float = 30.0
     """A pool that has not heartbeaten for this long is marked down."""
+    pool_expire_s: float = 600.0
+    """A pool that has not heartbeaten for this long is forgotten (it vanished without deregistering);
+    until then it is listed down. 0 keeps it until it deregisters."""
     probe_interval_s: float = 5.0
     """Period of RTT probes to upstreams, downstream gateways and pool endpoints."""
     max_piece_bytes: int = 256 * 1024 * 1024
@@ -128,6 +131,8 @@ class GatewayConfig:
             raise ValueError("link_delay_ms must be in [0, 60000] (0 for none)")
         if self.max_piece_bytes < 1:
             raise ValueError("max_piece_bytes must be >= 1")
+        if self.pool_expire_s and self.pool_expire_s < self.heartbeat_timeout_s:
+            raise ValueError("pool_expire_s must be 0 (never) or at least heartbeat_timeout_s")
         if self.max_downstreams < 1 or not self.downstream_ttl_s > 0:
             raise ValueError("max_downstreams must be >= 1 and downstream_ttl_s > 0")
 
@@ -143,7 +148,7 @@ class WeightSyncSettings:
 
     gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))
     """Gateway base URLs: the region's gateway first, alternates after (used when it fails)."""
-    token: str = field(default="", metadata=flag("--token"))
+    token: str = field(default="", metadata=flag("--token", secret_env="DELTAMESH_TOKEN"))
     """This pool's token at its gateways (role pool, named after the pool: docs/api/gateway.md); may be
     empty when its client certificate (`tls`) identifies it."""
     trusted_keys: list[str] = field(default_factory=list, metadata=flag("--trusted-key", metavar="PEM"))
@@ -230,7 +235,7 @@ class PublishConfig:
     """Model id the version is published under."""
     key: str = field(default="", metadata=flag(metavar="PEM"))
     """The trainer's Ed25519 private key."""
-    token: str = field(default="", metadata=flag("--token"))
+    token: str = field(default="", metadata=flag("--token", secret_env="DELTAMESH_TOKEN"))
     """The trainer's token at the gateway (role trainer, scoped to its model ids); empty when its client
     certificate (common name trainer/NAME) identifies it, or the gateway is anonymous."""
     version: int | None = None

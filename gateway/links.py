@@ -38,6 +38,8 @@ class Link:
     last_error: str = ""
     last_transfer: float | None = None  # wall clock
     last_probe: float | None = None
+    probe_ok: bool | None = None
+    """Whether the newest probe answered (None: never probed); the `link_up` gauge and the link-down alert."""
 
     def recent_throughput(self, now: float) -> float | None:
         while self.transfers and now - self.transfers[0][0] > TRANSFER_WINDOW_S:
@@ -81,6 +83,7 @@ class LinkMonitor:
     def record_rtt(self, link: Link, seconds: float) -> None:
         link.rtts.append(seconds)
         link.last_probe = time.time()
+        link.probe_ok = True
 
     def record_error(self, link: Link, reason: str) -> None:
         link.errors += 1
@@ -106,7 +109,7 @@ class LinkMonitor:
                 },
                 "throughput_bps": link.recent_throughput(now),
                 "bytes_total": link.bytes_total,
-                "errors": link.errors, "last_error": link.last_error,
+                "errors": link.errors, "last_error": link.last_error, "probe_ok": link.probe_ok,
                 "last_transfer_s": None if link.last_transfer is None else round(wall - link.last_transfer, 3),
             })
         return out
@@ -139,6 +142,7 @@ async def probe_forever(
         try:
             monitor.record_rtt(link, await probe())
         except Exception as e:  # any failure of a probe is a fact about the link, not a crash
+            link.probe_ok = False
             monitor.record_error(link, f"probe: {type(e).__name__}: {e}")
 
     while True:

@@ -6,12 +6,15 @@ deregisters. Every field a peer sends is checked against a bound here (names and
 pattern, numbers by range, strings by length), so a registration cannot grow the gateway's memory or
 its metrics without limit. The registry is in memory: pools re-register after a gateway restart (the
 pool agent does so when a heartbeat answers 404). Staleness is counted in versions behind the
-gateway's head for the pool's model; a pool that has not heartbeaten for the timeout is down.
+gateway's head for the pool's model; a pool that has not heartbeaten for the timeout is down, and one
+that stays silent for `expire_s` (it vanished without deregistering: killed, its host gone) is
+forgotten, so that the registry and the per-pool metrics do not keep the dead for ever.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,6 +31,8 @@ MAX_ENDPOINT = 300
 MAX_TRANSFER_JSON = 4096
 """Largest heartbeat `transfer` object, as JSON: progress figures, not a payload."""
 MAX_VERSION = 2**53
+
+log = logging.getLogger(__name__)
 
 
 class RegistryError(ValueError):
@@ -86,10 +91,25 @@ def _endpoint(body: dict) -> str:
 
 
 class PoolRegistry:
-    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.time):
+    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.time, *,
+                 expire_s: float = 0.0):
+        """`expire_s`: forget a pool silent for this long (0: keep it, shown down, until it deregisters)."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.expire_s = expire_s
         self._clock = clock
         self._pools: dict[str, PoolRecord] = {}
+
+    def _expire(self) -> None:
+        """Forget the pools silent for `expire_s`, each with one line (checked whenever pools are listed:
+        nothing runs in the background for it)."""
+        if not self.expire_s:
+            return
+        now = self._clock()
+        for name, record in list(self._pools.items()):
+            if now - record.last_seen > self.expire_s:
+                del self._pools[name]
+                log.info("pool %s: forgotten, no heartbeat for %.0f s (it left without deregistering)", name,
+                         now - record.last_seen)
 
     def register(self, body: Any, *, probe: bool = False) -> PoolRecord:
         """Add or replace a pool from its registration body; `probe`: its endpoint may be probed."""
@@ -149,6 +169,7 @@ class PoolRegistry:
         return self._clock() - record.last_seen <= self.heartbeat_timeout_s
 
     def pools(self) -> list[PoolRecord]:
+        self._expire()
         return sorted(self._pools.values(), key=lambda r: r.name)
 
     def describe(self, heads: dict[str, int]) -> list[dict[str, Any]]:

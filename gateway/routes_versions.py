@@ -35,8 +35,9 @@ _HEX_SIG = re.compile(r"^[0-9a-f]{128}$")
 
 
 class _Reject(Exception):
-    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None, *, expected: bool = False):
         self.status, self.reason, self.headers = status, reason, headers or {}
+        self.expected = expected  # an answer the client expects (a read-ahead's wait ran out): not a refusal
 
 
 def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
@@ -129,7 +130,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
                 gw.metrics.rejected.labels(str(e.status)).inc()
                 raise
             except _Reject as r:
-                if r.status != 503:
+                if r.status != 503 and not r.expected:
                     gw.metrics.rejected.labels(str(r.status)).inc()
                 resp = error_response(r.status, r.reason)
                 resp.headers.update(r.headers)
@@ -216,6 +217,9 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         named = _version_kind(request)
         if wait > 0 and gw.store.get(*named) is None:
             await gw.store.wait_version(*named, wait)
+            if gw.store.get(*named) is None and not (gw.relay is not None and gw.relay.can_fetch(*named)):
+                model, version, kind = named  # a follower's read-ahead of a version not made yet
+                raise _Reject(404, f"{model} v{version} {kind} is not in this gateway's store", expected=True)
         if gw.store.get(*named) is None and gw.relay is not None and gw.relay.can_fetch(*named):
             if await gw.relay.demand(*named, cfg.piece_wait_s) is None:
                 model, version, kind = named

@@ -17,7 +17,7 @@ from aiohttp import web
 from deltamesh.auth import auth_middleware
 from deltamesh.gateway.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.http import json_errors, parse_listen, serve
+from deltamesh.http import json_errors, listen_socket, parse_listen, serve
 from deltamesh.tls import server_context
 from deltamesh.gateway.routes_control import add_control_routes
 from deltamesh.gateway.routes_statements import add_statement_routes
@@ -60,8 +60,14 @@ def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     return server_context(config.tls)
 
 
-def run_gateway(config: GatewayConfig) -> None:
-    """Serve until SIGINT/SIGTERM; raises ValueError (as `create_app`) before listening when it cannot."""
+def run_gateway(config: GatewayConfig) -> int:
+    """Serve until SIGINT/SIGTERM and return the exit status for it (130, 143); raises ValueError (as
+    `create_app`) before listening when it cannot."""
     host, port = parse_listen(config.listen)
-    app = create_app(config)
-    serve(app, host, port, ssl_context=ssl_context(config))
+    sock = listen_socket(host, port)  # first: a port in use fails before the store or tokens are opened
+    try:
+        app = create_app(config)
+    except BaseException:
+        sock.close()
+        raise
+    return serve(app, host, port, ssl_context=ssl_context(config), sock=sock, what=f"gateway {config.region}")

@@ -49,7 +49,7 @@ class Gateway:
                                   disk_margin_bytes=int(config.disk_margin_mib * 2**20))
         # A new statement moves the store's epoch: followers long-polling the heads pick it up at once.
         self.statements = StatementStore(config.store, self.trusted_keys, self.store.ledger, on_change=self.store.touch)
-        self.pools = PoolRegistry(config.heartbeat_timeout_s)
+        self.pools = PoolRegistry(config.heartbeat_timeout_s, expire_s=config.pool_expire_s)
         self.links = LinkMonitor()
         self.metrics = GatewayMetrics()
         self.traffic = Traffic(self.metrics)
@@ -91,6 +91,7 @@ class Gateway:
     def _on_complete(self, entry: StoredVersion) -> None:
         source = "publish" if self.config.is_origin else "relay"
         self.metrics.transfer_seconds.labels(entry.kind, source).observe(time.monotonic() - entry.created)
+        self.metrics.version_complete(entry, time.time())
         self._gc_wake.set()
 
     async def _gc_loop(self) -> None:

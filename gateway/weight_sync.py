@@ -45,6 +45,7 @@ from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
+from deltamesh.gateway.outage import Outage
 from deltamesh.gateway.pool_presence import Presence
 from deltamesh.gateway.sources import Source
 from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, credentials_refused
@@ -56,7 +57,7 @@ from deltamesh.gateway.verified import Step, fetch_verified
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
-"""Pause after a failed round before the next one."""
+"""Longest pause before a round when the engine must catch up; failed rounds back off (`outage`)."""
 
 
 class WeightSync:
@@ -89,6 +90,9 @@ class WeightSync:
         """The pool's entry in a gateway's registry."""
         self._session: aiohttp.ClientSession | None = None
         self._beat_now = asyncio.Event()
+        self.outage = Outage(f"pool {config.name}: sync")
+        """Failed rounds: the backoff before the next, and one log line per outage, not per try."""
+        self._beats = Outage(f"pool {config.name}: heartbeat")
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
@@ -119,20 +123,19 @@ class WeightSync:
             except CredentialsError:
                 raise
             except (SyncError, HttpError) as e:
-                self.set_error(str(e))
-                await sleep_or_stop(stop, RETRY_S)
+                await sleep_or_stop(stop, self.set_error(str(e)))
         await self.register_once()
         heartbeats = asyncio.create_task(self.heartbeat_loop(stop))
         try:
             while not stop.is_set():
                 try:
                     await until_stopped(self.sync_once(self.config.poll_wait_s), stop)
+                    self.outage.succeeded()
                 except CredentialsError:
                     raise
                 except (SyncError, HttpError, CodecError, OSError) as e:
                     # The directory is untouched (apply is atomic); try again from where it is.
-                    self.set_error(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused))
-                    await sleep_or_stop(stop, RETRY_S)
+                    await sleep_or_stop(stop, self.set_error(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused)))
         finally:
             heartbeats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -312,6 +315,13 @@ class WeightSync:
     async def register(self) -> None:
         await self.presence.register(self._session, self.model, self.version)
 
+    async def authenticate(self) -> None:
+        """Name the model (the gateway's only one, if none was given) and register: a token refused, or
+        bound to another pool's name, fails here (CredentialsError), before anything is downloaded."""
+        if not self.model:
+            self.model = await self._pick_model()
+        await self.heartbeat()
+
     async def register_once(self) -> None:
         """Register (and beat) before the loops start: refused credentials end a pool there, with one
         error; any other failure is left to the heartbeat loop, which keeps trying."""
@@ -338,17 +348,18 @@ class WeightSync:
             self._beat_now.clear()
             try:
                 await self.heartbeat()
+                self._beats.succeeded()
             except (HttpError, SyncError) as e:
-                log.warning("pool %s: heartbeat: %s", self.config.name, e)
+                self._beats.failed(str(e))  # logged once per outage; the beats keep their period
             # The next beat comes after the period, or at once when a new version has been applied.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), self.config.heartbeat_s)
 
-    def set_error(self, reason: str, *, logged: bool = False) -> None:
-        """Report a failed round (in heartbeats and status); `logged`: its one line is written already."""
+    def set_error(self, reason: str, *, logged: bool = False) -> float:
+        """Report a failed round (in heartbeats and status), logged once per outage (`logged`: its line
+        is written already); returns the backoff before the next round. `outage.succeeded()` ends it."""
         self.state, self.last_error = "error", reason
-        if not logged:
-            log.warning("pool %s: %s", self.config.name, reason)
+        return self.outage.failed(reason, quiet=logged)
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

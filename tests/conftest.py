@@ -210,10 +210,11 @@ def broker_process(tmp_path: Path, free_port: int):
 
 
 WAIT_PORT = """import socket, sys, time
+host, _, port = sys.argv[1].rpartition(":")
 deadline = time.monotonic() + 60
-while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
+while socket.socket().connect_ex((host or "127.0.0.1", int(port))) != 0:
     if time.monotonic() > deadline:
-        sys.exit(f"nothing listens on port {sys.argv[1]}")
+        sys.exit(f"nothing listens on {sys.argv[1]}")
     time.sleep(0.1)
 """
 
@@ -222,8 +223,9 @@ while socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0:
 def run_documented_lines() -> Callable[..., subprocess.CompletedProcess]:
     """Run the shell lines a document shows, as written, in a network namespace of their own (they use
     fixed ports): `run(lines, cwd, env=None, after=[...], ports=None)`. A line ending in `&` starts a
-    server; the next line waits until it answers, on the next of `ports` (default: each such line's
-    `--listen 127.0.0.1:PORT`). Skips where namespaces are not allowed."""
+    server; the next line waits until it answers, on the next of `ports` (`PORT` on 127.0.0.1, or
+    `HOST:PORT`; default: each such line's `--listen HOST:PORT`, any loopback address). Skips where
+    namespaces are not allowed."""
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
@@ -232,7 +234,7 @@ def run_documented_lines() -> Callable[..., subprocess.CompletedProcess]:
             ports: list[str] | None = None) -> subprocess.CompletedProcess:
         servers = [line for line in lines if line.endswith("&")]
         waits = list(ports) if ports is not None else [
-            re.search(r"--listen 127\.0\.0\.1:(\d+)", line).group(1) for line in servers]
+            re.search(r"--listen (127\.[\d.]+:\d+)", line).group(1) for line in servers]
         script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
         for line in lines:
             script.append(line)

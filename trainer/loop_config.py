@@ -28,11 +28,11 @@ class TrainLoopConfig(TrainerConfig):
     broker: str = field(default="", metadata=flag(metavar="URL[,URL...]"))
     """Base URL of the broker the batches come from, or of its active and standby brokers separated
     by commas (`http://a:8700,http://b:8700`): calls fail over between them."""
-    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN", secret_env="DELTAMESH_BROKER_TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role trainer`); empty for an anonymous broker."""
     gateway: str = field(default="", metadata=flag(metavar="URL"))
     """Base URL of the origin gateway the versions are published to."""
-    gateway_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    gateway_token: str = field(default="", metadata=flag(metavar="TOKEN", secret_env="DELTAMESH_GATEWAY_TOKEN"))
     """Bearer token for the origin gateway (role trainer, scoped to this model id); empty for an
     anonymous gateway or when the TLS client certificate says who the trainer is."""
     statement_every_s: float = 30.0

@@ -17,7 +17,7 @@ class AutoscaleConfig:
     broker: str = field(default="http://127.0.0.1:8700", metadata=flag(metavar="URL[,URL...]"))
     """Base URL of the broker whose balance report drives the decisions, or of its active and standby
     brokers separated by commas (`http://a:8700,http://b:8700`): calls fail over between them."""
-    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN", secret_env="DELTAMESH_BROKER_TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role admin`); empty for an anonymous broker."""
     launcher: Literal["local", "command"] = "local"
     """local: pool processes on this machine; command: a command that sets the pool count elsewhere."""

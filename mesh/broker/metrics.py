@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from deltamesh.metrics import service_registry
 
 
 class BrokerMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry("broker")
         r = self.registry
         self.ingested = Counter("deltamesh_broker_trajectories_ingested_total", "Trajectories stored",
                                 ["model_id"], registry=r)
         self.duplicates = Counter("deltamesh_broker_trajectories_duplicate_total",
                                   "Trajectories submitted again and skipped", registry=r)
-        self.rejected = Counter("deltamesh_broker_requests_rejected_total", "Requests refused, by HTTP status",
+        self.rejected = Counter("deltamesh_broker_requests_rejected_total",
+                                "Requests refused or failed, by HTTP status (5xx: the broker's own failures)",
                                 ["status"], registry=r)
         self.commits = Counter("deltamesh_broker_commits_total", "Group commits of submissions", registry=r)
         self.groups = Counter("deltamesh_broker_groups_total", "Completed groups by outcome",

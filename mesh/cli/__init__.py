@@ -27,7 +27,7 @@ from deltamesh import __version__
 from deltamesh.logs import setup_logging
 
 if TYPE_CHECKING:
-    import asyncio
+    from deltamesh.signals import Stop
 
 T = TypeVar("T")
 
@@ -49,8 +49,10 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The whole command line. `lazy`: each command's setting flags are added only when that command
+    parses (`CommandParser`), so that running one command does not pay for every other's flags."""
+    parser = CommandParser(
         prog="deltamesh",
         description="Multi-region weight distribution and rollout mesh for RL of LLMs.",
     )
@@ -60,7 +62,38 @@ def build_parser() -> argparse.ArgumentParser:
     pool_sub = command_group(sub, "pool", help="run or sync a rollout pool")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub, pool_sub)
+    if not lazy:
+        for command in _parsers(parser):
+            command.add_deferred()
     return parser
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser that adds some of its arguments only when it first parses: deriving a
+    command's flags from its config reads that config's source (for the help texts), which costs
+    more than all else `deltamesh gateway` does before it serves, and only the command run needs it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deferred: list[Callable[[], None]] = []
+
+    def add_deferred(self) -> None:
+        while self.deferred:
+            self.deferred.pop(0)()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.add_deferred()
+        return super().parse_known_args(args, namespace)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[CommandParser]:
+    """`parser` and every subcommand's parser under it."""
+    found = [parser] if isinstance(parser, CommandParser) else []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                found += _parsers(sub)
+    return found
 
 
 def usage(parser: argparse.ArgumentParser) -> int:
@@ -89,19 +122,30 @@ def config_command(commands: argparse._SubParsersAction, name: str, cls: type, r
     parser = commands.add_parser(name, description=description or None, **options)
     if section is not None:
         parser.add_argument("--config", metavar="FILE", help=f"TOML file with a [{section}] table")
-    add_config_flags(parser, cls, section=section)
+    if isinstance(parser, CommandParser):
+        parser.deferred.append(functools.partial(add_config_flags, parser, cls, section=section))
+    else:
+        add_config_flags(parser, cls, section=section)
     parser.set_defaults(run=_reporting_failures(run))
     return parser
 
 
 def _reporting_failures(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`run`, with a `CommandFailed` raised inside it reported (`failed`) and made its exit code."""
+    """`run`, with a `CommandFailed` raised inside it reported (`failed`) and made its exit code, and so
+    is an expected failure that no handler of the command caught (`exits.expected_exit`)."""
     @functools.wraps(run)
     def reporting(args: argparse.Namespace) -> int:
+        from deltamesh.mesh.cli.exits import describe, expected_exit
+
         try:
             return run(args)
         except CommandFailed as e:
             return failed(e.reason, e.code)
+        except Exception as e:  # an expected failure (docs/CLI.md) is one line; anything else keeps its traceback
+            code = expected_exit(e)
+            if code is None:
+                raise
+            return failed(describe(e), code)
 
     return reporting
 
@@ -138,21 +182,17 @@ def failed(reason: object, code: int = 2) -> int:
     return code
 
 
-def stop_on_signals() -> asyncio.Event:
+def stop_on_signals(what: str = "deltamesh") -> Stop:
     """An event that SIGINT or SIGTERM sets, for a long-running command to stop cleanly on (call it
-    inside the running event loop)."""
-    import asyncio
-    import signal
+    inside the running event loop); after the clean stop the command returns its `exit_code`, 130 or
+    143 (`deltamesh.signals`). `what` names the process in the "stopping" line."""
+    from deltamesh.signals import stop_on_signals as stopping
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+    return stopping(what)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(lazy=True)
     args = parser.parse_args(argv)
     run = getattr(args, "run", None)
     if run is None:

@@ -38,10 +38,9 @@ def run_broker(args: argparse.Namespace) -> int:
         host, port = parse_listen(config.listen)
         app = build_app(config, config.db)
         app.on_startup.append(_reload_tokens_on_sighup)
-        serve(app, host, port, ssl_context=server_context(config.tls))
+        return serve(app, host, port, ssl_context=server_context(config.tls), what="broker")  # 130/143: stopped
     except (DatasetError, StoreUnavailable, ValueError) as e:  # ValueError: unknown plug-in names, TLS
         return failed(e)
-    return 0
 
 
 async def _reload_tokens_on_sighup(app) -> None:
@@ -65,8 +64,8 @@ def run_autoscale(args: argparse.Namespace) -> int:
 
     config = command_config(args, AutoscaleConfig, "autoscale")
 
-    async def main() -> None:
-        stop = stop_on_signals()
+    async def main() -> int:
+        stop = stop_on_signals("autoscaler")
         launcher: Launcher
         if config.launcher == "local":
             launcher = LocalLauncher(config.command, broker=config.broker, stop_grace_s=config.stop_grace_s)
@@ -77,6 +76,6 @@ def run_autoscale(args: argparse.Namespace) -> int:
                 await Autoscaler(config, launcher, broker.balance).run(stop)
             finally:
                 await launcher.close()
+        return stop.exit_code  # 130/143 after a signal
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())

@@ -20,7 +20,6 @@ def run(args: argparse.Namespace) -> int:
 
     config = command_config(args, GatewayConfig, "gateway")
     try:
-        run_gateway(config)
+        return run_gateway(config)  # 130/143 once a signal stopped it
     except ValueError as e:  # no credentials, a bad tokens file or TLS files
         return failed(e)
-    return 0

@@ -23,7 +23,7 @@ class LinksConfig:
 
     gateway: str = field(default="", metadata=flag(metavar="URL"))
     """Base URL of the gateway whose links are shown."""
-    token: str = field(default="", metadata=flag("--token"))
+    token: str = field(default="", metadata=flag("--token", secret_env="DELTAMESH_TOKEN"))
     """An admin token of the gateway (GET /v1/links is for admins); empty with an admin client
     certificate (tls cert, common name admin/NAME) or an anonymous gateway."""
     interval_s: float = 1.0
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
+    from deltamesh.mesh.cli.exits import exit_code
 
     config = command_config(args, LinksConfig)
 
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         answer = fetch()
     except HttpError as e:
-        return failed(f"cannot read links from {config.gateway}: {e}", 1)
+        return failed(f"cannot read links from {config.gateway}: {e}", exit_code(e, 1))
     if args.json:
         print(json.dumps(answer, indent=2))
         return 0

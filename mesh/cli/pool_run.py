@@ -57,13 +57,13 @@ def run(args: argparse.Namespace) -> int:
     config = command_config(args, PoolConfig, "pool", overrides=overrides)
 
     async def main() -> int:
-        stop = stop_on_signals()
+        stop = stop_on_signals(f"pool {config.name}")
         try:
-            await RolloutPool(config).run(stop)
+            await RolloutPool(config).run(stop)  # once stopped: the apply under way ends, the pool deregisters
         except (PoolError, WorkflowError) as e:
             return failed(e, 1 if stop.is_set() else 2)
         except (EngineError, OSError) as e:  # the engine could not start (model directory, SGLang server)
             return failed(f"pool {config.name}: {e}", 1)
-        return 0
+        return stop.exit_code  # 130/143 after a signal
 
     return asyncio.run(main())

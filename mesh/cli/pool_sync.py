@@ -13,7 +13,8 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
         pool_commands, "sync", PoolSyncConfig, run, help="follow a gateway and keep a weights directory at its head",
         description="Register a pool with its region's gateway, follow the head of its model, and apply every "
                     "new version atomically to DIR (a safetensors directory any engine can load). --gateway, "
-                    "--token, --name, --dir and --trusted-key are required.")
+                    "--name, --dir and --trusted-key are required, and the pool's token (--token-file, "
+                    "$DELTAMESH_TOKEN or --token) unless a client certificate identifies the pool.")
     p.add_argument("--once", action="store_true", help="sync to the current head and exit")
 
 
@@ -21,26 +22,37 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from deltamesh.gateway.config import PoolSyncConfig
-    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync
+    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync, until_stopped
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
+    from deltamesh.mesh.cli.exits import describe, exit_code
 
     config = command_config(args, PoolSyncConfig)
 
     async def main() -> int:
+        stop = stop_on_signals(f"pool {config.name}")
         async with WeightSync(config) as sync:
             if args.once:
                 try:
-                    await sync.sync_once()
-                    await sync.heartbeat()  # registers the pool and reports where it now is
+                    # Registering first checks the pool's token and name before anything is downloaded.
+                    await sync.authenticate()
                 except (SyncError, HttpError) as e:
-                    return failed(e, 1)
+                    return failed(e, exit_code(e, 1))
+                try:
+                    await until_stopped(sync.sync_once(), stop)  # an apply under way completes (it is atomic)
+                    if stop.is_set():
+                        await sync.deregister()
+                        return stop.exit_code
+                    await sync.heartbeat()  # reports where the pool now is
+                except (SyncError, HttpError, OSError) as e:  # OSError: the directory's disk (full)
+                    await sync.deregister()  # a pool that did not sync is not left listed
+                    return failed(describe(e), exit_code(e, 1))
                 print(f"{sync.model} v{sync.version}")
                 return 0
             try:
-                await sync.run(stop_on_signals())  # deregisters from its gateway once stopped
+                await sync.run(stop)  # deregisters from its gateway once stopped
             except CredentialsError as e:
-                return failed(e, 2)
-            return 0
+                return failed(e, exit_code(e, 2))
+            return stop.exit_code  # 130/143 after a signal
 
     return asyncio.run(main())

@@ -16,7 +16,7 @@ class PoolsConfig:
 
     gateway: str = field(default="", metadata=flag(metavar="URL"))
     """Base URL of the gateway whose registered pools are listed."""
-    token: str = field(default="", metadata=flag("--token"))
+    token: str = field(default="", metadata=flag("--token", secret_env="DELTAMESH_TOKEN"))
     """An admin token of the gateway (GET /v1/pools is for admins); empty with an admin client
     certificate (tls cert, common name admin/NAME) or an anonymous gateway."""
 
@@ -62,12 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.gateway_client import GatewayClient, call_once
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
+    from deltamesh.mesh.cli.exits import exit_code
 
     config = command_config(args, PoolsConfig)
     try:
         answer = call_once(config.gateway, GatewayClient.pools, token=config.token, tls=config.tls)
     except HttpError as e:
-        return failed(f"cannot read pools from {config.gateway}: {e}", 1)
+        return failed(f"cannot read pools from {config.gateway}: {e}", exit_code(e, 1))
     if args.json:
         print(json.dumps(answer, indent=2))
     else:

@@ -32,27 +32,29 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
+    from deltamesh.mesh.cli.exits import exit_code
 
     config = command_config(args, PublishConfig)
+    key = load_private_key(config.key)  # a KeyFileError stops the command here, as one line (exit code 2)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     state = PublishState(config.state or cache / "deltamesh" / "publish" / config.model)
     console = Console(stderr=True)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=console, transient=False) as progress:
+                  console=console, transient=True) as progress:  # no bar left above a failure's one line
         task = progress.add_task("encoding", total=None)
 
         def on_encoded(enc) -> None:
             progress.update(task, description=f"v{enc.manifest.version} {enc.manifest.kind}",
                             total=enc.manifest.payload_bytes, completed=0)
 
-        publisher = Publisher(config.gateway, load_private_key(config.key), config.model,
+        publisher = Publisher(config.gateway, key, config.model,
                               full_every=config.full_every, piece_bytes=int(config.piece_mib * 2**20),
                               connections=config.connections, token=config.token, tls=config.tls,
                               on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
         try:
             result = asyncio.run(publish_dir(publisher, args.weights_dir, state, config.version))
         except (HttpError, CodecError, RuntimeError, OSError, ValueError) as e:
-            return failed(f"publish failed: {e}", 1)
+            return failed(f"publish failed: {e}", exit_code(e, 1))
     kinds = ", ".join(f"{m.kind} {m.payload_bytes} bytes" for m in result.manifests)
     print(f"published {config.model} v{result.version}: {kinds}")
     return 0

@@ -30,18 +30,16 @@ from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import (
     BaseMismatchError,
-    CorruptError,
     DecodedVersion,
     Manifest,
     copy_in,
     dir_manifest,
     live_hash,
     live_tensors,
-    read_weights,
     swap_in_place,
-    tensor_digest,
 )
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
+from deltamesh.mesh.engines.local import checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sampling import sample_next
 from deltamesh.trainer.models import load_causal_lm, load_tokenizer
@@ -100,7 +98,7 @@ class TransformersEngine:
         # transformers 5 renamed `past_key_values` to `cache`; use whichever this version takes.
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in forward
-        self._eos = _eos_ids(self._model, self._tokenizer)
+        self._eos = eos_ids(self._tokenizer.eos_token_id, self._model.generation_config.eos_token_id)
         pad = self._tokenizer.pad_token_id
         self._pad = int(pad if pad is not None else (self._eos[0] if self._eos else 0))
         self._vocab = int(self._model.get_output_embeddings().weight.shape[0])
@@ -149,12 +147,7 @@ class TransformersEngine:
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         self._check_open()
-        prompts = [[int(t) for t in p] for p in prompts]
-        for p in prompts:
-            if not p:
-                raise ValueError("every prompt needs at least one token")
-            if min(p) < 0 or max(p) >= self._vocab:
-                raise ValueError(f"prompt token out of range [0, {self._vocab})")
+        prompts = checked_prompts(prompts, self._vocab)
         results: list[Generation] = []
         for start in range(0, len(prompts), self.config.max_batch):
             results += await self._generate_batch(prompts[start:start + self.config.max_batch], params)
@@ -165,7 +158,7 @@ class TransformersEngine:
         self._check_open()
         started = time.perf_counter()
         try:
-            weights, manifest = await asyncio.to_thread(_read_verified, Path(path), version)
+            weights, manifest = await asyncio.to_thread(read_verified, Path(path), version)
             async with self._lock:
                 paused = time.perf_counter()
                 await asyncio.to_thread(copy_in, self._live, weights)
@@ -294,31 +287,3 @@ def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _D
         mask[i, width - len(p):] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts))
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (tokenizer.eos_token_id, model.generation_config.eos_token_id):
-        for t in source if isinstance(source, (list, tuple)) else [source]:
-            if t is not None and int(t) not in ids:
-                ids.append(int(t))
-    return tuple(ids)
-
-
-def _read_verified(path: Path, version: int) -> tuple[dict[str, torch.Tensor], Manifest | None]:
-    """The weights of a model directory, checked against its manifest when it has one."""
-    if not path.is_dir():
-        raise EngineError(f"{path} is not a model directory")
-    manifest = dir_manifest(path)
-    weights = read_weights(path)
-    if manifest is None:
-        return weights, None
-    if manifest.version != version:
-        raise BaseMismatchError(f"{path} holds v{manifest.version}, v{version} was asked for")
-    expected = {t.name: t.hash for t in manifest.tensors}
-    if set(expected) != set(weights):
-        raise CorruptError(f"{path}: tensors differ from its manifest")
-    for name, w in weights.items():
-        if tensor_digest(w) != expected[name]:
-            raise CorruptError(f"{path}: tensor {name!r} does not match its manifest")
-    return weights, manifest

@@ -2,10 +2,11 @@
 
 A pool serves one or more policies (model_ids), each with its own engine and its own weight stream
 from the region's gateway, and runs one workflow over the tasks it leases from the broker. `[pool]`
-holds what the pool is (name, broker, engine, where weights live) and has three sections:
+holds what the pool is (name, broker, engine, where weights live) and has four sections:
 `[pool.sync]` how each weight stream follows the gateways (`WeightSyncSettings`, shared with
-`deltamesh pool sync`), `[pool.worker]` how the rollout worker leases, runs and submits, and
-`[pool.sampling]` how the engines sample; `[[pool.models]]` lists the policies. Flags derived from
+`deltamesh pool sync`), `[pool.worker]` how the rollout worker leases, runs and submits,
+`[pool.sampling]` how the engines sample, and `[pool.sandbox]` where code workflows run
+model-written code (`SandboxConfig`, docs/SANDBOX.md); `[[pool.models]]` lists the policies. Flags derived from
 these fields override the file; every value is checked here, so a bad setting fails at start-up
 naming the key. A single-policy pool needs no file: `--model PATH` (and optionally `--model-id`)
 describe its one policy.
@@ -21,6 +22,7 @@ from deltamesh.config import http_url, http_urls
 from deltamesh.config_flags import flag
 from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import parse_listen
+from deltamesh.mesh.sandbox import SandboxConfig
 
 
 @dataclass
@@ -72,7 +74,7 @@ class WorkerConfig:
     """The rollout worker: which workflow it runs, and how it leases tasks and submits trajectories."""
 
     workflow: str = field(default="math", metadata=flag("--workflow"))
-    """Workflow name: math, solver_verifier, or module:SPEC."""
+    """Workflow name: math, solver_verifier, code, tool_use, solver_selector, solver_testgen, or module:SPEC."""
     workflow_options: dict[str, Any] = field(default_factory=dict)
     """The workflow's options (a table in the file)."""
     roles: dict[str, str] = field(default_factory=dict, metadata=flag("--role", metavar="ROLE=MODEL_ID"))
@@ -116,15 +118,15 @@ class PoolConfig:
     broker: str = field(default="", metadata=flag(metavar="URL[,URL...]"))
     """Base URL of the dataflow broker, or of its active and standby brokers separated by commas
     (`http://a:8700,http://b:8700`): calls fail over between them."""
-    broker_token: str = field(default="", metadata=flag(metavar="TOKEN"))
+    broker_token: str = field(default="", metadata=flag(metavar="TOKEN", secret_env="DELTAMESH_BROKER_TOKEN"))
     """Bearer token for the broker (`deltamesh tokens add --role pool --name NAME`); empty for an anonymous broker."""
     dir: str = "pool-weights"
     """Root of the synced weights: each policy's directory is DIR/<model_id>, kept at the gateway's
     head atomically; a restarted pool resumes from it without downloading what it already holds."""
     region: str = ""
     """Region name; empty: the region of the first gateway that answers."""
-    engine: Literal["transformers", "sglang"] = "transformers"
-    """The inference engine of every policy."""
+    engine: Literal["transformers", "sglang", "vllm"] = "transformers"
+    """The inference engine of every policy (vllm: in process, `pip install deltamesh[vllm]`)."""
     device: str = "cpu"
     """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
     threads: int = 0
@@ -149,6 +151,8 @@ class PoolConfig:
     """The rollout worker (`[pool.worker]`)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How the engines sample (`[pool.sampling]`)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where the code workflows run model-written code (`[pool.sandbox]`); built only for those."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -160,8 +164,8 @@ class PoolConfig:
         if len(self.models) > 1 and (not all(ids) or len(set(ids)) != len(ids)):
             raise ValueError(f"a pool of several policies needs distinct model_ids, got {ids}")
         for m in self.models:
-            if self.engine == "transformers" and not m.model_path:
-                raise ValueError(f"policy {m.model_id or '(default)'}: the transformers engine needs model_path")
+            if self.engine in ("transformers", "vllm") and not m.model_path:
+                raise ValueError(f"policy {m.model_id or '(default)'}: the {self.engine} engine needs model_path")
             if self.engine == "sglang" and not (m.model_path or m.engine_url):
                 raise ValueError(f"policy {m.model_id or '(default)'}: the SGLang engine needs model_path or engine_url")
         unknown = sorted(set(self.worker.roles.values()) - set(ids))

@@ -20,23 +20,23 @@ _EPISODE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 class PoolMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = self.registry = registry
-        self.leases = Counter("deltamesh_pool_leases", "Tasks leased from the broker", registry=r)
-        self.episodes = Counter("deltamesh_pool_episodes", "Episodes finished, by result", ["result"], registry=r)
+        self.leases = Counter("deltamesh_pool_leases_total", "Tasks leased from the broker", registry=r)
+        self.episodes = Counter("deltamesh_pool_episodes_total", "Episodes finished, by result", ["result"], registry=r)
         self.episode_seconds = Histogram("deltamesh_pool_episode_seconds", "Wall time of one episode",
                                          buckets=_EPISODE_BUCKETS, registry=r)
-        self.submitted = Counter("deltamesh_pool_submitted_trajectories", "Trajectories acknowledged by the broker",
+        self.submitted = Counter("deltamesh_pool_submitted_trajectories_total", "Trajectories acknowledged by the broker",
                                  ["model"], registry=r)
         self.running = Gauge("deltamesh_pool_running_episodes", "Episodes in progress", registry=r)
         self.leasing = Gauge("deltamesh_pool_leasing", "1 while the pool may lease, 0 while it waits for weights",
                              registry=r)
         self.behind = Gauge("deltamesh_pool_versions_behind",
                             "Versions the engine is behind the newest known version", ["model"], registry=r)
-        self.transfers = Counter("deltamesh_pool_transfer_steps", "Plan steps fetched, by kind",
+        self.transfers = Counter("deltamesh_pool_transfer_steps_total", "Plan steps fetched, by kind",
                                  ["model", "kind"], registry=r)
-        self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes", "Payload bytes fetched", ["model"], registry=r)
-        self.swaps = Counter("deltamesh_pool_weight_swaps", "Versions brought into an engine, by way",
+        self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes_total", "Payload bytes fetched", ["model"], registry=r)
+        self.swaps = Counter("deltamesh_pool_weight_swaps_total", "Versions brought into an engine, by way",
                              ["model", "way"], registry=r)
-        self.refusals = Counter("deltamesh_pool_gateway_refusals",
+        self.refusals = Counter("deltamesh_pool_gateway_refusals_total",
                                 "Offers refused from gateways, by reason: rollback (an older version), "
                                 "equivocation (another weights hash for a verified version), statement (a head "
                                 "statement that does not verify), stale (a gateway newly found behind)",

@@ -2,7 +2,8 @@
 
 `RolloutPool(config).run(stop)` does, in order: serve its status and `/metrics`; learn the region
 (and a missing model_id) from the gateway; bind the workflow and check that every role has a policy;
-start one engine per policy; start each policy's weight stream, which resumes from the synced
+build the sandbox when the workflow runs model-written code (refusing to start without bubblewrap
+unless the weaker isolation was configured); start one engine per policy; start each policy's weight stream, which resumes from the synced
 directory, registers with the gateway and syncs to the head; and run the rollout worker, which
 leases only once every engine serves a published version within the staleness bound. Each weight
 stream and the worker are their own asyncio loops (the transformers engine decodes in worker
@@ -20,11 +21,10 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry
-
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
+from deltamesh.metrics import service_registry
 from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
@@ -35,6 +35,7 @@ from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.pool.status import status_app
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker
+from deltamesh.mesh.sandbox import Sandbox, SandboxError
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: f
 class RolloutPool:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
-        self.registry = CollectorRegistry()
+        self.registry = service_registry("pool")
         self.metrics = PoolMetrics(self.registry)
         self.region = config.region
         self.url = ""
@@ -94,6 +95,7 @@ class RolloutPool:
         self.weights: dict[str, PolicyWeights] = {}
         self.worker: RolloutWorker | None = None
         self.gate: LeaseGate | None = None
+        self.sandbox: Sandbox | None = None
 
     def status(self) -> dict[str, Any]:
         cfg = self.config
@@ -113,6 +115,7 @@ class RolloutPool:
             "leasing": None if verdict is None else {"may_lease": verdict.may_lease, "reason": verdict.reason,
                                                      "behind": verdict.behind},
             "running_episodes": self.worker.running if self.worker is not None else 0, "worker": worker,
+            "sandbox": None if self.sandbox is None else {o.value: n for o, n in self.sandbox.counts.items()},
         }
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -130,6 +133,11 @@ class RolloutPool:
             workflow = make_workflow(cfg.worker.workflow, cfg.worker.workflow_options)
             model_ids = [p.model_id for p in policies]
             roles = resolve_roles(workflow.roles, model_ids, cfg.worker.roles)
+            if workflow.spec.needs_sandbox:
+                try:
+                    self.sandbox = Sandbox(cfg.sandbox)
+                except SandboxError as e:
+                    raise PoolError(f"the {workflow.name} workflow runs model-written code: {e}") from e
 
             engines: dict[str, Engine] = {}
             registries = []
@@ -152,7 +160,8 @@ class RolloutPool:
             s = cfg.sampling
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, ignore_eos=s.ignore_eos)
-            ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region)
+            ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region,
+                                 sandbox=self.sandbox)
             client = BrokerClient(cfg.broker, token=cfg.broker_token, tls=cfg.sync.tls,
                                   pool=cfg.name, region=self.region, gpus=cfg.sync.gpus)
             stack.push_async_callback(client.close)

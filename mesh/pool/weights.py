@@ -211,15 +211,15 @@ class PolicyWeights:
             try:
                 await until_stopped(self.sync_round(wait_s), stop)
                 self._started = True
+                self.sync.outage.succeeded()
             except CredentialsError:
                 raise  # revoked or wrong: nothing will come until an operator acts
             except (SyncError, HttpError, CodecError, OSError) as e:
-                # Engine and directory hold what they held (every apply is atomic): try again from there.
-                self._round_failed(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused))
-                await sleep_or_stop(stop, RETRY_S)
+                # Engine and directory hold what they held (every apply is atomic): try again from there,
+                # after a backoff that grows while the failures last (one log line per outage).
+                await sleep_or_stop(stop, self._round_failed(f"{type(e).__name__}: {e}", logged=isinstance(e, Refused)))
             except Exception as e:  # noqa: BLE001 - the pool must keep following the head whatever broke
-                self._round_failed(f"unexpected {type(e).__name__}: {e}")
-                await sleep_or_stop(stop, RETRY_S)
+                await sleep_or_stop(stop, self._round_failed(f"unexpected {type(e).__name__}: {e}"))
             finally:
                 self._report_gateways()
 
@@ -248,10 +248,11 @@ class PolicyWeights:
         if self.metrics is not None:
             self.metrics.swaps.labels(self.model_id, way).inc()
 
-    def _round_failed(self, reason: str, *, logged: bool = False) -> None:
+    def _round_failed(self, reason: str, *, logged: bool = False) -> float:
+        """Report a failed round; the backoff before the next."""
         reason = f"{'sync' if self._started else 'start-up sync'}: {reason}"
         self.status.last_error = reason
-        self.sync.set_error(reason, logged=logged)  # heartbeats report the error state
+        return self.sync.set_error(reason, logged=logged)  # heartbeats report the error state
 
     def _note_error(self, reason: str) -> None:
         self.status.last_error = reason

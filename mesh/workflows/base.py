@@ -6,7 +6,8 @@ workflow's roles ("policy", "solver", "verifier", ...) to a model_id and each mo
 It returns `deltamesh.data.Trajectory` records, the broker's submission format, built with
 `trajectory_from_generation` and closed with `finalize_groups` so that each (model_id, group_id)
 group states its true size: a multi-turn workflow may emit a different number of trajectories per
-model than the task's n_samples.
+model than the task's n_samples. A workflow that runs model-written code declares `needs_sandbox`;
+the pool then hands it its one `Sandbox` through `EpisodeContext.sandbox`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
+from deltamesh.mesh.sandbox import Sandbox
 from deltamesh.data import Trajectory
 
 
@@ -67,6 +69,14 @@ class EpisodeContext:
     roles: Mapping[str, str] = field(default_factory=dict)
     pool: str = ""
     region: str = ""
+    sandbox: Sandbox | None = None
+    """Where model-written code runs; set by the pool for workflows that declare `needs_sandbox`."""
+
+    def need_sandbox(self, workflow: str) -> Sandbox:
+        """The sandbox, or WorkflowError: a code workflow never falls back to running code unsandboxed."""
+        if self.sandbox is None:
+            raise WorkflowError(f"the {workflow} workflow runs model-written code and needs a sandbox")
+        return self.sandbox
 
     def model_for(self, role: str) -> str:
         """The model_id playing `role`: from `roles`, or the only engine when there is just one."""
@@ -96,6 +106,8 @@ class WorkflowSpec:
     config_type: type
     episode: EpisodeFn
     description: str = ""
+    needs_sandbox: bool = False
+    """Whether episodes run model-written code (the pool then builds its sandbox, or refuses to start)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,50 @@ def render(template: str, **values: str) -> str:
     return template
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A run of tokens in a trajectory: the model's own (with behaviour logprobs and versions: trained
+    on, loss mask 1) or anyone else's (a prompt, an environment's observation: logprob 0, version -1,
+    loss mask 0)."""
+
+    tokens: Sequence[int]
+    logprobs: Sequence[float] | None = None
+    versions: Sequence[int] | None = None
+
+    @property
+    def generated(self) -> bool:
+        return self.logprobs is not None
+
+    @classmethod
+    def of(cls, gen: Generation) -> "Segment":
+        """The tokens an engine generated."""
+        return cls(gen.tokens, gen.logprobs, gen.versions)
+
+
+def trajectory_from_segments(
+    segments: Sequence[Segment], *, trajectory_id: str, task: Task, model_id: str, reward: float,
+    ctx: EpisodeContext, timings: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
+) -> Trajectory:
+    """One trajectory of the segments in order; `group_size` is set by `finalize_groups`."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    mask: list[int] = []
+    for seg in segments:
+        n = len(seg.tokens)
+        tokens += seg.tokens
+        logprobs += seg.logprobs if seg.logprobs is not None else [0.0] * n
+        versions += seg.versions if seg.versions is not None else [-1] * n
+        mask += [1 if seg.generated else 0] * n
+    return Trajectory(
+        id=trajectory_id, task_id=task.task_id, group_id=task.group_id, group_size=1, model_id=model_id,
+        tokens=np.asarray(tokens, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
+        loss_mask=np.asarray(mask, dtype=np.uint8), versions=np.asarray(versions, dtype=np.int32),
+        reward=float(reward), pool=ctx.pool, region=ctx.region,
+        timings={"finished_at": time.time(), **(timings or {})}, metadata=dict(metadata or {}),
+    )
+
+
 def trajectory_from_generation(
     gen: Generation, *, trajectory_id: str, task: Task, model_id: str, reward: float, ctx: EpisodeContext,
     timings: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
@@ -132,21 +188,9 @@ def trajectory_from_generation(
 
     Prompt positions carry logprob 0 and version -1. `group_size` is set by `finalize_groups`.
     """
-    n_prompt, n_gen = len(gen.prompt), len(gen.tokens)
-    return Trajectory(
-        id=trajectory_id,
-        task_id=task.task_id,
-        group_id=task.group_id,
-        group_size=1,
-        model_id=model_id,
-        tokens=np.asarray(gen.prompt + gen.tokens, dtype=np.int32),
-        logprobs=np.asarray([0.0] * n_prompt + gen.logprobs, dtype=np.float32),
-        loss_mask=np.asarray([0] * n_prompt + [1] * n_gen, dtype=np.uint8),
-        versions=np.asarray([-1] * n_prompt + gen.versions, dtype=np.int32),
-        reward=float(reward),
-        pool=ctx.pool,
-        region=ctx.region,
-        timings={"generate_s": gen.generate_s, "finished_at": time.time(), **(timings or {})},
+    return trajectory_from_segments(
+        [Segment(gen.prompt), Segment.of(gen)], trajectory_id=trajectory_id, task=task, model_id=model_id,
+        reward=reward, ctx=ctx, timings={"generate_s": gen.generate_s, **(timings or {})},
         metadata={"finish_reason": gen.finish_reason, **(metadata or {})},
     )
 

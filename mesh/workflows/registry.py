@@ -3,8 +3,9 @@
 `make_workflow("math", {"format_reward": 0.1})` checks the options against the workflow's config
 dataclass (through the one config loader, so a misspelt option is an error). A name of the form
 "package.module:NAME" loads the `WorkflowSpec` called NAME from any importable module, for
-workflows of one's own (the shipped ones are `...verifiable_math:MATH` and
-`...solver_verifier:SOLVER_VERIFIER`).
+workflows of one's own (the shipped ones are `...verifiable_math:MATH`,
+`...solver_verifier:SOLVER_VERIFIER`, `...code:CODE`, `...tool_use:TOOL_USE`,
+`...solver_selector:SOLVER_SELECTOR` and `...solver_testgen:SOLVER_TESTGEN`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from typing import Any, Mapping
 
 from deltamesh.config import ConfigError, from_dict
 from deltamesh.mesh.workflows.base import Workflow, WorkflowError, WorkflowSpec
+from deltamesh.mesh.workflows.code import CODE
+from deltamesh.mesh.workflows.solver_selector import SOLVER_SELECTOR
+from deltamesh.mesh.workflows.solver_testgen import SOLVER_TESTGEN
 from deltamesh.mesh.workflows.solver_verifier import SOLVER_VERIFIER
+from deltamesh.mesh.workflows.tool_use import TOOL_USE
 from deltamesh.mesh.workflows.verifiable_math import MATH
 
-WORKFLOWS: Mapping[str, WorkflowSpec] = MappingProxyType({spec.name: spec for spec in (MATH, SOLVER_VERIFIER)})
+WORKFLOWS: Mapping[str, WorkflowSpec] = MappingProxyType(
+    {spec.name: spec for spec in (MATH, SOLVER_VERIFIER, CODE, TOOL_USE, SOLVER_SELECTOR, SOLVER_TESTGEN)})
 
 
 def get_spec(name: str) -> WorkflowSpec:

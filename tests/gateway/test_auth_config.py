@@ -93,15 +93,15 @@ def test_cli_clients_carry_their_tokens(kit, spawn_gateway, tmp_path):
     common = ["--gateway", gw.url, "--model", "cli-m", "--key", str(kit.key.private), "--state", str(tmp_path / "st"),
               "--piece-mib", "0.01", str(src)]
     refused = _run("publish", *common)
-    assert refused.returncode == 1 and "401" in refused.stderr
+    assert refused.returncode == 4 and "401" in refused.stderr  # credentials refused (docs/CLI.md)
     published = _run("publish", *common, "--token", trainer)
     assert published.returncode == 0 and "published cli-m v0: full" in published.stdout, published.stderr
 
     listed = _run("pools", "--gateway", gw.url, "--json", "--token", admin)
     assert listed.returncode == 0 and json.loads(listed.stdout)["pools"] == []
     refused = _run("pools", "--gateway", gw.url, "--token", pool)
-    assert refused.returncode == 1 and "403" in refused.stderr and "roles: admin" in refused.stderr
+    assert refused.returncode == 4 and "403" in refused.stderr and "roles: admin" in refused.stderr
     links = _run("links", "--gateway", gw.url, "--json", "--token", admin)
     assert links.returncode == 0 and json.loads(links.stdout)["region"] == "eu-1"
     refused = _run("links", "--gateway", gw.url)
-    assert refused.returncode == 1 and "401" in refused.stderr
+    assert refused.returncode == 4 and "401" in refused.stderr

@@ -124,7 +124,7 @@ def test_mtls_origin_relay_chain_pool_bit_exact(kit, pki, spawn_gateway, tmp_pat
     wrong = ["--ca", str(pki["stranger_ca"].cert), *admin[2:]]
     refused = subprocess.run([*DELTAMESH, "pools", "--gateway", relay.url, *wrong],
                              capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
+    assert refused.returncode == 3 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr  # docs/CLI.md
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
 

@@ -26,7 +26,7 @@ import torch
 from deltamesh.delta import generate_key, read_weights, save_keypair
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
-from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
@@ -35,6 +35,9 @@ from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"
 TOKEN = "pool-token"
+STOPPED = (0, 130, 143, -signal.SIGKILL, -signal.SIGTERM)
+"""Exit statuses of a service that was stopped, not one that failed: done, stopped cleanly by SIGINT or
+SIGTERM (128 + the signal: docs/CLI.md), or killed."""
 
 
 def get_json(url: str, timeout: float = 10.0):
@@ -84,7 +87,7 @@ class Service:
         return self.proc is not None and self.proc.poll() is None
 
     def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None and self.proc.returncode not in (0, -9, -15):
+        if self.proc is not None and self.proc.poll() is not None and self.proc.returncode not in STOPPED:
             raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
 
     def wait_healthy(self, timeout: float = 90.0) -> "Service":
@@ -165,6 +168,14 @@ class PoolKit:
                 "--sampling.max-new-tokens", str(max_new_tokens), "--sync.heartbeat-s", "0.5",
                 "--sync.stall-timeout-s", "3", *extra]
         return self._spawn(name, args, f"http://127.0.0.1:{port}")
+
+    def broker_config(self, tasks: list[dict], *, models: tuple[str, ...] = (MODEL,), n_samples: int = 2,
+                      epochs: int = 1) -> BrokerConfig:
+        """An in-process broker's settings, serving `tasks` (written as its JSONL dataset)."""
+        dataset = self.tmp / "tasks.jsonl"
+        dataset.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        return BrokerConfig(models=list(models), durability="process",
+                            tasks=TasksConfig(dataset=str(dataset), n_samples=n_samples, epochs=epochs))
 
     def gateway_config(self, **kw) -> GatewayConfig:
         kw.setdefault("store", str(self.tmp / "store"))

@@ -74,7 +74,7 @@ def test_two_regions_generate_and_a_new_version_reaches_both(kit):
                    "trajectories generated with v2", procs=procs)
     for p in pools.values():
         p.kill(signal.SIGTERM)
-        assert p.proc.returncode == 0, p.log_tail()
+        assert p.proc.returncode == 143, p.log_tail()  # stopped cleanly by SIGTERM (docs/CLI.md)
 
     samples = _drain(broker.url, kit.model, 2)
     by_pool = {name: [s for s in samples if s["pool"] == name] for name in pools}

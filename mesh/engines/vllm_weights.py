@@ -1,0 +1,119 @@
+"""Writing weights into a live in-process vLLM engine through vLLM's own in-place reload API.
+
+vLLM keeps weights in its kernel format (q/k/v fused into one `qkv_proj`, gate/up into
+`gate_up_proj`, repacked for some hardware), so nothing here writes a parameter directly: every
+update goes through the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`
+(`vllm.model_executor.model_loader.reload.inplace`). It runs the model's own `load_weights` and
+post-processing layer by layer and copies each result into the existing storage, so the tensors
+handed over are checkpoint tensors (names and layout as in the model directory).
+
+vLLM processes a layer once every checkpoint tensor that feeds it has arrived; a layer handed part
+of its inputs (only `q_proj` of a `qkv_proj`, or a weight without its bias) is materialised with the
+rest uninitialised (seen here: k and v became garbage when only q was reloaded). So an update that
+touches some tensors hands over every tensor of each layer it touches (`layer_groups`, through the
+model's `packed_modules_mapping`), and vLLM re-processes only those layers: its time is the floor
+of an in-place update.
+
+The engine core must run in this process (`multiprocess_mode=False`): the tensors go to the worker
+by reference, not serialised through a socket. A reload that fails half way leaves layers buffered
+on the meta device; `restore` finishes vLLM's reload state first, then writes the previous tensors
+of the same layers back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+# vLLM's reload warns once per layer it was not handed anything for, and lists those weights: on a
+# partial update that is every untouched layer, by design, so those two loggers are quieted then.
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+class VLLMWeights:
+    """The weights side of one in-process `vllm.v1.engine.llm_engine.LLMEngine`. Callers make sure
+    no engine step runs meanwhile."""
+
+    def __init__(self, engine: Any, names: Iterable[str]) -> None:
+        self._engine = engine
+        (packed,) = engine.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+        # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
+        self._fused_into = {part: fused for fused, parts in packed.items() for part in parts}
+        self._groups = self._group(names)
+        self.last_reload_s = 0.0
+        """Seconds the last reload spent inside vLLM (its re-processing: the floor of an update)."""
+
+    def layer_groups(self, changed: Iterable[str]) -> list[str]:
+        """Every checkpoint tensor of each layer that one of `changed` feeds, in checkpoint order."""
+        layers = {self._layer_of(name) for name in changed}
+        return [name for layer in sorted(layers) for name in self._groups.get(layer, [layer])]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        """Hand vLLM `tensors[name]` for `names` (whole layers, see `layer_groups`); vLLM reprocesses
+        those layers and leaves the others as they are."""
+        partial = len(names) < sum(len(g) for g in self._groups.values())
+        with _quiet(partial):
+            self._reload(weights_iterator=((name, tensors[name]) for name in names))
+
+    def load_dir(self, path: str) -> None:
+        """vLLM reads the checkpoint in directory `path` itself and reprocesses every layer."""
+        self._reload(weights_path=path)
+
+    def restore(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        """After a failed `load`/`load_dir`: finish whatever reload state vLLM was left in, then load
+        `tensors` for `names` (what those layers held before)."""
+        self._engine.collective_rpc(_finish_reload)
+        self.load(tensors, names)
+
+    def _reload(self, **source: Any) -> None:
+        started = time.perf_counter()
+        self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        self.last_reload_s = time.perf_counter() - started
+
+    def _layer_of(self, name: str) -> str:
+        module, _, _param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused = self._fused_into.get(leaf)
+        return f"{parent}.{fused}" if fused else module
+
+    def _group(self, names: Iterable[str]) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            groups[self._layer_of(name)].append(name)
+        return dict(groups)
+
+
+def _finish_reload(worker: Any) -> None:
+    """Runs in the worker: end a reload that raised half way (layers left on the meta device with
+    wrapped loaders), as vLLM's own reload ends one."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+
+
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    below_error = _BelowError()
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(below_error)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(below_error)
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR

@@ -1,0 +1,165 @@
+"""The vLLM engine on real SmolLM2-135M weights: generation, swaps between steps, in-place updates.
+
+vLLM (the CPU build, installed by `make install`) starts once for this whole module (~30 s here);
+every test shares that engine and leaves it serving v0's weights. A real delta is one Adam step at
+lr 5e-6 (`smollm2_adam_versions`). "Equal to a fresh engine" is checked against the same engine
+reloading that version's directory from disk (`load_version`, vLLM's `reload_weights(weights_path=)`),
+which starts no second engine; the transformers engine's logprobs are compared for closeness only
+(other kernels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deltamesh.delta import (
+    BaseMismatchError,
+    decode_version,
+    encode_delta,
+    encode_full,
+    generate_key,
+    load_manifest,
+    read_weights,
+    write_weights,
+)
+from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
+from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+KEY = generate_key()
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict:
+    return {"v0": read_weights(smollm2_model_dir()), "v1": smollm2_adam_versions([5e-6])[5e-6]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = VLLMEngine(VLLMEngineConfig(model_id=MODEL, model_dir=str(smollm2_model_dir())))
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def version_dirs(tmp_path_factory, weights) -> dict[str, Path]:
+    """Model directories (config, tokenizer) holding v0's and v1's weights, without a manifest."""
+    root = tmp_path_factory.mktemp("vllm-versions")
+    dirs = {}
+    for name, w in weights.items():
+        dirs[name] = root / name
+        shutil.copytree(smollm2_model_dir(), dirs[name], ignore=shutil.ignore_patterns("*.safetensors*"))
+        write_weights(dirs[name], w)
+    return dirs
+
+
+def decoded(old: dict | None, new: dict, version: int, base_version: int | None = None):
+    """`new` as the pool hands it over: a signed delta from `old` (or a full snapshot), verified, decoded."""
+    if old is None:
+        enc = encode_full(new, model_id=MODEL, version=version, key=KEY)
+    else:
+        enc = encode_delta(old, new, model_id=MODEL, version=version, base_version=base_version, key=KEY)
+    return decode_version(load_manifest(enc.manifest_bytes, [KEY.public_key()]), enc.pieces)
+
+
+def probe(engine: Engine) -> tuple[list[int], list[float]]:
+    (gen,) = asyncio.run(engine.generate([engine.encode("The capital of France is")], GREEDY))
+    return gen.tokens, gen.logprobs
+
+
+def back_to_v0(engine: VLLMEngine, version_dirs: dict[str, Path], version: int) -> None:
+    asyncio.run(engine.load_version(version_dirs["v0"], version))
+
+
+def test_generates_with_logprobs_and_versions(engine: VLLMEngine) -> None:
+    assert isinstance(engine, Engine) and engine.supports_in_place
+    prompts = [engine.encode("The capital of France is"), engine.encode("1, 2, 3,")]
+    gens = asyncio.run(engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)))
+    for gen in gens:
+        assert 1 <= len(gen.tokens) == len(gen.logprobs) == len(gen.versions) <= 6
+        assert all(lp <= 0 for lp in gen.logprobs) and set(gen.versions) == {engine.version}
+        assert gen.finish_reason in ("stop", "length")
+    again = asyncio.run(engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)))
+    assert [g.tokens for g in again] == [g.tokens for g in gens]  # a request's seed makes it reproducible
+    stop = gens[0].tokens[1]
+    (stopped,) = asyncio.run(engine.generate(prompts[:1], SamplingParams(max_new_tokens=6, temperature=0.8, seed=3,
+                                                                         stop_token_ids=(stop,))))
+    assert stopped.tokens == gens[0].tokens[:2] and stopped.finish_reason == "stop"  # the stop token is kept
+    with pytest.raises(ValueError):
+        asyncio.run(engine.generate([[10**9]], GREEDY))
+
+
+def test_logprobs_close_to_transformers_engine(engine: VLLMEngine) -> None:
+    tokens, logprobs = probe(engine)
+    reference = TransformersEngine(TransformersEngineConfig(model_id=MODEL, model_dir=str(smollm2_model_dir())))
+    ref_tokens, ref_logprobs = probe(reference)
+    assert tokens == ref_tokens
+    # Other kernels, same bf16 weights: measured here up to ~0.03 nats apart.
+    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 0.1
+
+
+def test_delta_swapped_mid_generation_tags_later_tokens(engine: VLLMEngine, weights, version_dirs) -> None:
+    async def scenario():
+        params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+        task = asyncio.create_task(engine.generate([engine.encode("Once upon a time")], params))
+        while not any(len(r.gen.tokens) >= 3 for r in engine._requests.values()):
+            await asyncio.sleep(0.01)
+        await engine.apply_update(decoded(weights["v0"], weights["v1"], 1, 0))
+        return await task
+
+    (gen,) = asyncio.run(scenario())
+    assert engine.version == 1
+    assert gen.versions[0] == 0 and gen.versions[-1] == 1 and gen.versions == sorted(gen.versions)
+    assert engine.metrics.straddled._value.get() >= 1
+    back_to_v0(engine, version_dirs, 2)
+
+
+def test_in_place_equals_reload_from_disk(engine: VLLMEngine, weights, version_dirs) -> None:
+    base = engine.version
+    v0 = probe(engine)
+    asyncio.run(engine.apply_update(decoded(weights["v0"], weights["v1"], base + 1, base)))
+    in_place = probe(engine)
+    assert in_place != v0  # one Adam step moves the probe's logprobs
+    asyncio.run(engine.load_version(version_dirs["v1"], base + 2))
+    assert probe(engine) == in_place  # the same weights from disk, every layer reprocessed: bit-equal
+    asyncio.run(engine.apply_update(decoded(None, weights["v0"], base + 3)))  # a full snapshot, in place
+    assert engine.version == base + 3 and probe(engine) == v0
+
+
+def test_failed_updates_keep_the_old_version(engine: VLLMEngine, weights, monkeypatch) -> None:
+    base = engine.version
+    before = probe(engine)
+    wrong_base = decoded(weights["v1"], weights["v0"], base + 1, base)  # a delta from weights not served
+    with pytest.raises(BaseMismatchError):
+        asyncio.run(engine.apply_update(wrong_base))
+    assert engine.version == base and probe(engine) == before
+
+    # vLLM fails half way through its reload: the layers it already took are put back.
+    reload = engine._weights._reload
+    failures = []
+
+    def failing(**source):  # the first reload fails after 40 tensors; the restore goes through
+        def items():
+            for k, item in enumerate(source["weights_iterator"]):
+                if k == 40 and not failures:
+                    failures.append(k)
+                    raise RuntimeError("injected failure inside vLLM's reload")
+                yield item
+        reload(weights_iterator=items())
+
+    monkeypatch.setattr(engine._weights, "_reload", failing)
+    with pytest.raises(EngineError, match="still serving"):
+        asyncio.run(engine.apply_update(decoded(weights["v0"], weights["v1"], base + 1, base)))
+    monkeypatch.undo()
+    assert failures and engine.version == base and probe(engine) == before
+    asyncio.run(engine.apply_update(decoded(weights["v0"], weights["v1"], base + 1, base)))  # and it still updates
+    assert engine.version == base + 1 and probe(engine) != before
