@@ -97,8 +97,8 @@ def start_broker(workdir: Path, config: str, secured: bool, db: str) -> tuple[su
                             stdout=log, stderr=subprocess.STDOUT)
     access.url = f"{'https' if secured else 'http'}://127.0.0.1:{port}"
     try:
-        # /v1/status answers 200 only once the broker serves (on PostgreSQL: once it holds the lease)
-        wait_healthy(access.url, proc, "/v1/status", tls=access.tls if secured else None, timeout=60, ok_only=True)
+        # on PostgreSQL the broker serves only once it holds the leadership lease
+        wait_healthy(access.url, proc, tls=access.tls if secured else None, timeout=60, expect={"role": "active"})
     except RuntimeError as e:
         proc.kill()
         raise RuntimeError(f"broker: {e}: {(workdir / 'broker.log').read_text()[-2000:]}") from None

@@ -54,10 +54,11 @@ def emit(result: dict[str, Any], args: argparse.Namespace, print_table: Callable
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None,
-                 timeout: float = 60.0, ok_only: bool = False, poll_s: float = 0.1) -> None:
-    """Return once `url + path` answers at all (any HTTP status; with `ok_only` only a 2xx, so that a
-    standby broker's 503 does not count); RuntimeError if `proc` exits first or nothing answers within
-    `timeout` seconds. It asks every `poll_s` seconds (smaller where the wait itself is measured)."""
+                 timeout: float = 60.0, expect: dict[str, Any] | None = None, poll_s: float = 0.1) -> None:
+    """Return once `url + path` answers at all (any HTTP status; with `expect`, only a 2xx whose JSON
+    body holds those items, e.g. {"role": "active"} for the broker that serves, not a standby);
+    RuntimeError if `proc` exits first or nothing answers within `timeout` seconds. It asks every
+    `poll_s` seconds (smaller where the wait itself is measured)."""
     from deltamesh.tls import client_context
 
     deadline = time.monotonic() + timeout
@@ -66,14 +67,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: 
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + path, timeout=1, context=context):
-                return
+            with urllib.request.urlopen(url + path, timeout=1, context=context) as resp:
+                if expect is None or expect.items() <= json.loads(resp.read()).items():
+                    return
         except urllib.error.HTTPError:
-            if not ok_only:
+            if expect is None:
                 return  # it answers
-            time.sleep(poll_s)
         except OSError:
-            time.sleep(poll_s)
+            pass
+        time.sleep(poll_s)
     raise RuntimeError(f"{url} did not come up")
 
 

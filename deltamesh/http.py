@@ -183,6 +183,11 @@ async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
         raise web.HTTPBadRequest(text=json.dumps({"error": f"malformed JSON: {e}"}), content_type="application/json")
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     """Turn aiohttp's HTTP exceptions and unexpected crashes into JSON error bodies."""
@@ -194,6 +199,12 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
         return error_response(e.status, e.reason if not e.text or e.text.startswith(f"{e.status}:") else e.text)
     except asyncio.CancelledError:
         raise
+    except ConnectionError as e:
+        if not _client_gone(request):
+            raise  # a connection of the handler's own (to an upstream) failed: a 500 below, as any error
+        # The client hung up mid-answer (a pool stopped, a relay turned to another source): routine.
+        log.info("%s %s: the client went away (%s)", request.method, request.path, e)
+        return web.Response(status=499)  # never sent: aiohttp finds the connection closed and lets it go
     except Exception as e:  # a bug must answer 500 with a reason, not drop the connection
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal error: {type(e).__name__}: {e}")

@@ -216,6 +216,8 @@ class PoolSyncConfig(WeightSyncSettings):
     """Label of the engine that serves the weights, as registered."""
     endpoint: str = field(default="", metadata=flag(metavar="URL"))
     """The pool's engine endpoint (probed by the gateway for RTT)."""
+    metrics_listen: str = field(default="", metadata=flag(metavar="HOST:PORT"))
+    """Serve Prometheus `/metrics` (and `/healthz`) on this address while following the head; empty: off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -223,6 +225,8 @@ class PoolSyncConfig(WeightSyncSettings):
             raise ValueError("name is required")
         if not self.dir:
             raise ValueError("dir is required")
+        if self.metrics_listen:
+            parse_listen(self.metrics_listen)
 
 
 @dataclass

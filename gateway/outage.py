@@ -28,8 +28,10 @@ class Outage:
     how long to wait before the next try, `succeeded` ends the outage."""
 
     def __init__(self, what: str, *, base_s: float = BASE_S, cap_s: float = CAP_S, remind_s: float = REMIND_S,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+                 retrying: str = "", clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+        """`retrying`: how the caller tries again, for the first line (default: the backoff's bounds)."""
         self.what, self.base_s, self.cap_s, self.remind_s = what, base_s, cap_s, remind_s
+        self.retrying = retrying or f"with backoff (up to {cap_s:.0f} s apart)"
         self._clock = clock
         self._rng = rng or random.Random()
         self.failures = 0
@@ -43,7 +45,7 @@ class Outage:
         if self.failures == 1:
             self._since = self._told = now
             if not quiet:
-                log.warning("%s: %s; trying again with backoff (up to %.0f s apart)", self.what, reason, self.cap_s)
+                log.warning("%s: %s; trying again %s", self.what, reason, self.retrying)
         elif now - self._told >= self.remind_s:
             self._told = now
             log.warning("%s: still failing after %s (%d tries): %s", self.what, _span(now - self._since),

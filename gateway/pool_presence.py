@@ -17,7 +17,7 @@ import aiohttp
 
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.sync_errors import SyncError, credentials_refused
+from deltamesh.gateway.sync_errors import SyncError, credentials_refused, unreachable
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 
@@ -53,7 +53,8 @@ class Presence:
                 errors.append(e)
         if errors and all(e.status in (401, 403) for e in errors):
             raise credentials_refused(c.name, [str(e) for e in errors])
-        raise SyncError(f"pool {c.name} could not register: {errors[-1] if errors else 'no gateway'}")
+        raise SyncError(f"pool {c.name} could not register: {errors[-1] if errors else 'no gateway'}") from unreachable(
+            errors)
 
     async def beat(self, session: aiohttp.ClientSession, model: str, state: Mapping[str, Any]) -> object:
         """One heartbeat (registering first if needed); the head the gateway answered with (unchecked)."""

@@ -9,6 +9,11 @@ will come until an operator acts, so the loops end with it, as one error.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltamesh.http import HttpError
+
 
 class SyncError(Exception):
     """A transfer that could not complete (no gateway answered, or the plan's data did not verify)."""
@@ -26,3 +31,9 @@ class CredentialsError(SyncError):
 def credentials_refused(pool: str, reasons: list[str]) -> CredentialsError:
     return CredentialsError(f"pool {pool}: every gateway refused its credentials ({'; '.join(reasons)}): check "
                             f"its token, or its client certificate (common name pool/{pool})")
+
+
+def unreachable(errors: list[HttpError]) -> HttpError | None:
+    """The error to chain to a SyncError when no gateway could be reached at all, so that the command's
+    exit code says so (3, docs/CLI.md); None when one of them answered, if only with an error."""
+    return errors[-1] if errors and all(e.status == 0 for e in errors) else None

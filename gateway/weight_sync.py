@@ -48,7 +48,7 @@ from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
 from deltamesh.gateway.pool_presence import Presence
 from deltamesh.gateway.sources import Source
-from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, credentials_refused
+from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, credentials_refused, unreachable
 from deltamesh.http import HttpError, bearer, client_session, request_json
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
@@ -92,7 +92,7 @@ class WeightSync:
         self._beat_now = asyncio.Event()
         self.outage = Outage(f"pool {config.name}: sync")
         """Failed rounds: the backoff before the next, and one log line per outage, not per try."""
-        self._beats = Outage(f"pool {config.name}: heartbeat")
+        self._beats = Outage(f"pool {config.name}: heartbeat", retrying=f"every {config.heartbeat_s:g} s")
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
@@ -282,7 +282,7 @@ class WeightSync:
                    timeout: float = 0.0, prefer: Source | None = None) -> tuple[Source, Any]:
         """A JSON call to the first gateway that answers it (`prefer` first, then in order of
         preference); the gateway and its answer."""
-        errors, denied = [], []
+        errors, denied, failures = [], [], []
         now = time.monotonic()
         ordered = [s for s in self.sources if s.healthy(now)] + [s for s in self.sources if not s.healthy(now)]
         if prefer is not None:
@@ -294,6 +294,7 @@ class WeightSync:
                                                   timeout_s=timeout + self.config.stall_timeout_s)
             except HttpError as e:
                 errors.append(str(e))
+                failures.append(e)
                 if e.status in (401, 403):  # perhaps only this gateway has not learned of the pool's token
                     denied.append(str(e))
                 elif e.status == 0 or e.status >= 500:
@@ -302,7 +303,7 @@ class WeightSync:
                     raise
         if denied and len(denied) == len(errors):
             raise credentials_refused(self.config.name, denied)
-        raise SyncError("no gateway answered: " + "; ".join(errors))
+        raise SyncError("no gateway answered: " + "; ".join(errors)) from unreachable(failures)
 
     async def _pick_model(self) -> str:
         _, answer = await self._ask("GET", "/v1/models")

@@ -20,6 +20,7 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -57,15 +58,28 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
         description="Multi-region weight distribution and rollout mesh for RL of LLMs.",
     )
     parser.add_argument("--version", action="version", version=f"deltamesh {__version__}")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    add_global_flags(parser, None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     pool_sub = command_group(sub, "pool", help="run or sync a rollout pool")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub, pool_sub)
+    for command in _parsers(parser)[1:]:  # before or after the command: `deltamesh gateway --log-format json`
+        add_global_flags(command, argparse.SUPPRESS)
     if not lazy:
         for command in _parsers(parser):
             command.add_deferred()
     return parser
+
+
+def add_global_flags(parser: argparse.ArgumentParser, default: Any) -> None:
+    """The flags every command takes. A command's parser gets them with `default` SUPPRESS, so that one
+    given before the command is not reset by its absence after it."""
+    from deltamesh.logs import LOG_FORMATS
+
+    group = parser.add_argument_group("logging (before or after the command)")
+    group.add_argument("--log-level", default=default, help="DEBUG, INFO (default), WARNING, ERROR")
+    group.add_argument("--log-format", choices=LOG_FORMATS, default=default,
+                       help="text (default) or json: one JSON object a line ($DELTAMESH_LOG_FORMAT)")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -197,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     run = getattr(args, "run", None)
     if run is None:
         return usage(parser)
-    setup_logging(args.log_level)
+    if args.log_format:  # the processes a command starts (the demo's, an autoscaler's pools) log alike
+        os.environ["DELTAMESH_LOG_FORMAT"] = args.log_format
+    setup_logging(args.log_level, log_format=args.log_format)
     return int(run(args) or 0)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from typing import AsyncIterator
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
@@ -50,9 +52,29 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{sync.model} v{sync.version}")
                 return 0
             try:
-                await sync.run(stop)  # deregisters from its gateway once stopped
+                async with metrics_served(sync, config.metrics_listen):
+                    await sync.run(stop)  # deregisters from its gateway once stopped
             except CredentialsError as e:
                 return failed(e, exit_code(e, 2))
             return stop.exit_code  # 130/143 after a signal
 
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def metrics_served(sync, listen: str) -> AsyncIterator[None]:
+    """Serve `/metrics` and `/healthz` of `sync` on `listen` while the block runs; nothing when empty."""
+    if not listen:
+        yield
+        return
+    import logging
+
+    from deltamesh.gateway.sync_metrics import sync_registry
+    from deltamesh.http import serving
+    from deltamesh.mesh.pool.status import status_app
+
+    app = status_app(lambda: {"model": sync.model, "version": sync.version, "head": sync.head, "state": sync.state,
+                              "last_error": sync.last_error}, sync_registry(sync))
+    async with serving(app, listen) as url:
+        logging.getLogger(__name__).info("pool %s: metrics at %s/metrics", sync.config.name, url)
+        yield

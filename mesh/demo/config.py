@@ -6,6 +6,11 @@ reliably does within a few dozen steps on two CPU cores. `model = "smollm2"` run
 pretrained SmolLM2-135M-Instruct at lr 5e-6 instead (a realistic delta size, slower steps). Every
 field left as None takes its value from the model's `Recipe` in `__post_init__`, so a finished
 `DemoConfig` is complete; checks name the bad field.
+
+The code workflows (`code`, `solver_selector`, `solver_testgen`) take their problems from the
+in-repo synthetic set (`code_tasks = "humaneval"`: HumanEval's 164), run model-written programs in
+each pool's sandbox (`[demo.sandbox]`, passed to every pool as `[pool.sandbox]`), and have their own
+recipes (`CODE_RECIPES`: longer answers, smaller batches, since each sample costs sandbox runs).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deltamesh.mesh.demo.topology import Topology, default_topology
+from deltamesh.mesh.sandbox.config import SandboxConfig
 
 
 @dataclass(frozen=True)
@@ -38,12 +44,31 @@ RECIPES: dict[str, Recipe] = {
     "smollm2": Recipe(lr=5e-6, max_new_tokens=4, group_size=4, groups_per_step=2, format_reward=0.2, max_digit=4),
 }
 
-WORKFLOW_MODELS: dict[str, tuple[str, ...]] = {"math": ("policy",), "solver_verifier": ("solver", "verifier")}
+# Code workflows: a program needs more than a digit, and every sample costs sandbox executions (the
+# two-policy ones several), so fewer samples per step. Math-only fields are unused there.
+CODE_RECIPES: dict[str, Recipe] = {
+    "tiny": Recipe(lr=5e-3, max_new_tokens=16, group_size=4, groups_per_step=2, format_reward=0.0, max_digit=2),
+    "smollm2": Recipe(lr=5e-6, max_new_tokens=64, group_size=4, groups_per_step=2, format_reward=0.0, max_digit=4),
+}
+
+# The policies (model_ids, one trainer and weight stream each) of each workflow: its roles' names.
+WORKFLOW_MODELS: dict[str, tuple[str, ...]] = {
+    "math": ("policy",), "solver_verifier": ("solver", "verifier"), "code": ("policy",),
+    "solver_selector": ("solver", "selector"), "solver_testgen": ("solver", "testgen"),
+}
+CODE_WORKFLOWS = ("code", "solver_selector", "solver_testgen")
 
 # Short templates for a character-level model; the Verifier accepts by answering "y".
 TINY_SOLVER_VERIFIER: dict[str, Any] = {
     "solver_template": "{prompt}", "verifier_template": "{prompt}{answer}?",
     "retry_template": "{prompt}{answer}{feedback}=", "accept_pattern": r"^\W*y",
+}
+# The tiny model's context is 512 characters: shorter Selector and retry prompts than the defaults,
+# which show whole programs and up to 1000 characters of test failures.
+TINY_CODE: dict[str, dict[str, Any]] = {
+    "code": {},
+    "solver_selector": {"selector_template": "{prompt}#A\n{a}#B\n{b}#?"},
+    "solver_testgen": {"retry_template": "{program}\n{feedback}\n{prompt}", "max_feedback_chars": 120},
 }
 
 
@@ -55,8 +80,13 @@ class DemoConfig:
     """Optimizer steps (versions published after v0) per trainer."""
     model: Literal["tiny", "smollm2"] = "tiny"
     """tiny: the random-init character model; smollm2: the real pretrained SmolLM2-135M-Instruct."""
-    workflow: Literal["math", "solver_verifier"] = "math"
-    """math: one policy; solver_verifier: two policies, two trainers."""
+    workflow: Literal["math", "solver_verifier", "code", "solver_selector", "solver_testgen"] = "math"
+    """math, code: one policy; solver_verifier, solver_selector, solver_testgen: two policies, two trainers
+    (docs/WORKFLOWS.md)."""
+    code_tasks: Literal["synthetic", "humaneval"] = "synthetic"
+    """Problems of the code workflows: the in-repo synthetic set, or HumanEval (the `code` extra)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where the code workflows' pools run model-written code (each pool's `[pool.sandbox]`)."""
     seed: int = 0
     """Seed of the trainer, the pools' sampling and the task set."""
     lr: float | None = None
@@ -98,7 +128,7 @@ class DemoConfig:
             raise ValueError(f"model must be one of {sorted(RECIPES)}, got {self.model!r}")
         if self.workflow not in WORKFLOW_MODELS:
             raise ValueError(f"workflow must be one of {sorted(WORKFLOW_MODELS)}, got {self.workflow!r}")
-        recipe = RECIPES[self.model]
+        recipe = (CODE_RECIPES if self.workflow in CODE_WORKFLOWS else RECIPES)[self.model]
         for name in ("lr", "group_size", "groups_per_step", "max_new_tokens", "format_reward", "max_digit"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(recipe, name))
@@ -130,6 +160,10 @@ class DemoConfig:
         return WORKFLOW_MODELS[self.workflow]
 
     @property
+    def needs_sandbox(self) -> bool:
+        return self.workflow in CODE_WORKFLOWS
+
+    @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
 
@@ -139,4 +173,6 @@ class DemoConfig:
     def workflow_options(self) -> dict[str, Any]:
         if self.workflow == "math":
             return {"format_reward": self.format_reward}
-        return dict(TINY_SOLVER_VERIFIER) if self.model == "tiny" else {}
+        if self.model != "tiny":
+            return {}
+        return dict(TINY_CODE[self.workflow] if self.workflow in CODE_WORKFLOWS else TINY_SOLVER_VERIFIER)

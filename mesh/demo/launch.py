@@ -1,8 +1,9 @@
 """Laying out and starting the demo mesh: keys, task set, config files, then every service as a process.
 
 `prepare` writes everything the services read into the run directory: the trainer's Ed25519 key
-pair, the digit-sum task set, and one TOML file per broker, trainer and pool (written with the
-services' own config tables, so each one's settings can be read and rerun by hand). `start` then
+pair, the task set (digit sums, or for a code workflow its code problems, which the broker cycles
+through as many epochs as the run needs), and one TOML file per broker, trainer and pool (written
+with the services' own config tables, so each one's settings can be read and rerun by hand). `start` then
 launches the broker, the gateways in topology order (each relay gets its link's bandwidth cap and
 added latency), the pools and the trainers, all on free loopback ports; they find each other through
 the URLs given here and retry until their peers answer, so they boot side by side.
@@ -11,17 +12,20 @@ the URLs given here and retry until their peers answer, so they boot side by sid
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
 
+from deltamesh.config import to_dict
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
 from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
+from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 
 
@@ -36,6 +40,8 @@ class MeshPlan:
     public_key: Path
     pool_token: str
     """The pools' token on an anonymous (plain-HTTP) mesh, where gateways take any."""
+    epochs: int = 1
+    """Passes the broker makes over tasks.jsonl (a small code set is cycled through)."""
     creds: MeshCredentials | None = None
     """The run's CA, server certificates and tokens; None for a plain-HTTP, anonymous mesh."""
     broker: Service | None = None
@@ -91,9 +97,16 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
                                       [p.name for p in config.topology.pools], list(config.model_ids))
     # Enough prompts that the trainers never run dry (backpressure keeps production near consumption).
     count = (config.steps + 20) * config.groups_per_step * 4
+    if config.needs_sandbox:
+        plan.epochs = math.ceil(count / write_tasks(code_problems(config.code_tasks), run_dir / "tasks.jsonl"))
+        return plan
     tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
     (run_dir / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return plan
+
+
+def code_problems(source: str) -> list[CodeProblem]:
+    return humaneval_problems() if source == "humaneval" else synthetic_problems()
 
 
 def _write_toml(path: Path, tables: dict) -> Path:
@@ -108,10 +121,13 @@ def _http(name: str, kind: str, args: list[str], log_path: Path, port: int, sche
 
 def broker_service(plan: MeshPlan) -> Service:
     cfg, port = plan.config, free_port()
+    # A code episode of the real model (several generations of up to 64 tokens on one thread, then
+    # sandbox runs) can take minutes: its lease must outlive it, or the task goes out twice meanwhile.
+    lease_timeout_s = 600.0 if cfg.needs_sandbox else 60.0
     config = _write_toml(plan.run_dir / "broker" / "broker.toml", {"broker": {
         "models": list(cfg.model_ids), "durability": "process",
-        "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": 1,
-                  "lease_timeout_s": 60.0, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
+        "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": plan.epochs,
+                  "lease_timeout_s": lease_timeout_s, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
     }})
     args = ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
             "--config", str(config)]
@@ -153,6 +169,7 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
         "worker": {"workflow": cfg.workflow, "workflow_options": cfg.workflow_options(), "lease_batch": 2,
                    "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0},
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
+        **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}),
     }})
     args = ["pool", "run", "--config", str(config)]
     return _http(name, "pool", args, plan.run_dir / "logs" / f"pool-{name}.log", port)

@@ -3,6 +3,8 @@
 Per step of each policy: reward, version, the bytes each link carried for that version against the
 full snapshot's size, the trainer's wait fraction and timings, how far behind each pool was, how
 many samples each pool contributed, and how long after the step the last pool served the version.
+Per pool, for the code workflows, the outcome counts of its sandbox's tests (passed, failed, error,
+timeout, resource_limit), and their sum in the summary.
 The chart (matplotlib, Agg backend, no display needed) shows reward per step and, on a log scale,
 bytes per version on each link with the full-sync size as a dashed line. The summary also lists, per
 version published as delta + full (the periodic full syncs), what each link carried for it.
@@ -20,6 +22,7 @@ from typing import Any
 from deltamesh.config import to_dict
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.state import MeshState
+from deltamesh.mesh.sandbox import Outcome
 
 
 @dataclass
@@ -88,6 +91,7 @@ def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome
     for name, p in state.pools.items():
         pools[name] = {
             "region": p.region, "submitted": p.submitted(), "pulled_bytes": dict(p.pulled),
+            "sandbox": sandbox_totals([p.sandbox_counts()]),
             "moves": {m: [{"version": v, "at": at, "pulled_bytes": b} for v, at, b in moves]
                       for m, moves in p.moves.items()},
         }
@@ -97,12 +101,24 @@ def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome
         "config": to_dict(config), "run_dir": str(run_dir), "outcome": outcome, "error": error,
         "started_at": state.started_at, "models": models, "pools": pools, "links": links,
         "final_checks": [{**to_dict(c), "bit_exact": c.bit_exact} for c in checks],
-        "processes": processes, "summary": summary(models, checks),
+        "processes": processes, "summary": summary(models, checks, pools),
     }
 
 
-def summary(models: dict[str, Any], checks: list[FinalCheck]) -> dict[str, Any]:
-    out: dict[str, Any] = {"all_pools_bit_exact": bool(checks) and all(c.bit_exact for c in checks)}
+def sandbox_totals(readings: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Sandbox outcome counts added up, every outcome listed (0 if never seen); None when none ran one."""
+    counted = [c for c in readings if c is not None]
+    if not counted:
+        return None
+    total: Counter[str] = Counter()
+    for counts in counted:
+        total.update(counts)
+    return {o.value: total[o.value] for o in Outcome}
+
+
+def summary(models: dict[str, Any], checks: list[FinalCheck], pools: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"all_pools_bit_exact": bool(checks) and all(c.bit_exact for c in checks),
+                           "sandbox": sandbox_totals([p["sandbox"] for p in pools.values()])}
     for model_id, m in models.items():
         rows = m["steps"][1:] if len(m["steps"]) > 1 else m["steps"]  # v1 onwards: deltas, not the first sync
         per_link: dict[str, list[int]] = {}
@@ -113,6 +129,8 @@ def summary(models: dict[str, Any], checks: list[FinalCheck]) -> dict[str, Any]:
         out[model_id] = {
             "steps": len(m["steps"]), "final_version": m["final_version"],
             "reward_first_third": m["reward_first_third"], "reward_last_third": m["reward_last_third"],
+            # Also for runs too short for thirds (a smoke run of a few steps).
+            "reward_mean": statistics.fmean(r["reward"] for r in m["steps"]) if m["steps"] else None,
             "mean_wait_fraction": statistics.fmean(r["wait_fraction"] for r in m["steps"]) if m["steps"] else None,
             "mean_link_bytes_per_version": {k: statistics.fmean(v) for k, v in per_link.items()},
             "full_bytes": statistics.median(fulls) if fulls else None,

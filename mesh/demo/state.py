@@ -86,6 +86,11 @@ class PoolReading:
     def submitted(self) -> int:
         return int(self.status.get("worker", {}).get("submitted", 0))
 
+    def sandbox_counts(self) -> dict[str, int] | None:
+        """Outcome -> test executions its sandbox has run; None for a pool without one (no code workflow)."""
+        counts = self.status.get("sandbox")
+        return None if counts is None else {k: int(n) for k, n in counts.items()}
+
 
 @dataclass
 class MeshState:

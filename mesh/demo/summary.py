@@ -1,4 +1,5 @@
-"""The demo's closing summary on the terminal: what was learned, what the links carried, whether pools are exact."""
+"""The demo's closing summary on the terminal: what was learned, what the links carried, whether pools are exact,
+and for the code workflows what the sandboxes made of the programs."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def print_summary(console: Console, result: DemoResult) -> None:
     for model_id, m in report["models"].items():
         facts: dict[str, Any] = s.get(model_id, {})
         console.print(f"[bold]{model_id}[/]: {facts.get('steps', 0)} steps, final version v{m['final_version']}; "
+                      f"mean reward {_fmt(facts.get('reward_mean'))}; "
                       f"reward {_fmt(facts.get('reward_first_third'))} (first third) -> "
                       f"{_fmt(facts.get('reward_last_third'))} (last third); "
                       f"mean trainer wait fraction {_fmt(facts.get('mean_wait_fraction'), '.2f')}")
@@ -40,6 +42,7 @@ def print_summary(console: Console, result: DemoResult) -> None:
             links = ", ".join(f"{link} {human_bytes(n)}" for link, n in sorted(row["link_bytes"].items()))
             console.print(f"  v{row['version']} (published as delta + full, full {human_bytes(row['full_bytes'])}): "
                           f"{links or '-'}")
+    print_sandbox(console, report)
     checks = report["final_checks"]
     if checks:
         exact = sum(1 for c in checks if c["bit_exact"])
@@ -53,3 +56,18 @@ def print_summary(console: Console, result: DemoResult) -> None:
     if result.chart_path is not None:
         console.print(f"chart:  {result.chart_path}")
     console.print(f"logs:   {report['run_dir']}/logs")
+
+
+def _outcomes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{outcome} {n}" for outcome, n in counts.items())
+
+
+def print_sandbox(console: Console, report: dict[str, Any]) -> None:
+    """The sandboxes' test outcomes, all pools together and per pool (nothing without a code workflow)."""
+    total = report["summary"].get("sandbox")
+    if total is None:
+        return
+    console.print(f"sandbox outcomes (tests run, all pools): {_outcomes(total)}")
+    for name, pool in report["pools"].items():
+        if pool.get("sandbox") is not None:
+            console.print(f"  {name}: {_outcomes(pool['sandbox'])}")

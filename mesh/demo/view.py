@@ -2,9 +2,9 @@
 
 `render` builds the live view from a `MeshState`: the trainers (step, reward, wait fraction, where
 a step's time goes), the pools (region, version served, versions behind the trainer, what they
-pulled), and the links (added latency and cap, measured RTT, bytes per version against what a full
-sync would have cost). `ProgressLines` gives one log line per new trainer step instead, for logs,
-CI and tests.
+pulled; for a code workflow, how many of its sandbox's tests passed), and the links (added latency
+and cap, measured RTT, bytes per version against what a full sync would have cost). `ProgressLines`
+gives one log line per new trainer step instead, for logs, CI and tests.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -62,7 +63,10 @@ def _trainers(state: MeshState, config: DemoConfig) -> Table:
 
 def _pools(state: MeshState, config: DemoConfig) -> Table:
     t = Table(title="rollout pools", title_justify="left")
-    for col in ("pool", "region", "hops", "serves", "behind trainer", "leasing", "samples sent", "pulled", "RTT"):
+    cols = ["pool", "region", "hops", "serves", "behind trainer", "leasing", "samples sent", "pulled", "RTT"]
+    if config.needs_sandbox:
+        cols.append("sandbox tests passed/run")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("pool", "region", "leasing") else "right")
     for name, p in state.pools.items():
         serves, behind = [], []
@@ -74,8 +78,12 @@ def _pools(state: MeshState, config: DemoConfig) -> Table:
         leasing = p.status.get("leasing") or {}
         verdict = "starting" if not p.status else ("yes" if leasing.get("may_lease") else
                                                    (leasing.get("reason") or "no")[:40])
-        t.add_row(name, p.region, str(config.topology.hops(p.region)), " ".join(serves), " ".join(behind), verdict,
-                  str(p.submitted()), human_bytes(sum(p.pulled.values())), _ms(p.rtt_ms))
+        row = [name, p.region, str(config.topology.hops(p.region)), " ".join(serves), " ".join(behind), verdict,
+               str(p.submitted()), human_bytes(sum(p.pulled.values())), _ms(p.rtt_ms)]
+        if config.needs_sandbox:
+            counts = p.sandbox_counts() or {}
+            row.append(f"{counts.get('passed', 0)}/{sum(counts.values())}")
+        t.add_row(*row)
     return t
 
 
@@ -89,7 +97,7 @@ def _links(state: MeshState, config: DemoConfig, upload_link: str) -> Table:
     for name, reading in rows:
         for model_id, run in state.models.items():
             carried = link_versions(run, name)
-            label = name if len(state.models) == 1 else f"{name} [{model_id}]"
+            label = name if len(state.models) == 1 else escape(f"{name} [{model_id}]")  # not rich markup
             last = f"v{carried[-1][0]}: {human_bytes(carried[-1][1])}" if carried else "-"
             mean = statistics.fmean(b for _, b in carried) if carried else None
             full = run.full_bytes or None

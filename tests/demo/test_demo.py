@@ -4,7 +4,9 @@ A short run (30 steps, the default three regions and three pools) must end with 
 the trainer's final version bit for bit (its synced weights checked here against the manifest the
 trainer signed, read from the origin gateway's store on disk), with samples from every pool trained
 on, with the reward risen, and with nothing left running. Ctrl-C in the middle of a run must stop
-every service and leave nothing behind.
+every service and leave nothing behind. A two-policy code workflow (`--workflow solver_testgen`, the
+synthetic problems, pools in two regions running programs in their sandboxes) must end the same way,
+bit-exact for both policies, with both policies' rewards and the sandboxes' outcome counts reported.
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def assert_all_stopped(report: dict, run_dir: Path) -> None:
                 assert s.connect_ex(("127.0.0.1", port)) != 0, f"{proc['name']} still listens on {port}"
 
 
+def assert_pools_hold_final(run_dir: Path, report: dict, model_id: str, steps: int) -> None:
+    """Every pool's synced weights of `model_id` are, tensor by tensor, the trainer's last version as it
+    signed it (read from the origin gateway's store on disk)."""
+    origin = report["config"]["topology"]["gateways"][0]["region"]
+    raw = (run_dir / "gateways" / origin / "models" / model_id / str(steps) / "delta" / "manifest.json").read_bytes()
+    final = load_manifest(raw, [load_public_key(run_dir / "keys" / "trainer.key.pub")])
+    assert final.version == steps and report["models"][model_id]["final_weights_hash"] == final.weights_hash
+    expected = {t.name: t.hash for t in final.tensors}
+    for pool in report["pools"]:
+        held = run_dir / "pools" / pool / model_id
+        manifest = dir_manifest(held)
+        assert manifest is not None and (manifest.version, manifest.weights_hash) == (steps, final.weights_hash)
+        weights = read_weights(held)
+        assert {name: tensor_digest(w) for name, w in weights.items()} == expected, (pool, model_id)
+
+
 def kill_leftovers(run_dir: Path) -> None:
     """Whatever a failed test left: its processes must not outlive it."""
     for line in leftovers(run_dir):
@@ -82,18 +100,7 @@ def test_a_short_demo_learns_and_every_pool_ends_bit_exact(run_dir):
     model = report["models"]["policy"]
     assert [s["version"] for s in model["steps"]] == list(range(1, STEPS + 1))
 
-    # The trainer's last version as it signed it, from the origin gateway's store on disk.
-    origin = report["config"]["topology"]["gateways"][0]["region"]
-    raw = (run_dir / "gateways" / origin / "models" / "policy" / str(STEPS) / "delta" / "manifest.json").read_bytes()
-    final = load_manifest(raw, [load_public_key(run_dir / "keys" / "trainer.key.pub")])
-    assert final.version == STEPS and model["final_weights_hash"] == final.weights_hash
-    expected = {t.name: t.hash for t in final.tensors}
-    for pool in report["pools"]:
-        held = run_dir / "pools" / pool / "policy"
-        manifest = dir_manifest(held)
-        assert manifest is not None and (manifest.version, manifest.weights_hash) == (STEPS, final.weights_hash)
-        weights = read_weights(held)
-        assert {name: tensor_digest(w) for name, w in weights.items()} == expected, pool
+    assert_pools_hold_final(run_dir, report, "policy", STEPS)
     assert all(c["bit_exact"] and c["engine_version"] == STEPS for c in report["final_checks"])
 
     trained = model["trained_samples_by_pool"]
@@ -135,4 +142,38 @@ def test_ctrl_c_stops_every_service_and_leaves_nothing_running(run_dir, tmp_path
     report = json.loads((run_dir / "report.json").read_text())
     assert report["outcome"] == "interrupted"
     assert len(report["models"]["policy"]["steps"]) >= 2
+    assert_all_stopped(report, run_dir)
+
+
+CODE_STEPS = 3
+
+
+def test_a_two_policy_code_workflow_reports_both_rewards_and_sandbox_outcomes_and_ends_bit_exact(run_dir):
+    # Two regions' pools; the tiny random model writes no working program, so the rewards are 0 and the
+    # point is the plumbing: both policies trained and synced, every program judged in a sandbox.
+    proc = subprocess.run([DELTAMESH, "demo", "--workflow", "solver_testgen", "--steps", str(CODE_STEPS),
+                           "--pools", "2", "--plain", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["outcome"] == "completed" and report["config"]["code_tasks"] == "synthetic"
+    assert {p["region"] for p in report["pools"].values()} == {"us-east", "eu-west"}
+    for model_id in ("solver", "testgen"):
+        model = report["models"][model_id]
+        assert [s["version"] for s in model["steps"]] == list(range(1, CODE_STEPS + 1))
+        assert all(0.0 <= s["reward"] <= 1.0 for s in model["steps"])
+        assert report["summary"][model_id]["reward_mean"] is not None
+        assert_pools_hold_final(run_dir, report, model_id, CODE_STEPS)
+        assert f"{model_id}: {CODE_STEPS} steps" in proc.stdout and "mean reward" in proc.stdout
+    assert len(report["final_checks"]) == 4
+    assert all(c["bit_exact"] and c["engine_version"] == CODE_STEPS for c in report["final_checks"])
+    assert "bit-exact: 4/4" in proc.stdout
+
+    outcomes = {"passed", "failed", "error", "timeout", "resource_limit"}
+    total = report["summary"]["sandbox"]
+    assert set(total) == outcomes and sum(total.values()) > 0, total
+    for name, pool in report["pools"].items():  # a pool may be starved of leases in 3 steps: no count > 0
+        assert pool["sandbox"] is not None and set(pool["sandbox"]) == outcomes, name
+    assert {o: sum(p["sandbox"][o] for p in report["pools"].values()) for o in outcomes} == total
+    assert "sandbox outcomes (tests run, all pools): passed" in proc.stdout
     assert_all_stopped(report, run_dir)

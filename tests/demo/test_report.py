@@ -9,6 +9,7 @@ written.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,20 @@ def test_report_rows_checks_and_files(tmp_path):
 def test_thirds():
     assert thirds([0.0, 0.1, 0.2, 0.6, 0.7, 0.8]) == (0.05, 0.75)
     assert thirds([1.0, 2.0]) == (None, None)
+
+
+def test_sandbox_outcomes_are_reported_per_pool_and_added_up():
+    """A code workflow's pools report their sandbox's counts (only the outcomes seen so far); the report
+    lists every outcome per pool and in the summary, and nothing for a pool without a sandbox."""
+    state = mesh_state()
+    state.pools["p1"].status["sandbox"] = {"passed": 3, "error": 5}
+    state.pools["p2"].status["sandbox"] = {"failed": 2, "error": 1, "timeout": 1}
+    report = build_report(state, DemoConfig(steps=2, workflow="solver_testgen"), run_dir=Path("/x"),
+                          outcome="completed", error="", checks=[], processes=[])
+    zero = {"passed": 0, "failed": 0, "error": 0, "timeout": 0, "resource_limit": 0}
+    assert report["pools"]["p1"]["sandbox"] == {**zero, "passed": 3, "error": 5}
+    assert report["summary"]["sandbox"] == {**zero, "passed": 3, "failed": 2, "error": 6, "timeout": 1}
+    assert report["summary"]["policy"]["reward_mean"] == pytest.approx(0.3)
+    plain = build_report(mesh_state(), DemoConfig(steps=2), run_dir=Path("/x"), outcome="completed", error="",
+                         checks=[], processes=[])
+    assert plain["summary"]["sandbox"] is None and plain["pools"]["p1"]["sandbox"] is None

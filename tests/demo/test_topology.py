@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltamesh.config import ConfigError, from_dict
+from deltamesh.config import ConfigError, from_dict, load_config
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.topology import Topology, default_topology, load_topology
@@ -66,3 +66,17 @@ def test_a_gateway_link_delay_must_be_sane(tmp_path):
     for bad in (-1.0, 60_001.0):
         with pytest.raises(ValueError, match="link_delay_ms"):
             GatewayConfig(trusted_keys=[key], link_delay_ms=bad)
+
+
+def test_the_code_workflows_take_their_recipe_tasks_and_sandbox_from_the_demo_config():
+    from deltamesh.mesh.cli import build_parser
+    from deltamesh.mesh.cli.demo import overrides
+
+    args = build_parser().parse_args(["demo", "--workflow", "solver_testgen", "--code-tasks", "humaneval",
+                                      "--sandbox.workers", "3"])
+    c = load_config(DemoConfig, None, section="demo", overrides=overrides(args))
+    assert c.model_ids == ("solver", "testgen") and c.needs_sandbox and c.code_tasks == "humaneval"
+    assert c.sandbox.workers == 3
+    assert c.max_new_tokens > 1 and c.workflow_options()["max_feedback_chars"] < 1000  # the tiny model's context
+    assert DemoConfig(workflow="solver_selector").model_ids == ("solver", "selector")
+    assert not DemoConfig(workflow="solver_verifier").needs_sandbox
