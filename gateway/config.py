@@ -217,7 +217,9 @@ class PoolSyncConfig(WeightSyncSettings):
     endpoint: str = field(default="", metadata=flag(metavar="URL"))
     """The pool's engine endpoint (probed by the gateway for RTT)."""
     metrics_listen: str = field(default="", metadata=flag(metavar="HOST:PORT"))
-    """Serve Prometheus `/metrics` (and `/healthz`) on this address while following the head; empty: off."""
+    """Serve Prometheus `/metrics` (and `/healthz`, `/v1/status`) on this address while following the
+    head; empty: off. Read-only and unauthenticated, like `pool run`'s status server: anyone who reaches
+    the address may read them, so bind it to loopback or the scraper's network."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -127,8 +127,6 @@ class Leadership:
 
     async def _step_down(self, on_deposed: Callable[[], Awaitable[None]], *, resign: bool) -> None:
         term, self.term, self._valid_until = self.term, None, 0.0
-        if self.leader_url == self.url:
-            self.leader_url = ""
         try:
             await on_deposed()
         finally:

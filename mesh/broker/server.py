@@ -180,7 +180,7 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
 
     On a PostgreSQL `db` the process is one of possibly several brokers on that database: it serves
     only while it holds the leadership lease, and answers 503 naming the active broker otherwise."""
-    tokens = broker_token_store(config, db if db is not None else config.db)
+    tokens = broker_token_store(config, db)
     if config.anonymous:
         log.warning("broker serves without authentication (anonymous = true): every caller may do anything")
     metrics = BrokerMetrics()

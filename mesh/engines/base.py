@@ -14,13 +14,14 @@ version serving, bit for bit.
 Behaviour log-probabilities are those of the temperature-scaled distribution (log_softmax of
 logits / temperature) before top-p/top-k truncation; this is what SGLang returns and what the trainer
 recomputes with its `temperature` setting. With temperature 0 (greedy) they are the model's own.
+`TokenizedEngine` is the part of the interface every adapter answers alike (version, tokenizer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from deltamesh.delta import DecodedVersion
@@ -118,3 +119,26 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         ...
+
+
+class TokenizedEngine:
+    """The parts of `Engine` that every adapter answers alike from the state it keeps: the served
+    `_version`, the model's `_tokenizer` and its end-of-sequence ids `_eos`."""
+
+    _version: int
+    _eos: tuple[int, ...]
+    _tokenizer: Any
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)

@@ -1,5 +1,6 @@
-"""Helpers shared by the in-process engines (transformers, vLLM): reading a model directory's
-weights checked against its manifest, checking prompts, and the end-of-sequence token ids of a model."""
+"""Helpers shared by the in-process engines (transformers, vLLM): what both answer the same way
+(`LocalEngine`), reading a model directory's weights checked against its manifest, checking prompts,
+and the end-of-sequence token ids of a model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,34 @@ from typing import Any, Sequence
 import torch
 
 from deltamesh.delta import BaseMismatchError, CorruptError, Manifest, dir_manifest, read_weights, tensor_digest
-from deltamesh.mesh.engines.base import EngineError
+from deltamesh.mesh.engines.base import EngineError, TokenizedEngine
+
+
+class LocalEngine(TokenizedEngine):
+    """What the in-process engines add alike: in-place updates, and the served weights' hash (kept in
+    `_weights_hash`)."""
+
+    _weights_hash: str | None
+
+    @property
+    def weights_hash(self) -> str | None:
+        """`weights_hash` of the served weights: known when they came with a manifest or after the
+        first delta (which computes it to check the delta's base); None before."""
+        return self._weights_hash
+
+    @property
+    def supports_in_place(self) -> bool:
+        return True
+
+
+def check_engine_settings(model_id: str, max_batch: int, version: int | None) -> None:
+    """ValueError naming the first of the settings every in-process engine config has that is wrong."""
+    if not model_id:
+        raise ValueError("model_id must be set")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if version is not None and version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
 
 
 def read_verified(path: Path, version: int) -> tuple[dict[str, torch.Tensor], Manifest | None]:

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from deltamesh.config import http_url
 from deltamesh.delta import DecodedVersion, dir_manifest
 from deltamesh.http import HttpError, client_session, request_json
-from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams
+from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams, TokenizedEngine
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sglang_server import launch_server, stop_server, wait_healthy
 from deltamesh.trainer.models import load_tokenizer
@@ -76,7 +76,7 @@ class SGLangEngineConfig:
             raise ValueError("timeouts must be > 0")
 
 
-class SGLangEngine:
+class SGLangEngine(TokenizedEngine):
     """SGLang adapter (see the module docstring). Use `await SGLangEngine.open(config)`."""
 
     def __init__(self, config: SGLangEngineConfig, *, registry: CollectorRegistry | None = None) -> None:
@@ -135,22 +135,8 @@ class SGLangEngine:
 
     # -- the Engine interface --------------------------------------------------------------------
     @property
-    def version(self) -> int:
-        return self._version
-
-    @property
     def supports_in_place(self) -> bool:
         return False
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         prompts = [[int(t) for t in p] for p in prompts]

@@ -39,7 +39,7 @@ from deltamesh.delta import (
     swap_in_place,
 )
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
-from deltamesh.mesh.engines.local import checked_prompts, eos_ids, read_verified
+from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sampling import sample_next
 from deltamesh.trainer.models import load_causal_lm, load_tokenizer
@@ -64,12 +64,7 @@ class TransformersEngineConfig:
     """Seed of the engine's sampling generator (None: random); a request's own seed overrides it."""
 
     def __post_init__(self) -> None:
-        if not self.model_id:
-            raise ValueError("model_id must be set")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.version is not None and self.version < 0:
-            raise ValueError(f"version must be >= 0, got {self.version}")
+        check_engine_settings(self.model_id, self.max_batch, self.version)
         torch.device(self.device)  # raises on a malformed device string
 
 
@@ -84,7 +79,7 @@ class _DecodeState:
     done: list[bool] = field(default_factory=list)
 
 
-class TransformersEngine:
+class TransformersEngine(LocalEngine):
     """In-process engine (see the module docstring). Construction loads the model and blocks."""
 
     def __init__(self, config: TransformersEngineConfig, *, registry: CollectorRegistry | None = None) -> None:
@@ -118,32 +113,8 @@ class TransformersEngine:
 
     # -- the Engine interface --------------------------------------------------------------------
     @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def weights_hash(self) -> str | None:
-        """`weights_hash` of the served weights: known when they came with a manifest or after the
-        first delta (which computes it to check the delta's base); None before."""
-        return self._weights_hash
-
-    @property
-    def supports_in_place(self) -> bool:
-        return True
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    @property
     def model(self) -> torch.nn.Module:
         return self._model
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         self._check_open()

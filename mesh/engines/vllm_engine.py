@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, apply_version, dir_manifest, read_weights
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
-from deltamesh.mesh.engines.local import checked_prompts, eos_ids, read_verified
+from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.vllm_weights import VLLMWeights
 from deltamesh.trainer.models import load_tokenizer
@@ -80,12 +80,7 @@ class VLLMEngineConfig:
     """More `vllm.EngineArgs` fields, passed as they are."""
 
     def __post_init__(self) -> None:
-        if not self.model_id:
-            raise ValueError("model_id must be set")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.version is not None and self.version < 0:
-            raise ValueError(f"version must be >= 0, got {self.version}")
+        check_engine_settings(self.model_id, self.max_batch, self.version)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -96,7 +91,7 @@ class _Request:
     done: asyncio.Future
 
 
-class VLLMEngine:
+class VLLMEngine(LocalEngine):
     """In-process vLLM engine (see the module docstring). Construction starts vLLM and blocks."""
 
     def __init__(self, config: VLLMEngineConfig, *, registry: CollectorRegistry | None = None) -> None:
@@ -128,32 +123,9 @@ class VLLMEngine:
 
     # -- the Engine interface --------------------------------------------------------------------
     @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def weights_hash(self) -> str | None:
-        """`weights_hash` of the served weights (None until known: no manifest and no delta yet)."""
-        return self._weights_hash
-
-    @property
-    def supports_in_place(self) -> bool:
-        return True
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    @property
     def last_reload_s(self) -> float:
         """Seconds the last update spent inside vLLM's reload (its re-processing of the layers)."""
         return self._weights.last_reload_s
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         self._check_serving()

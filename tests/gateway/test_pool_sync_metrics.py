@@ -5,7 +5,10 @@ none unless asked. A real pool process following a real gateway, scraped over HT
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 import urllib.request
+
+import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,6 +46,11 @@ def test_pool_sync_serves_its_metrics(kit, spawn_gateway, spawn_pool):
     assert got["deltamesh_pool_sync_failed_rounds"] == 0
     assert any(k.startswith("deltamesh_build_info") and "pool-sync" in k for k in got)
     assert "process_cpu_seconds_total" in got
+    for path in ("/metrics", "/v1/status"):  # read-only: a write is refused and changes nothing
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{url}{path}", data=b"{}", method="POST"), timeout=5)
+        assert refused.value.code == 405
+    assert scrape(url)["deltamesh_pool_sync_version[('model', 'tiny')]"] == 0
 
     gw.kill()
     kit.wait_until(lambda: scrape(url)["deltamesh_pool_sync_failed_rounds"] >= 1, 30, "failed rounds to show")
