@@ -18,7 +18,7 @@ from typing import Sequence
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.store import (
-    GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, content_digest,
+    GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, Submission,
 )
 from deltamesh.mesh.broker.store_rows import disagreeing_samples, group_mismatch, group_overflow, id_conflict
 
@@ -72,7 +72,7 @@ class CommitPlan:
     """The outcome of one group commit, in the order submissions came."""
 
     results: list[IngestResult | StoreConflict] = field(default_factory=list)
-    trajectories: list[tuple[Trajectory, str]] = field(default_factory=list)  # new ones, with their digests
+    trajectories: list[tuple[Trajectory, str, tuple]] = field(default_factory=list)  # new ones: digest, row
     groups: dict[GroupKey, StoredGroup] = field(default_factory=dict)  # every group changed: its new row
     summaries: dict[GroupKey, GroupSummary] = field(default_factory=dict)  # groups completed in this commit
     done_leases: list[str] = field(default_factory=list)
@@ -87,17 +87,17 @@ class Accepted:
     """What one accepted submission stores."""
 
     result: IngestResult
-    new: list[tuple[Trajectory, str]]  # its new trajectories, with their digests
+    new: list[tuple[Trajectory, str, tuple]]  # its new trajectories, with their digests and rows
     groups: dict[GroupKey, StoredGroup]  # the groups it changed: their new rows
     summaries: dict[GroupKey, GroupSummary]  # the groups it completed
 
 
-def plan_commit(submissions: Sequence[Sequence[Trajectory]], state: StoredState, verdict: GroupVerdict) -> CommitPlan:
+def plan_commit(submissions: Sequence[Submission], state: StoredState, verdict: GroupVerdict) -> CommitPlan:
     """Decide every submission of a commit against `state`, which is updated with the accepted ones."""
     plan = CommitPlan()
-    for trajectories in submissions:
+    for submission in submissions:
         try:
-            one = _plan_one(trajectories, state, verdict)
+            one = _plan_one(submission, state, verdict)
         except StoreConflict as e:
             plan.results.append(e)
             continue
@@ -106,7 +106,7 @@ def plan_commit(submissions: Sequence[Sequence[Trajectory]], state: StoredState,
         plan.groups.update(one.groups)
         plan.summaries.update(one.summaries)
         plan.done_leases += one.result.done_leases
-        state.digests.update((t.id, d) for t, d in one.new)
+        state.digests.update((t.id, d) for t, d, _ in one.new)
         state.groups.update(one.groups)
         for s in one.summaries.values():
             state.complete.setdefault(s.group_id, set()).add(s.model_id)
@@ -116,9 +116,10 @@ def plan_commit(submissions: Sequence[Sequence[Trajectory]], state: StoredState,
     return plan
 
 
-def _plan_one(trajectories: Sequence[Trajectory], state: StoredState, verdict: GroupVerdict) -> Accepted:
+def _plan_one(submission: Submission, state: StoredState, verdict: GroupVerdict) -> Accepted:
     """One submission against `state` (left unchanged); StoreConflict when it cannot be stored."""
-    digests = {t.id: content_digest(t) for t in trajectories}
+    trajectories = submission.trajectories
+    digests = {t.id: d for t, d in zip(trajectories, submission.digests)}
     if len(digests) != len(trajectories):
         raise StoreConflict("a submission lists the same trajectory id twice")
     existing = {i: state.digests[i] for i in digests if i in state.digests}
@@ -164,4 +165,5 @@ def _plan_one(trajectories: Sequence[Trajectory], state: StoredState, verdict: G
         complete = state.complete.get(group_id, set()) | {m for m, g in summaries if g == group_id}
         if models is not None and set(models) <= complete:
             result.done_leases.append(group_id)
-    return Accepted(result, [(t, digests[t.id]) for t in new], groups, summaries)
+    rows = {t.id: r for t, r in zip(trajectories, submission.rows)}
+    return Accepted(result, [(t, digests[t.id], rows[t.id]) for t in new], groups, summaries)

@@ -6,8 +6,8 @@ an acknowledgement is sent only after COMMIT returns, with `synchronous_commit =
 one) or `off` (durability "process": a killed broker loses nothing, a crashed server the last moments).
 A group commit (`ingest`) reads what its submissions touch in one pipelined round trip, decides them
 in memory (ingest_plan.py: each submission all-or-nothing, in order), then writes the accepted ones
-with one binary COPY and one pipelined batch of updates. Payload blobs are SqliteStore's
-(store_rows.pack_payload).
+with one binary COPY and one pipelined batch of updates. Payload blobs are SqliteStore's, packed
+before the commit (store_rows.pack_submission).
 
 Fencing: a store opened with a `LeaderTerm` starts every write transaction by locking the leadership
 row `FOR SHARE` where it still names that holder and epoch and has not expired; with no such row it
@@ -38,11 +38,11 @@ from deltamesh.mesh.broker.ingest_plan import CommitPlan, StoredGroup, StoredSta
 from deltamesh.mesh.broker.postgres_schema import UNAVAILABLE, apply_migrations
 from deltamesh.mesh.broker.store import (
     GroupKey, GroupVerdict, IngestResult, Lease, LeaderTerm, NotLeader, StoreConflict,
-    StoreSnapshot, StoreUnavailable, TaskRecord,
+    StoreSnapshot, StoreUnavailable, Submission, TaskRecord,
 )
 from deltamesh.mesh.broker.store_rows import (
-    TASK_COLUMNS, TRAJECTORY_COLUMNS, lease_values, pack_payload, read_snapshot, task_from_row, task_values,
-    trajectory_from_row, trajectory_values,
+    TASK_COLUMNS, TRAJECTORY_COLUMNS, lease_values, read_snapshot, task_from_row, task_values,
+    trajectory_from_row, without_payload,
 )
 
 T = TypeVar("T")
@@ -100,7 +100,6 @@ class PostgresStore:
         self.term = term
         self.history_limit = history_limit
         self._synchronous_commit = "on" if durability == "fsync" else "off"
-        self._compressor = zstandard.ZstdCompressor(level=1)
         self._decompressor = zstandard.ZstdDecompressor()
         self._conn: psycopg.Connection | None = None
         with self._errors("cannot open the broker's database"):
@@ -223,7 +222,7 @@ class PostgresStore:
 
     # ---- trajectories ---------------------------------------------------------------------------------
 
-    def ingest(self, submissions: Sequence[Sequence[Trajectory]], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
+    def ingest(self, submissions: Sequence[Submission], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
         stored = _StoredStateQuery(submissions)
         with self._write(stored.queue) as (db, _):  # the reads share the round trip of BEGIN and the fence
             plan = plan_commit(submissions, stored.result(), verdict)
@@ -238,9 +237,8 @@ class PostgresStore:
         if plan.trajectories:
             with cur.copy(_TRAJECTORY_INSERT) as copy:
                 copy.set_types(_TRAJECTORY_TYPES)
-                for t, digest in plan.trajectories:
-                    keep = (t.model_id, t.group_id) not in filtered
-                    copy.write_row(trajectory_values(t, pack_payload(t, self._compressor) if keep else None, digest))
+                for t, _, row in plan.trajectories:
+                    copy.write_row(row if (t.model_id, t.group_id) not in filtered else without_payload(row))
         rows = []
         for key, g in plan.groups.items():
             s = plan.summaries.get(key)
@@ -313,9 +311,9 @@ class PostgresStore:
 class _StoredStateQuery:
     """The reads of a commit's StoredState: everything its submissions name, queued in one pipeline."""
 
-    def __init__(self, submissions: Sequence[Sequence[Trajectory]]):
-        self.ids = [t.id for s in submissions for t in s]
-        self.keys = list(dict.fromkeys((t.model_id, t.group_id) for s in submissions for t in s))
+    def __init__(self, submissions: Sequence[Submission]):
+        self.ids = [t.id for s in submissions for t in s.trajectories]
+        self.keys = list(dict.fromkeys((t.model_id, t.group_id) for s in submissions for t in s.trajectories))
         self.group_ids = list(dict.fromkeys(k[1] for k in self.keys))
         self._cursors: tuple[psycopg.Cursor, ...] = ()
 

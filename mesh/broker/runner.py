@@ -4,7 +4,9 @@ Every store call goes through one single-thread executor, so the store sees one 
 long-polls and the HTTP server stay responsive while SQLite works. Trajectory submissions are
 coalesced: while one commit runs, new submissions queue, and the next commit writes all of them in
 one transaction (each still all-or-nothing on its own). That is what makes a durable acknowledgement
-cheap at thousands of trajectories per second: one fsync per commit, not per submission.
+cheap at thousands of trajectories per second: one fsync per commit, not per submission. A submission
+is packed (digests, payload blobs) as it is queued, on the event loop, so the worker thread's commits,
+the one serial path, do only the database's part.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
-from deltamesh.mesh.broker.store import BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable
+import zstandard
+
+from deltamesh.mesh.broker.store import (
+    BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable, Submission,
+)
+from deltamesh.mesh.broker.store_rows import pack_submission
 from deltamesh.data import Trajectory
 
 log = logging.getLogger(__name__)
@@ -37,7 +44,8 @@ class StoreRunner:
         self._on_ingested = on_ingested
         self._on_commit = on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="broker-store")
-        self._pending: deque[tuple[Sequence[Trajectory], asyncio.Future[IngestResult]]] = deque()
+        self._pending: deque[tuple[Submission, asyncio.Future[IngestResult]]] = deque()
+        self._compressor = zstandard.ZstdCompressor(level=1)  # used on the event loop only
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self.store: BrokerStore | None = None
@@ -73,7 +81,7 @@ class StoreRunner:
         if self._closed:
             raise StoreUnavailable(_CLOSED)
         fut: asyncio.Future[IngestResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((trajectories, fut))
+        self._pending.append((pack_submission(trajectories, self._compressor), fut))
         self._wakeup.set()
         return await fut
 
@@ -83,13 +91,13 @@ class StoreRunner:
             self._wakeup.clear()
             while self._pending:
                 batch, count = [], 0
-                while self._pending and (not batch or count + len(self._pending[0][0]) <= self._max_commit):
+                while self._pending and (not batch or count + len(self._pending[0][0].trajectories) <= self._max_commit):
                     item = self._pending.popleft()
                     batch.append(item)
-                    count += len(item[0])
+                    count += len(item[0].trajectories)
                 await self._commit(batch)
 
-    async def _commit(self, batch: list[tuple[Sequence[Trajectory], asyncio.Future[IngestResult]]]) -> None:
+    async def _commit(self, batch: list[tuple[Submission, asyncio.Future[IngestResult]]]) -> None:
         assert self.store is not None
         try:
             results = await self._run(self.store.ingest, [t for t, _ in batch], self._verdict)

@@ -6,7 +6,7 @@ it survives the broker process being killed (the WAL is in the OS page cache) bu
 crashing. The connection runs in EXCLUSIVE locking mode, so SQLite keeps the WAL index in process
 memory (no shared-memory file that could fault on a full disk) and a second broker on the same file
 fails at start instead of interleaving writes. Token arrays are stored as one blob per trajectory
-(store_rows.pack_payload, shared with PostgresStore). Disk full and I/O errors roll the transaction back
+(store_rows.pack_submission, shared with PostgresStore). Disk full and I/O errors roll the transaction back
 and surface as StoreUnavailable.
 
 A served batch is a row of `batches` in state `delivered` until the trainer acknowledges it (`acked`)
@@ -30,11 +30,11 @@ import zstandard
 
 from deltamesh.mesh.broker.store import (
     GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot,
-    StoreUnavailable, TaskRecord, content_digest,
+    StoreUnavailable, Submission, TaskRecord,
 )
 from deltamesh.mesh.broker.store_rows import (
     TASK_COLUMNS, TRAJECTORY_COLUMNS, disagreeing_samples, group_mismatch, group_overflow, id_conflict, lease_values,
-    pack_payload, read_snapshot, task_from_row, task_values, trajectory_from_row, trajectory_values,
+    read_snapshot, task_from_row, task_values, trajectory_from_row,
 )
 from deltamesh.data import Trajectory
 
@@ -82,7 +82,6 @@ class SqliteStore:
     def __init__(self, path: str | Path, *, durability: str = "fsync", history_limit: int = 100_000):
         self.path = Path(path)
         self.history_limit = history_limit
-        self._compressor = zstandard.ZstdCompressor(level=1)
         self._decompressor = zstandard.ZstdDecompressor()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,23 +172,24 @@ class SqliteStore:
 
     # ---- trajectories ---------------------------------------------------------------------------------
 
-    def ingest(self, submissions: Sequence[Sequence[Trajectory]], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
+    def ingest(self, submissions: Sequence[Submission], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
         results: list[IngestResult | StoreConflict] = []
         with self._transaction():
-            for trajectories in submissions:
+            for submission in submissions:
                 self._db.execute("SAVEPOINT submission")
                 try:
-                    results.append(self._ingest_one(trajectories, verdict))
+                    results.append(self._ingest_one(submission, verdict))
                 except StoreConflict as e:
                     self._db.execute("ROLLBACK TO submission")
                     results.append(e)
                 self._db.execute("RELEASE submission")
         return results
 
-    def _ingest_one(self, trajectories: Sequence[Trajectory], verdict: GroupVerdict) -> IngestResult:
-        db = self._db
+    def _ingest_one(self, submission: Submission, verdict: GroupVerdict) -> IngestResult:
+        db, trajectories = self._db, submission.trajectories
         ids = [t.id for t in trajectories]
-        digests = {t.id: content_digest(t) for t in trajectories}
+        digests = dict(zip(ids, submission.digests))
+        rows = dict(zip(ids, submission.rows))
         existing: dict[str, str | None] = {}
         for i in range(0, len(ids), _ID_CHUNK):
             chunk = ids[i:i + _ID_CHUNK]
@@ -201,7 +201,7 @@ class SqliteStore:
         new = [t for t in trajectories if t.id not in existing]
         db.executemany(
             "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [trajectory_values(t, pack_payload(t, self._compressor), digests[t.id]) for t in new])
+            [rows[t.id] for t in new])
         result = IngestResult(accepted=len(new), duplicates=len(existing),
                               accepted_by_model=dict(Counter(t.model_id for t in new)))
         first: dict[GroupKey, Trajectory] = {}

@@ -15,7 +15,8 @@ import zstandard
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.store import (
-    Delivery, GroupKey, GroupSummary, IdConflict, Lease, StoreConflict, StoreSnapshot, TaskRecord,
+    Delivery, GroupKey, GroupSummary, IdConflict, Lease, StoreConflict, StoreSnapshot, Submission, TaskRecord,
+    content_digest,
 )
 
 SUMMARY_COLUMNS = ("model_id, group_id, task_id, size, min_version, max_version, reward_min, reward_max, reward_mean, "
@@ -26,6 +27,21 @@ LEASE_COLUMNS = "lease_no, task_id, epoch, pool, region, model_ids, n_samples, i
 TASK_COLUMNS = "task_id, prompt, metadata, n_samples, model_ids"
 TRAJECTORY_COLUMNS = "id, task_id, reward, n_tokens, pool, region, meta, min_version, max_version, payload"
 """The columns of a trajectory row that `trajectory_from_row` reads (with its group's key and size)."""
+
+
+def pack_submission(trajectories: Sequence[Trajectory],
+                    compressor: zstandard.ZstdCompressor | None = None) -> Submission:
+    """`trajectories` with their content digests and rows, as a store takes them."""
+    compressor = compressor or zstandard.ZstdCompressor(level=1)
+    digests = [content_digest(t) for t in trajectories]
+    return Submission(trajectories, digests,
+                      [trajectory_values(t, pack_payload(t, compressor), d) for t, d in zip(trajectories, digests)])
+
+
+def submissions(*groups: Sequence[Trajectory]) -> list[Submission]:
+    """Each of `groups` as one Submission (for callers of a store outside the broker: tests, tools)."""
+    compressor = zstandard.ZstdCompressor(level=1)
+    return [pack_submission(g, compressor) for g in groups]
 
 
 def pack_payload(t: Trajectory, compressor: zstandard.ZstdCompressor) -> bytes:
@@ -46,6 +62,11 @@ def unpack_payload(blob: bytes, n: int, decompressor: zstandard.ZstdDecompressor
         raise ValueError(f"stored payload does not hold {n} tokens")
     return (np.frombuffer(blob, "<i4", n, 0), np.frombuffer(blob, "<f4", n, 4 * n),
             np.frombuffer(tail, "<i4", n, 0), np.frombuffer(tail, "u1", n, 4 * n))
+
+
+def without_payload(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A row of trajectory_values whose payload is dropped (its group was filtered out)."""
+    return (*row[:-2], None, row[-1])
 
 
 def trajectory_values(t: Trajectory, payload: bytes | None, digest: str) -> tuple[Any, ...]:

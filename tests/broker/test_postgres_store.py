@@ -16,6 +16,7 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.postgres_schema import SCHEMA_VERSION, SchemaTooNew, migrate
 from deltamesh.mesh.broker.postgres_store import PostgresStore
 from deltamesh.mesh.broker.store import Lease, LeaderTerm, NotLeader, StoreUnavailable, TaskRecord
+from deltamesh.mesh.broker.store_rows import submissions
 from deltamesh.mesh.broker.stores import is_postgres, open_store
 from deltamesh.mesh.cli import main
 
@@ -69,7 +70,7 @@ def test_brokers_may_run_as_a_role_that_cannot_create_tables(postgres_dsn, make_
     with pytest.raises(psycopg.errors.InsufficientPrivilege):
         query(as_role, "CREATE TABLE broker_probe(x INT)")
     store = PostgresStore(as_role)
-    assert store.ingest([make_group("g", [0.0, 1.0])], keep)[0].accepted == 2
+    assert store.ingest(submissions(make_group("g", [0.0, 1.0])), keep)[0].accepted == 2
     store.close()
 
 
@@ -95,7 +96,7 @@ def test_a_store_without_the_lease_writes_nothing(postgres_dsn, make_group):
     for term in (LeaderTerm("a", 1), LeaderTerm("b", 2)):  # an older epoch; another holder
         store = PostgresStore(postgres_dsn, term=term)
         with pytest.raises(NotLeader, match="no longer holds the leadership lease"):
-            store.ingest([make_group("g", [0.0, 1.0])], keep)
+            store.ingest(submissions(make_group("g", [0.0, 1.0])), keep)
         with pytest.raises(NotLeader):
             store.issue_leases([lease], [], (0, 1))
         with pytest.raises(NotLeader):
@@ -108,11 +109,11 @@ def test_a_store_without_the_lease_writes_nothing(postgres_dsn, make_group):
                                "+ (SELECT count(*) FROM broker_batches) + (SELECT count(*) FROM broker_tasks)") == [(0,)]
 
     leader = PostgresStore(postgres_dsn, term=LeaderTerm("a", 2))
-    assert leader.ingest([make_group("g", [0.0, 1.0])], keep)[0].accepted == 2
+    assert leader.ingest(submissions(make_group("g", [0.0, 1.0])), keep)[0].accepted == 2
     assert len(leader.take_batch("b", "m", 0, [("m", "g")], [], [])) == 2
     set_lease(postgres_dsn, "a", 2, -1)  # the same term, expired (not renewed in time)
     with pytest.raises(NotLeader):
-        leader.ingest([make_group("h", [0.0, 1.0])], keep)
+        leader.ingest(submissions(make_group("h", [0.0, 1.0])), keep)
     assert isinstance(NotLeader("x"), StoreUnavailable)  # the broker answers 503 and writes nothing
     assert query(postgres_dsn, "SELECT group_id FROM broker_trajectories ORDER BY id") == [("g",), ("g",)]
     leader.close()
@@ -129,7 +130,7 @@ def test_postgres_stopped_mid_burst_is_unavailable_then_the_same_store_recovers(
         for i in range(10_000):
             submission = make_group(f"g{i}", [0.0, 1.0, 1.0, 0.0], tokens=512)
             try:
-                store.ingest([submission], keep)
+                store.ingest(submissions(submission), keep)
             except StoreUnavailable:
                 failed = submission
                 break
@@ -141,7 +142,7 @@ def test_postgres_stopped_mid_burst_is_unavailable_then_the_same_store_recovers(
     finally:
         stopper.join()
         postgres_cluster.ensure_running()
-    [again] = store.ingest([failed], keep)  # the failed commit may or may not have landed: never half
+    [again] = store.ingest(submissions(failed), keep)  # the failed commit may or may not have landed: never half
     assert again.accepted + again.duplicates == 4 and again.accepted in (0, 4)
     stored = {r[0] for r in query(postgres_dsn, "SELECT id FROM broker_trajectories")}
     assert set(acked) <= stored and len(stored) == len(acked) + 4

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from deltamesh.mesh.broker.store import Delivery, IdConflict, Lease, StoreConflict, TaskRecord
+from deltamesh.mesh.broker.store_rows import submissions
 
 
 def keep(summary):
@@ -31,12 +32,12 @@ def keys(summaries):
 def test_ids_are_idempotency_keys(store_factory, make_group):
     store = store_factory()
     g = make_group("g1", [0.0, 1.0, 1.0, 0.0])
-    first, again = store.ingest([g, g], keep)  # one commit: the second sees the first
+    first, again = store.ingest(submissions(g, g), keep)  # one commit: the second sees the first
     assert (first.accepted, first.duplicates, keys(first.completed)) == (4, 0, [("m", "g1")])
     assert (again.accepted, again.duplicates, again.completed) == (0, 4, [])
-    [changed] = store.ingest([[dataclasses.replace(g[0], reward=0.5)]], keep)
+    [changed] = store.ingest(submissions([dataclasses.replace(g[0], reward=0.5)]), keep)
     assert isinstance(changed, IdConflict) and "'g1-0'" in str(changed)
-    [later] = store.ingest([g[:2]], keep)
+    [later] = store.ingest(submissions(g[:2]), keep)
     assert (later.accepted, later.duplicates) == (0, 2)
 
 
@@ -46,12 +47,12 @@ def test_each_submission_of_a_commit_is_all_or_nothing(store_factory, make_group
     b0, b1 = make_group("b", [1.0, 0.0])
     disagreeing = [b0, make_trajectory("c-0", "c", group_size=2), make_trajectory("c-1", "c", group_size=3)]
     overflow = [make_trajectory("a-9", "a", group_size=2)]
-    results = store.ingest([a, disagreeing, [b0, b1], overflow], keep)
+    results = store.ingest(submissions(a, disagreeing, [b0, b1], overflow), keep)
     assert [type(r).__name__ for r in results] == ["IngestResult", "StoreConflict", "IngestResult", "StoreConflict"]
     assert "disagree" in str(results[1]) and "would hold 3 samples" in str(results[3])
     assert (results[2].accepted, results[2].duplicates) == (2, 0)  # b0 of the refused submission was not kept
     mismatch = make_trajectory("a-8", "a", group_size=4)
-    [refused] = store.ingest([[mismatch]], keep)
+    [refused] = store.ingest(submissions([mismatch]), keep)
     assert isinstance(refused, StoreConflict) and "has size 2" in str(refused)
     fresh = store.load().fresh
     assert keys(fresh) == [("m", "a"), ("m", "b")] and fresh[0].seq < fresh[1].seq
@@ -69,13 +70,13 @@ def test_groups_complete_across_commits_and_finish_their_lease(store_factory, ma
         return make_trajectory(f"{model_id}-{i}", "L1", model_id=model_id, group_size=2, reward=reward,
                                version=version, task_id="t2", seed=i)
 
-    [half] = store.ingest([[sample("m", 0, 1.0, 2)]], zero_adv)
+    [half] = store.ingest(submissions([sample("m", 0, 1.0, 2)]), zero_adv)
     assert (half.accepted, half.completed, half.done_leases) == (1, [], [])
-    [m] = store.ingest([[sample("m", 1, 0.0, 3)]], zero_adv)
+    [m] = store.ingest(submissions([sample("m", 1, 0.0, 3)]), zero_adv)
     assert keys(m.completed) == [("m", "L1")] and m.done_leases == []
     done = m.completed[0]
     assert (done.min_version, done.max_version, done.reward_mean, done.state) == (2, 3, 0.5, "fresh")
-    [m2] = store.ingest([[sample("m2", 0, 1.0, 3), sample("m2", 1, 1.0, 3)]], zero_adv)
+    [m2] = store.ingest(submissions([sample("m2", 0, 1.0, 3), sample("m2", 1, 1.0, 3)]), zero_adv)
     assert [(s.state, s.reason) for s in m2.completed] == [("filtered", "zero_adv")] and m2.done_leases == ["L1"]
     snap = store.load()
     assert (snap.models, snap.task_ids, snap.cursor, snap.next_lease_no) == ({"m": 3}, ["t1", "t2"], (0, 2), 2)
@@ -102,7 +103,7 @@ def test_leases_expire_and_are_reissued(store_factory):
 def test_batches_are_delivered_requeued_acknowledged_and_dropped(store_factory, make_group):
     store = store_factory()
     groups = {gid: make_group(gid, [0.0, 1.0], version=i) for i, gid in enumerate(["g1", "g2", "g3"])}
-    store.ingest(list(groups.values()), keep)
+    store.ingest(submissions(*groups.values()), keep)
     g1, g2, g3 = (("m", gid) for gid in groups)
     served = store.take_batch("b1", "m", 5, [g2, g1], [], [])
     assert [t.id for t in served] == ["g2-0", "g2-1", "g1-0", "g1-1"]
@@ -136,5 +137,5 @@ def test_batches_are_delivered_requeued_acknowledged_and_dropped(store_factory, 
     snap = store.load()
     assert snap.fresh == snap.replay == snap.deliveries == []
     assert [(s.group_id, s.state) for s in snap.history] == [("g1", "retired"), ("g2", "retired"), ("g3", "stale")]
-    [late] = store.ingest([groups["g3"]], keep)  # a dropped group's ids are still known
+    [late] = store.ingest(submissions(groups["g3"]), keep)  # a dropped group's ids are still known
     assert (late.accepted, late.duplicates) == (0, 2)
