@@ -9,6 +9,9 @@ in memory (ingest_plan.py: each submission all-or-nothing, in order), then write
 with one binary COPY and one pipelined batch of updates. Payload blobs are SqliteStore's, packed
 before the commit (store_rows.pack_submission).
 
+Groups just committed stay in memory until a batch takes them (recent_groups.py), so a batch reads
+back from the server only what this store did not commit itself.
+
 Fencing: a store opened with a `LeaderTerm` starts every write transaction by locking the leadership
 row `FOR SHARE` where it still names that holder and epoch and has not expired; with no such row it
 rolls back and raises NotLeader. A takeover's UPDATE of that row waits for the share locks, so each
@@ -36,6 +39,7 @@ from psycopg.pq import TransactionStatus
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.ingest_plan import CommitPlan, StoredGroup, StoredState, plan_commit
 from deltamesh.mesh.broker.postgres_schema import UNAVAILABLE, apply_migrations
+from deltamesh.mesh.broker.recent_groups import DEFAULT_BUDGET_BYTES, RecentGroups
 from deltamesh.mesh.broker.store import (
     GroupKey, GroupVerdict, IngestResult, Lease, LeaderTerm, NotLeader, StoreConflict,
     StoreSnapshot, StoreUnavailable, Submission, TaskRecord,
@@ -95,12 +99,13 @@ class PostgresStore:
     """`BrokerStore` on a PostgreSQL database (see the module docstring). Use from a single thread."""
 
     def __init__(self, dsn: str, *, durability: str = "fsync", term: LeaderTerm | None = None,
-                 history_limit: int = 100_000):
+                 history_limit: int = 100_000, recent_bytes: int = DEFAULT_BUDGET_BYTES):
         self.dsn = dsn
         self.term = term
         self.history_limit = history_limit
         self._synchronous_commit = "on" if durability == "fsync" else "off"
         self._decompressor = zstandard.ZstdDecompressor()
+        self._recent = RecentGroups(recent_bytes)
         self._conn: psycopg.Connection | None = None
         with self._errors("cannot open the broker's database"):
             apply_migrations(self._connection())
@@ -122,6 +127,8 @@ class PostgresStore:
         return self._conn
 
     def _disconnect(self) -> None:
+        # A commit cut off may have landed or not: what memory holds of its groups could be half of one.
+        self._recent.clear()
         if self._conn is not None:
             try:
                 self._conn.close()
@@ -224,10 +231,25 @@ class PostgresStore:
 
     def ingest(self, submissions: Sequence[Submission], verdict: GroupVerdict) -> list[IngestResult | StoreConflict]:
         stored = _StoredStateQuery(submissions)
-        with self._write(stored.queue) as (db, _):  # the reads share the round trip of BEGIN and the fence
-            plan = plan_commit(submissions, stored.result(), verdict)
-            self._write_plan(db, plan)
+        try:
+            with self._write(stored.queue) as (db, _):  # the reads share the round trip of BEGIN and the fence
+                plan = plan_commit(submissions, stored.result(), verdict)
+                self._write_plan(db, plan)
+        except BaseException:
+            self._recent.discard(stored.keys)
+            raise
+        self._remember(plan)
         return plan.results
+
+    def _remember(self, plan: CommitPlan) -> None:
+        filtered = plan.filtered()
+        self._recent.discard(filtered)
+        samples: dict[GroupKey, list[Trajectory]] = {}
+        for t, _, _ in plan.trajectories:
+            samples.setdefault((t.model_id, t.group_id), []).append(t)
+        for key, added in samples.items():
+            if key not in filtered:
+                self._recent.committed(key, added, new_group=not plan.groups[key].in_database)
 
     def _write_plan(self, db: psycopg.Connection, plan: CommitPlan) -> None:
         """The accepted submissions: one binary COPY of their trajectories, then the group rows, dropped
@@ -258,6 +280,10 @@ class PostgresStore:
 
     def take_batch(self, batch_id: str, model_id: str, version: int, fresh: Sequence[GroupKey],
                    replay: Sequence[GroupKey], drop: Sequence[tuple[GroupKey, str]]) -> list[Trajectory]:
+        keys = [*replay, *fresh]
+        held = {k: g for k in keys if (g := self._recent.get(k)) is not None}
+        missing = [k for k in keys if k not in held]
+
         def deliver(db: psycopg.Connection) -> psycopg.Cursor:
             db.execute("INSERT INTO broker_batches (batch_id, model_id, version, served_at, n_groups, state) "
                        "VALUES (%s, %s, %s, %s, %s, 'delivered')",
@@ -267,14 +293,17 @@ class PostgresStore:
                        f"FROM {_KEYS} WHERE g.model_id = k.model_id AND g.group_id = k.group_id",
                        (batch_id, *_columns(fresh)))
             # binary: payloads arrive as raw bytes, not as hex text to decode
-            return db.cursor(binary=True).execute(_GROUP_TRAJECTORIES, _columns([*replay, *fresh]))
+            return db.cursor(binary=True).execute(_GROUP_TRAJECTORIES, _columns(missing))
 
         with self._write(deliver) as (db, served):
-            out = [trajectory_from_row((m, g), size, row, self._decompressor) for m, g, size, *row in served]
+            read: dict[GroupKey, list[Trajectory]] = {}
+            for m, g, size, *row in served:
+                read.setdefault((m, g), []).append(trajectory_from_row((m, g), size, row, self._decompressor))
             with db.pipeline():
                 self._drop(db, drop)  # after reading: served groups may be retired by this very batch
                 db.execute("COMMIT")
-        return out
+        self._recent.discard(keys)  # delivered: a delivery again (requeued, replayed) reads the database
+        return [t for k in keys for t in held.get(k) or read.get(k, [])]
 
     def batch_states(self, model_id: str, batch_ids: Sequence[str]) -> dict[str, str]:
         with self._errors("reading the broker's database failed"):  # one statement: no transaction needed
@@ -296,6 +325,7 @@ class PostgresStore:
         self._transact(lambda db: self._drop(db, drop))
 
     def _drop(self, db: psycopg.Connection, drop: Sequence[tuple[GroupKey, str]]) -> None:
+        self._recent.discard(k for k, _ in drop)  # before the write: whether or not it lands, none is served
         if drop:
             db.cursor().executemany("UPDATE broker_groups SET state = %s WHERE model_id = %s AND group_id = %s",
                                     [(st, *k) for k, st in drop])

@@ -148,3 +148,43 @@ def test_postgres_stopped_mid_burst_is_unavailable_then_the_same_store_recovers(
     assert set(acked) <= stored and len(stored) == len(acked) + 4
     assert len(store.load().fresh) == len(acked) // 4 + 1
     store.close()
+
+
+def _same(a, b) -> bool:
+    return [(t.id, t.reward, t.tokens.tolist(), t.logprobs.tolist(), t.versions.tolist(), t.loss_mask.tolist(),
+             t.timings, t.metadata) for t in a] == \
+           [(t.id, t.reward, t.tokens.tolist(), t.logprobs.tolist(), t.versions.tolist(), t.loss_mask.tolist(),
+             t.timings, t.metadata) for t in b]
+
+
+def test_a_batch_from_memory_is_what_the_database_holds(postgres_dsn, make_group):
+    """Groups a store committed come from its memory, the rest from the database: a group half stored by
+    another broker (before a takeover) is read back whole, and a requeued batch from the database."""
+    first = PostgresStore(postgres_dsn)
+    half = make_group("half", [0.0, 1.0, 1.0, 0.0])
+    first.ingest(submissions(half[:2]), keep)
+    first.close()
+    store = PostgresStore(postgres_dsn)
+    whole, ours = make_group("whole", [1.0, 0.0]), half[2:]
+    store.ingest(submissions(whole, ours), keep)
+    assert store._recent.get(("m", "whole")) is not None and store._recent.get(("m", "half")) is None
+    served = store.take_batch("b1", "m", 0, [("m", "half"), ("m", "whole")], [], [])
+    assert _same(served, half + whole)
+    assert len(store._recent) == 0  # delivered groups are not held any longer
+    store.requeue_batches(["b1"])
+    again = store.take_batch("b2", "m", 0, [("m", "half"), ("m", "whole")], [], [])
+    assert _same(again, served)
+    store.close()
+
+
+def test_held_groups_stay_inside_their_budget(make_group):
+    from deltamesh.mesh.broker.recent_groups import RecentGroups
+
+    groups = [make_group(f"g{i}", [1.0, 0.0], tokens=100) for i in range(4)]
+    one = sum(t.tokens.nbytes + t.logprobs.nbytes + t.versions.nbytes + t.loss_mask.nbytes for t in groups[0])
+    recent = RecentGroups(budget_bytes=2 * one)
+    for g in groups:
+        recent.committed(("m", g[0].group_id), g, new_group=True)
+    assert [recent.get(("m", f"g{i}")) is not None for i in range(4)] == [False, False, True, True]
+    recent.committed(("m", "old"), groups[0], new_group=False)  # its first samples are not held: not held
+    assert recent.get(("m", "old")) is None
