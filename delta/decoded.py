@@ -10,6 +10,9 @@ once that apply's results have hashed right their `Located` positions are kept f
 tensors and checked against the manifest's hashes here, so a corrupt full snapshot fails before any
 target is touched.
 
+Side files (side_files.py) are not decoded: the pieces that carry them are checked against the
+manifest like any other and kept as bytes (`files`), for the directory the version is persisted to.
+
 `VersionDecoder` takes pieces as they arrive, in any order, verifying and decoding them on all cores;
 `decode_version` decodes a version whose pieces are all at hand.
 """
@@ -61,6 +64,9 @@ class DecodedVersion(NamedByManifest):
     snapshot with elements, or a tensor a delta adds."""
     located: dict[int, Located] = field(default_factory=dict, repr=False)
     """Where the delta's changes land, by tensor index, as found by an apply whose results hashed right."""
+    files: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+    """The side files this version ships (checked against the manifest), by name; a delta leaves out
+    those unchanged since its base."""
 
     @property
     def changed_words(self) -> int:
@@ -98,6 +104,8 @@ class VersionDecoder:
         self.manifest = manifest
         self._whole: dict[int, torch.Tensor] = {}
         self._deltas: dict[int, list[TensorUpdate]] = {}
+        self._file_pieces = manifest.file_pieces()
+        self._files: dict[str, bytes] = {}
         self._pending = set(range(len(manifest.pieces)))
         self._lock = threading.Lock()
 
@@ -135,12 +143,17 @@ class VersionDecoder:
         if wrong:
             raise CorruptError(f"result does not match the manifest's hash for tensor(s) {wrong[:4]}")
         updates = {i: tuple(sorted(us, key=lambda u: u.start)) for i, us in sorted(self._deltas.items())}
-        return DecodedVersion(m, updates, {i: self._whole[i] for i in whole})
+        return DecodedVersion(m, updates, {i: self._whole[i] for i in whole}, files=dict(self._files))
 
     def _take(self, piece: tuple[int, bytes | memoryview]) -> CodecError | None:
         index, data = piece
         try:
             self.manifest.check_piece(index, data)
+            if index in self._file_pieces:  # raw bytes, checked above: nothing to decode
+                with self._lock:
+                    self._files[self._file_pieces[index].name] = bytes(data)
+                    self._pending.discard(index)
+                return None
             updates = decode_checked(self.manifest, index, data)
             with self._lock:  # checks and bookkeeping are serialized; the writes below are not
                 for u in updates:

@@ -1,12 +1,13 @@
 """Atomic apply to a safetensors directory: readers see the old version or the new one, never a mix.
 
 The directory path is a symlink to a versioned sibling, `.NAME.vVERSION-TOKEN/`, which holds the
-safetensors files and `deltamesh-manifest.json` (the body of the last applied manifest: which
-version this is and what it hashes to, so the next delta's base check costs nothing). A new version
-is written into `.NAME.partial-TOKEN/`, fsynced, renamed to its versioned name, and made current by
-renaming a fresh symlink over the path (atomic on POSIX), then the parent directory is fsynced. A
-process killed at any point leaves the path on the old version; leftovers are removed by the next
-apply, which holds `.NAME.lock` so two appliers never interleave. The previous version's directory
+safetensors files, the version's side files (config, tokenizer: side_files.py; so the path is a model
+directory `from_pretrained` loads) and `deltamesh-manifest.json` (the body of the last applied
+manifest: which version this is and what it hashes to, so the next delta's base check costs nothing).
+A new version is written into `.NAME.partial-TOKEN/`, fsynced, renamed to its versioned name, and
+made current by renaming a fresh symlink over the path (atomic on POSIX), then the parent directory is
+fsynced. A process killed at any point leaves the path on the old version; leftovers are removed by
+the next apply, which holds `.NAME.lock` so two appliers never interleave. The previous version's directory
 is kept until the apply after, so a reader that resolved the old symlink can finish reading it.
 
 Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
@@ -31,13 +32,10 @@ from .apply import apply_version
 from .decoded import DecodedVersion, Step, as_decoded, manifest_of
 from .errors import BaseMismatchError, CorruptError
 from .manifest import Manifest
+from .side_files import MANIFEST_FILE, place_side_files
 from .storage import fsync_dir, read_weights, shard_layout, write_weights
 
 log = logging.getLogger(__name__)
-
-MANIFEST_FILE = "deltamesh-manifest.json"
-# Files a version rewrites itself; everything else in the directory is carried to the next version.
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def dir_manifest(path: str | Path) -> Manifest | None:
@@ -79,13 +77,16 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
             weights = read_weights(current)
             recorded = dir_manifest(current)
             base_hash = recorded.weights_hash if recorded else None
-        weights = _apply_steps(weights, steps, base_hash)
+        weights, shipped = _apply_steps(weights, steps, base_hash)
         final = manifest_of(steps[-1])
         token = secrets.token_hex(4)
         partial = parent / f".{name}.partial-{token}"
-        write_weights(partial, weights, layout=layout, fsync=True)
-        if current is not None:
-            _carry_side_files(current, partial)
+        try:
+            write_weights(partial, weights, layout=layout, fsync=True)
+            place_side_files(partial, final, shipped, current)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # not left for the next apply: a refusal writes nothing
+            raise
         with open(partial / MANIFEST_FILE, "wb") as f:
             f.write(final.body_bytes())
             f.flush()
@@ -100,30 +101,20 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
 
 
 def _apply_steps(weights: dict[str, torch.Tensor] | None, steps: list[DecodedVersion | Step],
-                 base_hash: str | None) -> Mapping[str, torch.Tensor]:
-    """The chain applied in place, each step decoded only when it comes. Tensors a step writes whole
-    belong to its `DecodedVersion`: a later step that would patch them in place gets a copy."""
+                 base_hash: str | None) -> tuple[Mapping[str, torch.Tensor], dict[str, bytes]]:
+    """The chain applied in place, each step decoded only when it comes, and the side files its steps
+    shipped (a later step's over an earlier one's). Tensors a step writes whole belong to its
+    `DecodedVersion`: a later step that would patch them in place gets a copy."""
+    shipped: dict[str, bytes] = {}
     for k, step in enumerate(steps):
         version = as_decoded(step)
+        shipped.update(version.files)
         weights = apply_version(version, weights, base_hash=base_hash, in_place=True)
         base_hash = version.manifest.weights_hash
         if k + 1 < len(steps) and version.whole:
             shared = {id(t) for t in version.whole.values()}
             weights = {name: t.clone() if id(t) in shared else t for name, t in weights.items()}
-    return weights
-
-
-def _carry_side_files(current: Path, partial: Path) -> None:
-    """Copy what is not weights (config.json, tokenizer files...) into the new version, so the path
-    stays a model directory that any engine can load, not only a set of tensors."""
-    for entry in current.iterdir():
-        if not entry.is_file() or entry.name == MANIFEST_FILE or entry.name.endswith(WEIGHT_SUFFIXES):
-            continue
-        if (partial / entry.name).exists():
-            continue
-        shutil.copy2(entry, partial / entry.name)
-        with open(partial / entry.name, "rb+") as f:
-            os.fsync(f.fileno())
+    return weights, shipped
 
 
 def _point(path: Path, target: Path, token: str) -> Path | None:

@@ -5,7 +5,9 @@ whose dtype and shape are unchanged, where its words changed (by position, or by
 base's small words: smallwords.py) and how (bitdiff.py, streams.py); tensors that are new or changed
 dtype/shape travel as full segments. Tensors are scanned in parallel, one per core. Pieces hold whole
 segments and are cut near `piece_bytes` of payload so they can be relayed, verified and applied one
-by one. Output is a pure function of the inputs (plus the manifest's creation time).
+by one. Side files (config, tokenizer: side_files.py) go as raw pieces of their own after the
+tensors' pieces: all of them in a full snapshot, only those changed since the base in a delta. Output
+is a pure function of the inputs (plus the manifest's creation time).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
 from .hashing import digest
 from .keys import Ed25519PrivateKey
-from .manifest import Manifest, PieceEntry, TensorEntry, table_hash
+from .manifest import FileEntry, Manifest, PieceEntry, TensorEntry, table_hash
 from .parallel import thread_map, thread_stream
 from .piece import CODEC
 from .piece_writer import BuiltPiece, DeltaPieceCutter, TensorChanges, full_pieces
@@ -45,26 +47,30 @@ class Encoded:
 
 def encode_full(
     weights: Mapping[str, torch.Tensor], *, model_id: str, version: int, key: Ed25519PrivateKey,
-    piece_bytes: int = PIECE_BYTES,
+    piece_bytes: int = PIECE_BYTES, files: Mapping[str, bytes] | None = None,
 ) -> Encoded:
-    """A full snapshot of `weights`: every tensor, byte planes entropy-coded."""
+    """A full snapshot of `weights`: every tensor, byte planes entropy-coded, and every side file
+    (`files`, name -> bytes)."""
     _check_piece_bytes(piece_bytes)
     tensors = {name: cpu_tensor(weights[name]) for name in sorted(weights)}
     entries = thread_map(lambda item: tensor_entry(*item), list(tensors.items()))
     words = [np_words(t) for t in tensors.values()]
     pieces = full_pieces(words, list(range(len(entries))), piece_bytes)
-    manifest = _manifest(model_id, version, None, "full", entries, pieces, None)
-    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces])
+    manifest = _manifest(model_id, version, None, "full", entries, pieces, None, files or {}, {})
+    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces] + _shipped(manifest, files or {}))
 
 
 def encode_delta(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, model_id: str, version: int,
     base_version: int, key: Ed25519PrivateKey, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
+    files: Mapping[str, bytes] | None = None, base_files: Mapping[str, str] | None = None,
 ) -> Encoded:
     """The delta that turns `old` (version `base_version`) into `new` (version `version`).
 
     `base_hash` is `weights_hash(old)` when the caller knows it (e.g. from old's manifest), which
-    saves hashing `old` again.
+    saves hashing `old` again. `files` are the new version's side files (name -> bytes); those whose
+    digest `base_files` (name -> digest: the base version's, from its manifest) already lists are not
+    shipped again. Without `base_files` every side file is shipped.
     """
     _check_piece_bytes(piece_bytes)
     names = sorted(new)
@@ -94,8 +100,9 @@ def encode_delta(
         base_entries.update(zip(rest, thread_map(lambda name: tensor_entry(name, cpu_tensor(old[name])), rest)))
         base_hash = table_hash(base_entries.values())
     pieces = cutter.finish() + full_pieces(words, full, piece_bytes)
-    manifest = _manifest(model_id, version, base_version, "delta", entries, pieces, base_hash)
-    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces])
+    manifest = _manifest(model_id, version, base_version, "delta", entries, pieces, base_hash, files or {},
+                         base_files or {})
+    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces] + _shipped(manifest, files or {}))
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,23 @@ def _check_piece_bytes(piece_bytes: int) -> None:
         raise CodecError(f"piece_bytes must be an integer >= 16, got {piece_bytes!r}")
 
 
-def _manifest(model_id, version, base_version, kind, entries, pieces: list[BuiltPiece], base_hash) -> Manifest:
-    table = tuple(PieceEntry(len(p.data), digest(p.data), p.tensors) for p in pieces)
+def _manifest(model_id, version, base_version, kind, entries, pieces: list[BuiltPiece], base_hash,
+              files: Mapping[str, bytes], base_files: Mapping[str, str]) -> Manifest:
+    table = [PieceEntry(len(p.data), digest(p.data), p.tensors) for p in pieces]
+    listed = []
+    for name in sorted(files):
+        h = digest(files[name])
+        if base_files.get(name) == h:
+            listed.append(FileEntry(name, len(files[name]), h, None))  # the receiver holds it already
+            continue
+        listed.append(FileEntry(name, len(files[name]), h, len(table)))
+        table.append(PieceEntry(len(files[name]), h, ()))
     return Manifest(
         model_id=model_id, version=version, base_version=base_version, kind=kind, codec=CODEC,
-        tensors=tuple(entries), pieces=table, base_hash=base_hash,
+        tensors=tuple(entries), pieces=tuple(table), base_hash=base_hash, files=tuple(listed),
     )
+
+
+def _shipped(manifest: Manifest, files: Mapping[str, bytes]) -> list[bytes]:
+    """The side files' pieces, in the manifest's piece order (after the tensors' pieces)."""
+    return [bytes(files[f.name]) for f in sorted(manifest.file_pieces().values(), key=lambda f: f.piece)]

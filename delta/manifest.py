@@ -8,7 +8,10 @@ the trainer's Ed25519 key. On the wire and on disk it travels as the signed enve
 
 so that the signed bytes are exactly the bytes that were sent: nobody re-serializes before checking.
 The byte layout of pieces is the codec's (see docs/FORMAT.md); the manifest only records each
-piece's length, xxh3-128 digest and which tensors it writes to.
+piece's length, xxh3-128 digest and which tensors it writes to. From format 2 it also lists the
+version's side files (config, tokenizer: side_files.py), each with its size, digest and the piece that
+carries its bytes (none in a delta that leaves it unchanged); format 1 manifests, which have none, are
+still read.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from .envelope import canonical_json, open_sealed, seal, unseal
 from .errors import CodecError, CorruptError
 from .hashing import digest
 from .keys import Ed25519PrivateKey, Ed25519PublicKey
+from .side_files import MAX_SIDE_FILE_BYTES, MAX_SIDE_FILES, MAX_SIDE_TOTAL_BYTES, side_file_problem
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The format this codec writes."""
+READABLE_FORMATS = (1, 2)
+"""The formats it reads: 1 is 2 without side files."""
 Kind = Literal["delta", "full"]
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -87,6 +94,17 @@ class PieceEntry:
 
 
 @dataclass(frozen=True)
+class FileEntry:
+    """One side file of the resulting model directory: its name, byte size and digest, and the index of
+    the piece that carries its bytes (None in a delta: the same bytes as at the base)."""
+
+    name: str
+    size: int
+    hash: str
+    piece: int | None
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_id: str
     version: int
@@ -99,6 +117,8 @@ class Manifest:
     """`weights_hash` of the base version (deltas only): a delta applies to exactly those weights."""
     created_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     format_version: int = FORMAT_VERSION
+    files: tuple[FileEntry, ...] = ()
+    """Side files of the resulting model directory, sorted by name (format 2)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -120,6 +140,10 @@ class Manifest:
     def tensor_index(self) -> dict[str, int]:
         return {t.name: i for i, t in enumerate(self.tensors)}
 
+    def file_pieces(self) -> dict[int, FileEntry]:
+        """piece index -> the side file whose raw bytes it is (every other piece is a codec piece)."""
+        return {f.piece: f for f in self.files if f.piece is not None}
+
     def check_piece(self, index: int, data: bytes | memoryview) -> None:
         """Raise CorruptError unless `data` is exactly piece `index`."""
         if not 0 <= index < len(self.pieces):
@@ -132,7 +156,7 @@ class Manifest:
 
     # -- (de)serialization ---------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format_version": self.format_version,
             "model_id": self.model_id,
             "version": self.version,
@@ -144,6 +168,9 @@ class Manifest:
             "tensors": [[t.name, t.dtype, list(t.shape), t.hash] for t in self.tensors],
             "pieces": [[p.length, p.hash, list(p.tensors)] for p in self.pieces],
         }
+        if self.format_version >= 2:  # a format 1 body re-serializes to exactly what was signed
+            body["files"] = [[f.name, f.size, f.hash, f.piece] for f in self.files]
+        return body
 
     def body_bytes(self) -> bytes:
         return canonical_json(self.body())
@@ -156,6 +183,10 @@ class Manifest:
     def from_body(cls, body: bytes) -> "Manifest":
         try:
             b = parse_json(body)
+            if b["format_version"] not in READABLE_FORMATS:  # before any other field: a later format may differ
+                raise CorruptError(f"invalid manifest: format_version {b['format_version']!r:.40}, this codec "
+                                   f"reads {', '.join(map(str, READABLE_FORMATS))}")
+            files = b["files"] if b["format_version"] >= 2 else []
             return cls(
                 model_id=b["model_id"],
                 version=b["version"],
@@ -167,6 +198,7 @@ class Manifest:
                 format_version=b["format_version"],
                 tensors=tuple(TensorEntry(n, d, tuple(s), h) for n, d, s, h in b["tensors"]),
                 pieces=tuple(PieceEntry(n, h, tuple(t)) for n, h, t in b["pieces"]),
+                files=tuple(FileEntry(n, s, h, p) for n, s, h, p in files),
             )
         except CodecError:
             raise
@@ -218,8 +250,8 @@ def _validate(m: Manifest) -> None:
     def bad(msg: str) -> CorruptError:
         return CorruptError(f"invalid manifest: {msg}")
 
-    if m.format_version != FORMAT_VERSION:
-        raise bad(f"format_version {m.format_version!r}, this codec reads {FORMAT_VERSION}")
+    if not _is_int(m.format_version) or m.format_version not in READABLE_FORMATS:
+        raise bad(f"format_version {m.format_version!r}, this codec reads {', '.join(map(str, READABLE_FORMATS))}")
     if not isinstance(m.model_id, str) or not MODEL_ID_RE.match(m.model_id):
         raise bad(f"model_id {m.model_id!r} must match {MODEL_ID_RE.pattern}")
     if not _is_int(m.version) or m.version < 0:
@@ -265,6 +297,42 @@ def _validate(m: Manifest) -> None:
             raise bad(f"piece {i}: tensor index out of range")
     if payload > MAX_TOTAL_BYTES:
         raise bad(f"pieces total {payload} bytes, over the limit of {MAX_TOTAL_BYTES}")
+    _validate_files(m, bad)
+
+
+def _validate_files(m: Manifest, bad) -> None:
+    """Side files: plain, sorted, unique names within the bounds; each carried by a piece of its own
+    (exactly its bytes, writing no tensor) or, in a delta only, by none."""
+    if m.format_version < 2 and m.files:
+        raise bad("a format 1 manifest has no side files")
+    if len(m.files) > MAX_SIDE_FILES:
+        raise bad(f"{len(m.files)} side files, over the limit of {MAX_SIDE_FILES}")
+    names = [f.name for f in m.files]
+    for name in names:
+        problem = side_file_problem(name)
+        if problem:
+            raise bad(f"side file {problem}")
+    if names != sorted(set(names)):
+        raise bad("side file names must be sorted and unique")
+    total, carriers = 0, set()
+    for f in m.files:
+        if not _is_int(f.size) or not 0 <= f.size <= MAX_SIDE_FILE_BYTES:
+            raise bad(f"side file {f.name}: bad size {f.size!r} (at most {MAX_SIDE_FILE_BYTES})")
+        total += f.size
+        if not isinstance(f.hash, str) or not _HEX32.match(f.hash):
+            raise bad(f"side file {f.name}: bad hash")
+        if f.piece is None:
+            if m.kind != "delta":
+                raise bad(f"side file {f.name}: a full snapshot ships every side file")
+            continue
+        if not _is_int(f.piece) or not 0 <= f.piece < len(m.pieces) or f.piece in carriers:
+            raise bad(f"side file {f.name}: piece {f.piece!r} out of range or shared")
+        carriers.add(f.piece)
+        p = m.pieces[f.piece]
+        if p.tensors or p.length != f.size or p.hash != f.hash:
+            raise bad(f"side file {f.name}: piece {f.piece} is not exactly its bytes")
+    if total > MAX_SIDE_TOTAL_BYTES:
+        raise bad(f"side files total {total} bytes, over the limit of {MAX_SIDE_TOTAL_BYTES}")
 
 
 def _is_int(x: Any) -> bool:

@@ -13,6 +13,11 @@ speaks to the gateway as the trainer: with its `token` (role trainer) on every r
 as `tls` says (its certificate, common name trainer/NAME, serves as the credential on an mTLS
 gateway). The origin refuses a version below its head or one it accepted before (409).
 
+Each version carries the model directory's side files (`side_files`: config, tokenizer, generation
+settings; `deltamesh.delta.side_files`), hashed and signed in its manifest, so a fresh pool's directory
+loads with `from_pretrained`. A delta re-ships only those that changed since the version it is
+encoded against.
+
 `PublishState` keeps the last published weights on disk, so the one-shot `deltamesh publish` command
 can encode a delta against them next time.
 """
@@ -41,6 +46,7 @@ from deltamesh.delta import (
 )
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
+from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.gateway_client import GatewayClient, statement_url
 from deltamesh.http import HttpError, bearer, client_session, request_bytes
@@ -70,9 +76,13 @@ class Publisher:
     on_encoded: Callable[[Encoded], None] | None = None
     token: str | None = None
     tls: TlsSettings | None = None
+    side_files: Mapping[str, bytes] | None = None
+    """The model directory's side files (name -> bytes), shipped with every version; None: none."""
     base: tuple[int, Mapping[str, torch.Tensor]] | None = field(default=None, init=False)
     """(version, weights) of the last published version: what the next delta is encoded against."""
     _base_hash: str | None = field(default=None, init=False)
+    _base_files: dict[str, str] | None = field(default=None, init=False)
+    """name -> digest of the base version's side files, when known: a delta does not re-ship those."""
 
     def __post_init__(self) -> None:
         if self.full_every < 0:
@@ -82,9 +92,12 @@ class Publisher:
             check_token_transport(self.gateway, self.tls.insecure if self.tls is not None else False)
         self.token = self.token or None
 
-    def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None) -> None:
-        """Encode the next delta against `weights` as version `version` (e.g. after a restart)."""
+    def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None,
+                 side_files: Mapping[str, str] | None = None) -> None:
+        """Encode the next delta against `weights` as version `version` (e.g. after a restart).
+        `side_files` (name -> digest) are the base version's, if known; else the next delta ships all."""
         self.base, self._base_hash = (version, weights), weights_hash
+        self._base_files = dict(side_files) if side_files is not None else None
 
     def session(self, **kw):
         """A session to the gateway: TLS as configured, the trainer's token on every request."""
@@ -112,11 +125,12 @@ class Publisher:
         if self.base is not None:
             encodings.append(await asyncio.to_thread(
                 encode_delta, self.base[1], weights, model_id=self.model_id, version=version,
-                base_version=self.base[0], key=self.key, base_hash=self._base_hash, piece_bytes=self.piece_bytes))
+                base_version=self.base[0], key=self.key, base_hash=self._base_hash, piece_bytes=self.piece_bytes,
+                files=self.side_files, base_files=self._base_files))
         if self.base is None or (self.full_every and version % self.full_every == 0):
             encodings.append(await asyncio.to_thread(
                 encode_full, weights, model_id=self.model_id, version=version, key=self.key,
-                piece_bytes=self.piece_bytes))
+                piece_bytes=self.piece_bytes, files=self.side_files))
         sent = 0
         async with self.session(connections=max(4, self.connections), timeout_s=None) as s:
             for enc in encodings:
@@ -126,8 +140,9 @@ class Publisher:
                                              connections=self.connections, on_progress=self.on_progress)
                 log.info("published %s v%d %s: %d pieces, %d bytes", self.model_id, version, enc.manifest.kind,
                          len(enc.pieces), enc.manifest.payload_bytes)
-            # Remembering the hash spares hashing the base again for the next delta.
-            self.set_base(version, weights, encodings[0].manifest.weights_hash)
+            # Remembering the hashes spares hashing the base again, and re-shipping its side files.
+            first = encodings[0].manifest
+            self.set_base(version, weights, first.weights_hash, {f.name: f.hash for f in first.files})
             await self._put_statement(s)
         return Published(version, [e.manifest for e in encodings], sent)
 
@@ -156,7 +171,8 @@ class Publisher:
 
 
 class PublishState:
-    """The last published version's weights and number, kept in a directory between publishes."""
+    """The last published version's weights, number and side-file digests, kept in a directory between
+    publishes."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -173,29 +189,44 @@ class PublishState:
             return None
         return int(info["version"]), str(info["gateway"]), read_weights(self.weights_dir)
 
-    def save(self, version: int, gateway: str, weights: Mapping[str, torch.Tensor]) -> None:
+    def side_files(self) -> dict[str, str] | None:
+        """name -> digest of the last published version's side files (None if not recorded)."""
+        try:
+            files = json.loads(self.info_path.read_text()).get("side_files")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            return None
+        return files
+
+    def save(self, version: int, gateway: str, weights: Mapping[str, torch.Tensor],
+             side_files: Mapping[str, str] | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.info_path.unlink(missing_ok=True)  # no stale number beside new weights if we crash here
         write_weights(self.weights_dir, dict(weights))
         tmp = self.info_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": version, "gateway": gateway}))
+        tmp.write_text(json.dumps({"version": version, "gateway": gateway, "side_files": dict(side_files or {})}))
         os.replace(tmp, self.info_path)
 
 
 async def publish_dir(publisher: Publisher, weights_dir: str | Path, state: PublishState,
                       version: int | None = None) -> Published:
-    """Publish a safetensors directory, continuing from the saved state when it matches the gateway."""
+    """Publish a safetensors directory, continuing from the saved state when it matches the gateway.
+    Its side files go with it unless the publisher was given its own."""
     weights = await asyncio.to_thread(read_weights, weights_dir)
+    if publisher.side_files is None:
+        publisher.side_files = await asyncio.to_thread(read_side_files, weights_dir)
     saved = await asyncio.to_thread(state.load)
     try:
         head = await publisher.gateway_head()
     except HttpError as e:
         raise RuntimeError(f"cannot reach gateway {publisher.gateway}: {e}") from e
     if saved is not None and saved[0] == head and saved[1] == publisher.gateway:
-        publisher.set_base(saved[0], saved[2])
+        publisher.set_base(saved[0], saved[2], side_files=state.side_files())
     elif saved is not None:
         log.info("saved state is v%d for %s, gateway head is %s: publishing a full snapshot",
                  saved[0], saved[1], head)
     result = await publisher.publish(weights, version)
-    await asyncio.to_thread(state.save, result.version, publisher.gateway, weights)
+    files = {f.name: f.hash for f in result.manifests[0].files}
+    await asyncio.to_thread(state.save, result.version, publisher.gateway, weights, files)
     return result

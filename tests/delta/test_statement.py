@@ -1,5 +1,6 @@
 """The signed head statement: round trip, signature, model and age checks, and no confusion with manifests."""
 
+import dataclasses
 import json
 
 import pytest
@@ -57,8 +58,12 @@ def test_statements_and_manifests_cannot_stand_in_for_each_other():
     key = generate_key()
     manifest = Manifest(model_id="m1", version=7, base_version=None, kind="full", codec="test",
                         tensors=(TensorEntry("w", "BF16", (2,), H),), pieces=())
-    with pytest.raises(CorruptError, match="malformed head statement body"):
+    # A format 2 manifest is refused by its format_version, a format 1 one by its missing keys.
+    with pytest.raises(CorruptError, match="head statement format_version 2"):
         load_statement(manifest.signed(key), [key.public_key()])
+    old = dataclasses.replace(manifest, format_version=1)
+    with pytest.raises(CorruptError, match="malformed head statement body"):
+        load_statement(old.signed(key), [key.public_key()])
     with pytest.raises(CorruptError, match="malformed manifest body"):
         load_manifest(sign_statement(key, "m1", 7, H), [key.public_key()])
 
