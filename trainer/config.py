@@ -1,4 +1,4 @@
-"""The trainer's typed settings: the RL loss, the optimizer, checkpointing and batch splitting.
+"""The trainer's typed settings: the RL loss, the optimizer, checkpointing, batch splitting and the mismatch watch.
 
 `TrainerConfig` is the compute core's part of the `[trainer]` table of a deltamesh config file
 (`deltamesh train` reads the whole table as `deltamesh.trainer.loop_config.TrainLoopConfig`, which
@@ -108,6 +108,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class MismatchConfig:
+    """When the trainer names a rollout pool whose behaviour logprobs jumped away from its own
+    (`deltamesh.trainer.mismatch`): a pool's mean |trainer - behaviour logprob| on a batch's
+    current-version tokens is flagged when it exceeds `floor` and `ratio` times the median of the
+    other pools in the batch or of its own recent batches."""
+
+    ratio: float = 3.0
+    """How many times the other pools' median (or the pool's own running median) counts as a jump."""
+    floor: float = 0.02
+    """Mismatch (nats per token) below which no pool is flagged: bf16 engines differ from an fp32
+    trainer by about this much with the same weights."""
+    min_tokens: int = 32
+    """Current-version tokens a pool needs in a batch for its reading to be judged (or to judge others by)."""
+    window: int = 20
+    """Batches of a pool's own history its running median covers."""
+    min_history: int = 5
+    """Readings a pool needs before its own running median is used."""
+
+    def __post_init__(self) -> None:
+        if not self.ratio > 1.0:
+            raise ValueError(f"mismatch.ratio must be > 1, got {self.ratio}")
+        if not (self.floor >= 0.0 and math.isfinite(self.floor)):
+            raise ValueError(f"mismatch.floor must be a finite number >= 0, got {self.floor}")
+        if self.min_tokens < 1:
+            raise ValueError(f"mismatch.min_tokens must be >= 1, got {self.min_tokens}")
+        if self.window < 1 or not 1 <= self.min_history <= self.window:
+            raise ValueError(f"mismatch.window must be >= 1 and min_history in 1..window, got {self.window} "
+                             f"and {self.min_history}")
+
+
+@dataclass
 class TrainerConfig:
     """Everything the trainer's compute core needs."""
 
@@ -124,6 +155,8 @@ class TrainerConfig:
     """The optimizer (`[trainer.optim]`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing (`[trainer.checkpoint]`)."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """When a rollout pool's logprob mismatch counts as a jump (`[trainer.mismatch]`)."""
 
     def __post_init__(self) -> None:
         if not self.model_id:

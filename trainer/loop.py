@@ -6,7 +6,9 @@ broker for a batch and hands it to the other ranks; the frozen reference model s
 KL penalty; `train_step` updates the fp32 master weights; the bf16 weights are gathered to rank 0,
 which publishes them as the next version in the background (at most one publish in flight) and
 reports the version to the broker once it is at the gateway. The trainer therefore waits only on
-batches, never on pools or links. Every `checkpoint.every` versions (and on a clean stop) it
+batches, never on pools or links. Rank 0 also splits the step's trainer-side mismatch by rollout pool
+and names a pool whose mismatch jumps (`deltamesh.trainer.mismatch`, in the step record and the
+metrics served at `metrics_listen`). Every `checkpoint.every` versions (and on a clean stop) it
 checkpoints, after that version's publish has ended, so a checkpoint never gets ahead of the
 gateway in a normal run. A restarted trainer resumes the newest checkpoint and joins the gateway's
 stream as `deltamesh.trainer.publish.start_stream` describes: versions continue after the gateway's
@@ -35,12 +37,15 @@ from typing import Callable
 
 import torch
 
-from deltamesh.delta import load_private_key
+from deltamesh.data import Batch
+from deltamesh.delta import load_private_key, read_side_files
 from deltamesh.trainer.checkpoint import CheckpointError, resume_latest, save_checkpoint
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors, init_distributed, shard_model, shutdown
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.loss_inputs import LossInputs, broadcast_inputs, inputs_from_batch
 from deltamesh.trainer.mesh_client import MeshClient
+from deltamesh.trainer.metrics import TrainerMetrics
+from deltamesh.trainer.mismatch import MismatchWatch, PoolMismatch, pool_mismatch
 from deltamesh.trainer.models import load_causal_lm
 from deltamesh.trainer.step import (
     TrainState,
@@ -131,6 +136,7 @@ def pad_rows(inputs: LossInputs, multiple: int) -> LossInputs:
         group_ids=torch.cat([inputs.group_ids, first_group + torch.arange(extra)]),
         attention_mask=torch.cat([attention, pad_attention]),
         ref_logprobs=grow(inputs.ref_logprobs, 0.0),
+        versions=grow(inputs.versions, -1),
     )
 
 
@@ -143,6 +149,15 @@ def _build_models(cfg: TrainLoopConfig, ctx: DistContext) -> tuple[torch.nn.Modu
         reference = copy.deepcopy(model).eval().requires_grad_(False)
         reference = shard_model(reference, ctx)
     return shard_model(model, ctx), reference
+
+
+def _judge_mismatch(watch: MismatchWatch, state: TrainState, batch: Batch, trained_on: int
+                    ) -> dict[str, PoolMismatch]:
+    """The step's per-pool mismatch on the batch's rows (padding rows dropped), judged by `watch`."""
+    if state.row_mismatch is None:
+        return {}
+    pools = [str(s.get("pool", "")) for s in batch.samples]
+    return watch.observe(trained_on, pool_mismatch(state.row_mismatch[: len(batch)], pools))
 
 
 def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> None:
@@ -162,7 +177,7 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
     checkpointed = state.version
     weights = published_weights(model, ctx)
 
-    client = records = None
+    client = records = watch = None
     if ctx.is_main:
         records = StepLog(cfg.metrics_file)
         client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
@@ -170,8 +185,13 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                             statement_every_s=cfg.statement_every_s,
                             model_id=cfg.model_id, key=load_private_key(cfg.key), full_every=cfg.full_every,
                             piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
-                            on_published=records.published)
+                            on_published=records.published, side_files=read_side_files(cfg.model))
+        served = TrainerMetrics()
+        watch = MismatchWatch(cfg.mismatch, cfg.model_id, served)
     try:
+        if client is not None and cfg.metrics_listen:
+            log.info("%s: metrics at %s/metrics", cfg.model_id, client.serve_metrics(served.registry,
+                                                                                     cfg.metrics_listen))
         started = client.start(state.version, weights, stop) if client is not None else None
         counter = _share_int(-1 if started is None else started.version, ctx)
         if counter < 0:
@@ -211,11 +231,13 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                 client.ack(trained)  # their updates are now as safe as this trainer can make them
                 trained = []
             if client is not None and records is not None and batch is not None:
+                assert watch is not None
+                mismatch = _judge_mismatch(watch, state, batch, trained_on)
                 step_s = time.monotonic() - poll_start
                 client.report_step(wait_s, step_s)
                 records.add(step_record(step=state.step, version=state.version, batch=batch, metrics=metrics,
                                         trained_on=trained_on, wait_s=wait_s, train_s=train_s, stall_s=stall_s,
-                                        step_s=step_s))
+                                        step_s=step_s, mismatch=mismatch))
         if client is not None:
             client.wait_published()
         if ckpt.dir is not None and steps and checkpointed != state.version:

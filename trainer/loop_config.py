@@ -15,6 +15,7 @@ from typing import Literal
 
 from deltamesh.config import http_url, http_urls
 from deltamesh.config_flags import flag
+from deltamesh.http import parse_listen
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.trainer.config import TrainerConfig
@@ -64,6 +65,9 @@ class TrainLoopConfig(TrainerConfig):
     """auto: the rank's GPU if there is one, else the CPU."""
     metrics_file: str | None = None
     """Append one JSON line per step here."""
+    metrics_listen: str = field(default="", metadata=flag(metavar="HOST:PORT"))
+    """Serve Prometheus `/metrics` (and `/healthz`) of rank 0 on this address; empty: off. Read-only and
+    unauthenticated, like a pool's status server: bind it to loopback or the scraper's network."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,5 +91,7 @@ class TrainLoopConfig(TrainerConfig):
             raise ValueError(f"piece_bytes must be >= 1024, got {self.piece_bytes}")
         if self.upload_connections < 1:
             raise ValueError(f"upload_connections must be >= 1, got {self.upload_connections}")
+        if self.metrics_listen:
+            parse_listen(self.metrics_listen)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

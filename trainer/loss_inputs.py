@@ -4,8 +4,10 @@
 the trainer turns each into one of these. Per-token tensors are [B, T] and aligned with the tokens
 they describe (see `deltamesh.trainer.losses`): `behaviour_logprobs[b, t]` is the rollout engine's
 logprob of `input_ids[b, t]`, and `loss_mask[b, t]` says whether that token is trained on (the
-response tokens; never column 0). The constructor checks shapes and values and fixes dtypes, so a
-malformed batch fails here with a clear message rather than deep inside the model.
+response tokens; never column 0). `versions[b, t]`, when given, is the policy version that generated
+the token (-1 where none did); the trainer measures its mismatch with the pools on the tokens of its
+own current version (`deltamesh.trainer.mismatch`). The constructor checks shapes and values and
+fixes dtypes, so a malformed batch fails here with a clear message rather than deep inside the model.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LossInputs:
     group_ids: torch.Tensor  # [B] int64: sequences sampled for the same prompt share an id
     attention_mask: torch.Tensor | None = None  # [B, T] int64; None: every token is real
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32, for the KL penalty
+    versions: torch.Tensor | None = None  # [B, T] int64, the version that generated each token (-1: none)
 
     DTYPES: ClassVar[dict[str, torch.dtype]] = {
         "input_ids": torch.int64,
@@ -42,6 +45,7 @@ class LossInputs:
         "group_ids": torch.int64,
         "attention_mask": torch.int64,
         "ref_logprobs": torch.float32,
+        "versions": torch.int64,
     }
 
     def __post_init__(self) -> None:
@@ -49,7 +53,7 @@ class LossInputs:
             raise ValueError(f"input_ids must be a [B, T] integer tensor, got {tuple(self.input_ids.shape)}")
         shape = tuple(self.input_ids.shape)
         rows = shape[0]
-        for name in ("loss_mask", "behaviour_logprobs", "attention_mask", "ref_logprobs"):
+        for name in ("loss_mask", "behaviour_logprobs", "attention_mask", "ref_logprobs", "versions"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} like input_ids")
@@ -117,4 +121,5 @@ def inputs_from_batch(batch: "Batch") -> LossInputs:
         rewards=t["rewards"],
         group_ids=t["group_index"],
         attention_mask=attention,
+        versions=t["versions"],
     )

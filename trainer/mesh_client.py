@@ -8,13 +8,15 @@ report the version to the broker) runs in the background while the next batch is
 trained, with at most one publish in flight, so versions reach the gateway in order and a slow
 upload delays training by at most the part of it that outlasts a whole step. Step timings and batch
 acknowledgements go to the broker the same way (an acknowledgement that does not get through goes
-again with the next poll). Only rank 0 creates one.
+again with the next poll). The same loop serves the trainer's Prometheus metrics when asked
+(`serve_metrics`). Only rank 0 creates one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -22,14 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Mapping, TypeVar
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
-from deltamesh.http import HttpError
+from deltamesh.http import HttpError, serving
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
+from deltamesh.trainer.metrics import metrics_app
 from deltamesh.trainer.publish import StreamStart, start_stream
 
 log = logging.getLogger(__name__)
@@ -79,19 +83,27 @@ class MeshClient:
     def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
                  piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
                  tls: TlsSettings | None = None, statement_every_s: float = 0.0,
-                 on_published: Callable[[PublishOutcome], None] | None = None, broker_failover_s: float = 60.0):
+                 on_published: Callable[[PublishOutcome], None] | None = None, broker_failover_s: float = 60.0,
+                 side_files: Mapping[str, bytes] | None = None):
         self.model_id = model_id
         self.on_published = on_published
         """Called (on the client's thread) as each publish ends, successful or not."""
         self.trusted_keys = [key.public_key()]
         self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
-                                   connections=connections, token=gateway_token, tls=tls)
+                                   connections=connections, token=gateway_token, tls=tls,
+                                   side_files=side_files)  # config and tokenizer travel with every version
         self._thread = _LoopThread(f"mesh-{model_id}")
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._reports: list[concurrent.futures.Future[None]] = []
         self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))
                             if statement_every_s > 0 else None)
+        self._served = contextlib.AsyncExitStack()
+
+    def serve_metrics(self, registry: CollectorRegistry, listen: str) -> str:
+        """Serve `registry` at `/metrics` on `listen` (HOST:PORT) from the client's thread until `close`;
+        returns the base URL."""
+        return self._thread.call(self._served.enter_async_context(serving(metrics_app(registry), listen)))
 
     async def _refresh_statements(self, every_s: float) -> None:
         """Re-sign the head statement between versions, so pools that require a fresh one can tell a
@@ -120,6 +132,7 @@ class MeshClient:
         finally:
             if self._statements is not None:
                 self._statements.cancel()
+            self._thread.call(self._served.aclose())
             self._thread.call(self._batches.close())
             self._thread.close()
 

@@ -6,6 +6,9 @@ micro-batches, accumulates the gradient of the M2PO/PPO loss (normalised by the 
 count, so micro-batches and ranks simply add up), clips the global gradient norm and takes one AdamW
 step. When the batch is split (micro-batches or ranks), M2PO's mask must still see every token of
 the batch, so a gradient-free forward pass first gathers the current logprobs of all of them.
+The training forward pass also yields, per row, the trainer-side mismatch sums on the tokens
+generated at the trainer's current version (`deltamesh.trainer.mismatch`), kept in
+`TrainState.row_mismatch` for the loop to split by pool.
 The model trains in fp32; `published_weights` is what a version is: every floating tensor cast to
 bf16. A trainer loop is then: batch -> `train_step` -> `published_weights` -> publish -> checkpoint.
 """
@@ -31,6 +34,7 @@ from deltamesh.trainer.losses import (
     policy_loss,
     token_logprobs,
 )
+from deltamesh.trainer.mismatch import ROW_SUMS, row_sums
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +46,16 @@ class TrainState:
     """The model being trained (fp32, possibly FSDP-sharded), its optimizer and its counters.
 
     `version` is the version number the current weights are published as; `step` counts optimizer
-    steps taken (it drives the warm-up). Both advance by one per `train_step`.
+    steps taken (it drives the warm-up). Both advance by one per `train_step`. `row_mismatch` holds
+    the last step's per-row `mismatch.row_sums` [B, 3] (on the CPU, the same on every rank), or None
+    when its batch carried no token versions.
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     version: int = 0
     step: int = 0
+    row_mismatch: torch.Tensor | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -143,7 +150,8 @@ def train_step(
 
     Every rank must call it with the same batch. The metrics (loss, pg_loss, kl, m2, m2_kept,
     m2po_masked_frac, clip_frac, ratio_mean, grad_norm, lr, reward_mean, tokens, sequences, version,
-    step) are global, the same on every rank.
+    step, and the batch-wide mismatch, mismatch_k3 and mismatch_tokens on the tokens of the version
+    trained on) are global, the same on every rank.
     """
     model, lcfg = state.model, cfg.loss
     device = next(model.parameters()).device
@@ -167,6 +175,8 @@ def train_step(
 
     state.optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(len(SUM_NAMES), dtype=torch.float64, device=device)
+    # This rank's rows only; the others stay zero, so the all-reduce below gathers them exactly.
+    mismatch = torch.zeros(inputs.rows, len(ROW_SUMS), dtype=torch.float64, device=device)
     for a, b in bounds:
         mb = inputs.slice(first + a, first + b)
         logp = sequence_logprobs(model, mb.input_ids, mb.attention_mask, lcfg.temperature)
@@ -188,6 +198,9 @@ def train_step(
         )
         terms.loss.backward()
         sums += torch.stack([terms.sums[n] for n in SUM_NAMES])
+        if mb.versions is not None:
+            current = mb.loss_mask & (mb.versions == state.version)  # older tokens carry lag, not mismatch
+            mismatch[first + a : first + b] = row_sums(logp, mb.behaviour_logprobs, current)
 
     grad_norm = clip_grad_norm(model, cfg.optim.max_grad_norm, ctx)
     lr = learning_rate(cfg.optim, state.step)
@@ -198,7 +211,12 @@ def train_step(
     state.step += 1
     state.version += 1
 
-    s = dict(zip(SUM_NAMES, all_reduce_sum(sums, ctx).tolist()))
+    # One collective for the loss sums and the mismatch rows together.
+    reduced = all_reduce_sum(torch.cat([sums, mismatch.flatten()]), ctx)
+    s = dict(zip(SUM_NAMES, reduced[: len(SUM_NAMES)].tolist()))
+    rows = reduced[len(SUM_NAMES) :].reshape(inputs.rows, len(ROW_SUMS)).cpu()
+    state.row_mismatch = rows if inputs.versions is not None else None
+    abs_sum, k3_sum, counted = rows.sum(0).tolist()
     kept = max(s["kept"], 1.0)
     metrics = {
         "loss": (s["pg"] + lcfg.kl_coef * s["kl"]) / s["tokens"],
@@ -213,6 +231,9 @@ def train_step(
         "lr": lr,
         "reward_mean": float(inputs.rewards.double().mean()),
         "tokens": s["tokens"],
+        "mismatch": abs_sum / counted if counted else 0.0,
+        "mismatch_k3": k3_sum / counted if counted else 0.0,
+        "mismatch_tokens": counted,
         "sequences": float(inputs.rows),
         "version": float(state.version),
         "step": float(state.step),

@@ -5,7 +5,8 @@ background while the next batch is polled, so `StepLog` pairs each record with i
 and writes it the moment both are in. The fields are what the demo and the end-to-end benchmark read:
 step, version, reward mean, the loss terms, how many samples came from each rollout pool, and where
 the step's time went (waiting for the batch, training, stalled on the previous publish, the publish
-itself) with the wait fraction.
+itself) with the wait fraction, and each pool's trainer-side mismatch on the tokens of the version
+trained on (`mismatch`: {"version", "pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from deltamesh.data import Batch
 from deltamesh.trainer.mesh_client import PublishOutcome
+from deltamesh.trainer.mismatch import PoolMismatch
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,10 @@ LOSS_TERMS = ("loss", "pg_loss", "kl", "m2", "m2po_masked_frac", "clip_frac", "r
 
 
 def step_record(*, step: int, version: int, batch: Batch, metrics: dict[str, float], trained_on: int,
-                wait_s: float, train_s: float, stall_s: float, step_s: float) -> dict[str, Any]:
-    """The record of one step before its publish ends; `trained_on` is the version the batch trained."""
+                wait_s: float, train_s: float, stall_s: float, step_s: float,
+                mismatch: dict[str, PoolMismatch] | None = None) -> dict[str, Any]:
+    """The record of one step before its publish ends; `trained_on` is the version the batch trained,
+    `mismatch` the pools' mismatch on its tokens (`MismatchWatch.observe`)."""
     lags = [trained_on - int(s.get("min_version", trained_on)) for s in batch.samples]
     return {
         "time": time.time(), "step": step, "version": version, "batch_id": batch.batch_id,
@@ -38,6 +42,7 @@ def step_record(*, step: int, version: int, batch: Batch, metrics: dict[str, flo
         "pools": dict(Counter(str(s.get("pool", "")) for s in batch.samples)),
         "wait_seconds": wait_s, "train_seconds": train_s, "publish_stall_seconds": stall_s,
         "step_seconds": step_s, "wait_fraction": wait_s / step_s if step_s > 0 else 0.0,
+        "mismatch": {"version": trained_on, "pools": {p: r.record() for p, r in (mismatch or {}).items()}},
     }
 
 

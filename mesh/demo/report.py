@@ -2,12 +2,17 @@
 
 Per step of each policy: reward, version, the bytes each link carried for that version against the
 full snapshot's size, the trainer's wait fraction and timings, how far behind each pool was, how
-many samples each pool contributed, and how long after the step the last pool served the version.
+many samples each pool contributed, how long after the step the last pool served the version, and
+each pool's trainer-side mismatch on the tokens it generated at the version trained on (the mean
+absolute difference of trainer and behaviour logprobs, the k3 KL estimate, and whether the trainer
+flagged the pool as jumped; `deltamesh.trainer.mismatch`). Per policy, `mismatch` sums that up per
+pool (token-weighted means, the versions it was flagged at); the summary names the flagged pools.
 Per pool, for the code workflows, the outcome counts of its sandbox's tests (passed, failed, error,
 timeout, resource_limit), and their sum in the summary.
-The chart (matplotlib, Agg backend, no display needed) shows reward per step and, on a log scale,
-bytes per version on each link with the full-sync size as a dashed line. The summary also lists, per
-version published as delta + full (the periodic full syncs), what each link carried for it.
+The chart (matplotlib, Agg backend, no display needed) shows reward per step, on a log scale the
+bytes per version on each link with the full-sync size as a dashed line, and each pool's mismatch
+per version (flagged versions marked). The summary also lists, per version published as delta +
+full (the periodic full syncs), what each link carried for it.
 """
 
 from __future__ import annotations
@@ -68,8 +73,31 @@ def step_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
             "link_bytes": dict(facts.link_bytes) if facts else {}, "full_bytes": run.full_bytes_at(v),
             "all_pools_seconds": None if everywhere is None else max(0.0, everywhere - r["time"]),
             "pool_behind": {p: None if pv is None else max(0, v - pv) for p, pv in served.items()},
+            "mismatch_version": (r.get("mismatch") or {}).get("version"),
+            "mismatch": (r.get("mismatch") or {}).get("pools", {}),
         })
     return rows
+
+
+def mismatch_by_pool(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pool over the steps: versions measured, tokens, token-weighted mean |d| and k3, the largest
+    batch mean |d|, and the versions at which the trainer flagged the pool."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        for pool, r in row["mismatch"].items():
+            acc = out.setdefault(pool, {"versions": 0, "tokens": 0, "abs_mean": 0.0, "k3_mean": 0.0, "abs_max": 0.0,
+                                        "flagged_versions": []})
+            acc["versions"] += 1
+            acc["tokens"] += r["tokens"]
+            acc["abs_mean"] += r["abs"] * r["tokens"]  # sums here, divided below
+            acc["k3_mean"] += r["k3"] * r["tokens"]
+            acc["abs_max"] = max(acc["abs_max"], r["abs"])
+            if r["flagged"]:
+                acc["flagged_versions"].append(row["mismatch_version"])
+    for acc in out.values():
+        acc["abs_mean"] /= max(acc["tokens"], 1)
+        acc["k3_mean"] /= max(acc["tokens"], 1)
+    return dict(sorted(out.items()))
 
 
 def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome: str, error: str,
@@ -86,6 +114,7 @@ def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome
             "steps": rows, "final_version": final,
             "final_weights_hash": run.versions[final].weights_hash if final in run.versions else "",
             "reward_first_third": first, "reward_last_third": last, "trained_samples_by_pool": dict(trained),
+            "mismatch": mismatch_by_pool(rows),
         }
     pools = {}
     for name, p in state.pools.items():
@@ -138,6 +167,9 @@ def summary(models: dict[str, Any], checks: list[FinalCheck], pools: dict[str, A
             "periodic_full_versions": [{"version": row["version"], "full_bytes": row["full_bytes"],
                                         "link_bytes": row["link_bytes"]}
                                        for row in m["steps"] if "full" in row["publish_kinds"] and row["version"]],
+            # The pools whose logprobs the trainer saw jump away from its own, and at which versions.
+            "mismatch_flagged": {pool: p["flagged_versions"] for pool, p in m["mismatch"].items()
+                                 if p["flagged_versions"]},
         }
     return out
 
@@ -157,7 +189,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, (ax_reward, ax_bytes) = plt.subplots(2, 1, figsize=(9, 8))
+    fig, (ax_reward, ax_bytes, ax_mismatch) = plt.subplots(3, 1, figsize=(9, 11))
     for model_id, m in report["models"].items():
         steps = [r["step"] for r in m["steps"]]
         rewards = [r["reward"] for r in m["steps"]]
@@ -170,6 +202,13 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             points = [(r["version"], r["link_bytes"][link]) for r in m["steps"] if r["link_bytes"].get(link)]
             ax_bytes.plot([p[0] for p in points], [p[1] for p in points], marker=".", linewidth=1,
                           label=f"{link}" + (f" [{model_id}]" if len(report["models"]) > 1 else ""))
+        for pool in m.get("mismatch", {}):
+            points = [(r["mismatch_version"], r["mismatch"][pool]) for r in m["steps"] if pool in r["mismatch"]]
+            line, = ax_mismatch.plot([p[0] for p in points], [p[1]["abs"] for p in points], marker=".", linewidth=1,
+                                     label=pool + (f" [{model_id}]" if len(report["models"]) > 1 else ""))
+            flagged = [p for p in points if p[1]["flagged"]]
+            ax_mismatch.scatter([p[0] for p in flagged], [p[1]["abs"] for p in flagged], marker="x", s=60,
+                                color=line.get_color())
         fulls = [(r["version"], r["full_bytes"]) for r in m["steps"] if r["full_bytes"]]
         if fulls:
             ax_bytes.plot([p[0] for p in fulls], [p[1] for p in fulls], linestyle="--", color="gray",
@@ -184,6 +223,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax_bytes.set_title("bytes per version on each link (the upload spikes with each periodic full;\n"
                        "relays carry a full only when a pool asks for one)")
     ax_bytes.legend(fontsize=8)
+    ax_mismatch.set_xlabel("version trained on")
+    ax_mismatch.set_ylabel("mean |trainer - behaviour logprob|")
+    ax_mismatch.set_title("trainer-side mismatch per pool, on tokens of the trainer's own version (x: flagged)")
+    if ax_mismatch.lines:
+        ax_mismatch.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -5,7 +5,8 @@ keeps the bytes each link carried for it (the trainer's upload to the origin; fo
 the piece bytes the downstream gateway received from its upstream for that version, as its
 `/v1/models/{model}/traffic` counts them: a delta, and a full only when a pool or the relay's anchor
 needed one), the size a full snapshot would have cost, the trainer's step record, and when each
-pool's engine first served it. Per pool it keeps the latest status and the bytes it pulled from
+pool's engine first served it (the step record also carries each pool's trainer-side mismatch,
+`pool_mismatch` finds a pool's latest). Per pool it keeps the latest status and the bytes it pulled from
 its gateway each time its engine moved to a newer version.
 """
 
@@ -177,3 +178,12 @@ class MeshState:
 
     def rewards(self, model_id: str) -> list[float]:
         return [float(r["reward_mean"]) for r in self.models[model_id].steps]
+
+    def pool_mismatch(self, name: str, model_id: str) -> dict[str, Any] | None:
+        """The pool's latest trainer-side mismatch reading (tokens, abs, k3, flagged, reason, version), if any."""
+        for r in reversed(self.models[model_id].steps):
+            mismatch = r.get("mismatch") or {}
+            reading = mismatch.get("pools", {}).get(name)
+            if reading is not None:
+                return {**reading, "version": mismatch.get("version")}
+        return None

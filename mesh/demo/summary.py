@@ -1,11 +1,13 @@
-"""The demo's closing summary on the terminal: what was learned, what the links carried, whether pools are exact,
-and for the code workflows what the sandboxes made of the programs."""
+"""The demo's closing summary on the terminal: what was learned, what the links carried, how far each pool's
+logprobs were from the trainer's (and which pools the trainer flagged), whether pools are exact, and for the
+code workflows what the sandboxes made of the programs."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from deltamesh.mesh.demo.run import DemoResult
@@ -42,6 +44,7 @@ def print_summary(console: Console, result: DemoResult) -> None:
             links = ", ".join(f"{link} {human_bytes(n)}" for link, n in sorted(row["link_bytes"].items()))
             console.print(f"  v{row['version']} (published as delta + full, full {human_bytes(row['full_bytes'])}): "
                           f"{links or '-'}")
+        print_mismatch(console, model_id, m.get("mismatch", {}))
     print_sandbox(console, report)
     checks = report["final_checks"]
     if checks:
@@ -56,6 +59,25 @@ def print_summary(console: Console, result: DemoResult) -> None:
     if result.chart_path is not None:
         console.print(f"chart:  {result.chart_path}")
     console.print(f"logs:   {report['run_dir']}/logs")
+
+
+def print_mismatch(console: Console, model_id: str, pools: dict[str, Any]) -> None:
+    """Per pool, the trainer-side mismatch on the tokens it generated at the trainer's own version, and
+    the pools the trainer flagged as jumped (nothing when no batch carried such tokens)."""
+    if not pools:
+        return
+    table = Table(title=f"{model_id}: trainer-side mismatch per pool (tokens of the trainer's own version)")
+    for col in ("pool", "versions", "tokens", "mean |d logprob|", "k3 KL", "largest", "flagged at"):
+        table.add_column(col, justify="left" if col in ("pool", "flagged at") else "right")
+    for pool, p in pools.items():
+        flagged = ", ".join(f"v{v}" for v in p["flagged_versions"])
+        table.add_row(escape(pool), str(p["versions"]), str(p["tokens"]), f"{p['abs_mean']:.4f}",
+                      f"{p['k3_mean']:.2g}", f"{p['abs_max']:.4f}", f"[red]{flagged}[/]" if flagged else "-")
+    console.print(table)
+    for pool, p in pools.items():
+        if p["flagged_versions"]:
+            console.print(f"  [red]pool {escape(pool)}: its logprobs jumped away from the trainer's at "
+                          f"{len(p['flagged_versions'])} version(s)[/]")
 
 
 def _outcomes(counts: dict[str, int]) -> str:

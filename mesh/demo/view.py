@@ -2,7 +2,8 @@
 
 `render` builds the live view from a `MeshState`: the trainers (step, reward, wait fraction, where
 a step's time goes), the pools (region, version served, versions behind the trainer, what they
-pulled; for a code workflow, how many of its sandbox's tests passed), and the links (added latency
+pulled, their latest trainer-side mismatch, in red when the trainer flagged them; for a code
+workflow, how many of its sandbox's tests passed), and the links (added latency
 and cap, measured RTT, bytes per version against what a full sync would have cost). `ProgressLines`
 gives one log line per new trainer step instead, for logs, CI and tests.
 """
@@ -61,25 +62,34 @@ def _trainers(state: MeshState, config: DemoConfig) -> Table:
     return t
 
 
+def _mismatch(reading: dict[str, Any] | None) -> str:
+    """A pool's latest mean |trainer - behaviour logprob|, red and marked when the trainer flagged it."""
+    if reading is None:
+        return "-"
+    return f"[red]{reading['abs']:.3f} jumped[/]" if reading["flagged"] else f"{reading['abs']:.3f}"
+
+
 def _pools(state: MeshState, config: DemoConfig) -> Table:
     t = Table(title="rollout pools", title_justify="left")
-    cols = ["pool", "region", "hops", "serves", "behind trainer", "leasing", "samples sent", "pulled", "RTT"]
+    cols = ["pool", "region", "hops", "serves", "behind trainer", "leasing", "samples sent", "pulled", "RTT",
+            "mismatch"]
     if config.needs_sandbox:
         cols.append("sandbox tests passed/run")
     for col in cols:
         t.add_column(col, justify="left" if col in ("pool", "region", "leasing") else "right")
     for name, p in state.pools.items():
-        serves, behind = [], []
+        serves, behind, mismatch = [], [], []
         for model_id in state.model_ids:
             v = p.engine_version(model_id)
             serves.append("-" if v is None else f"v{v}")
             b = state.pool_behind(name, model_id)
             behind.append("-" if b is None else str(b))
+            mismatch.append(_mismatch(state.pool_mismatch(name, model_id)))
         leasing = p.status.get("leasing") or {}
         verdict = "starting" if not p.status else ("yes" if leasing.get("may_lease") else
                                                    (leasing.get("reason") or "no")[:40])
         row = [name, p.region, str(config.topology.hops(p.region)), " ".join(serves), " ".join(behind), verdict,
-               str(p.submitted()), human_bytes(sum(p.pulled.values())), _ms(p.rtt_ms)]
+               str(p.submitted()), human_bytes(sum(p.pulled.values())), _ms(p.rtt_ms), " ".join(mismatch)]
         if config.needs_sandbox:
             counts = p.sandbox_counts() or {}
             row.append(f"{counts.get('passed', 0)}/{sum(counts.values())}")
@@ -139,8 +149,10 @@ class ProgressLines:
                 pools = " ".join(f"{name} v{p.engine_version(model_id)}" for name, p in state.pools.items())
                 links = " ".join(f"{name} {human_bytes(run.versions[r['version']].link_bytes.get(name))}"
                                  for name in state.links if r["version"] in run.versions)
+                flagged = [p for p, m in (r.get("mismatch") or {}).get("pools", {}).items() if m["flagged"]]
                 out.append(f"{model_id} step {r['step']} v{r['version']}: reward {r['reward_mean']:.3f} "
                            f"wait fraction {r['wait_fraction']:.2f} train {r['train_seconds']:.2f} s "
-                           f"publish {human_bytes(r.get('publish_bytes'))} | pools {pools} | links {links}")
+                           f"publish {human_bytes(r.get('publish_bytes'))} | pools {pools} | links {links}"
+                           + (f" | mismatch jumped: {' '.join(flagged)}" if flagged else ""))
             self._shown[model_id] = len(run.steps)
         return out

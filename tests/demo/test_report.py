@@ -113,3 +113,49 @@ def test_sandbox_outcomes_are_reported_per_pool_and_added_up():
     plain = build_report(mesh_state(), DemoConfig(steps=2), run_dir=Path("/x"), outcome="completed", error="",
                          checks=[], processes=[])
     assert plain["summary"]["sandbox"] is None and plain["pools"]["p1"]["sandbox"] is None
+
+
+def mismatch(version: int, pools: dict[str, tuple[int, float, bool]]) -> dict:
+    """A step record's `mismatch`: per pool (tokens, mean |d|, flagged), as the trainer writes it."""
+    return {"version": version, "pools": {p: {"tokens": n, "abs": a, "k3": a * a / 2, "flagged": f,
+                                              "reason": "4.0x the median of the other pools" if f else ""}
+                                          for p, (n, a, f) in pools.items()}}
+
+
+def test_the_report_view_and_summary_show_each_pools_mismatch_and_name_a_flagged_pool():
+    """The trainer's per-pool mismatch goes into each step row, a per-pool section (token-weighted), the
+    summary's flagged pools, the live view's pool table and the closing summary on the terminal."""
+    from rich.console import Console
+
+    from deltamesh.mesh.demo.run import DemoResult
+    from deltamesh.mesh.demo.summary import print_summary
+    from deltamesh.mesh.demo.view import ProgressLines, render
+
+    state = mesh_state()
+    run = state.models["policy"]
+    run.steps[0]["mismatch"] = mismatch(0, {"p1": (100, 0.01, False), "p2": (300, 0.03, False)})
+    run.steps[1]["mismatch"] = mismatch(1, {"p1": (100, 0.03, False), "p2": (100, 0.2, True)})
+    report = build_report(state, DemoConfig(steps=2), run_dir=Path("/x"), outcome="completed", error="",
+                          checks=[], processes=[])
+    policy = report["models"]["policy"]
+    assert policy["steps"][1]["mismatch_version"] == 1 and policy["steps"][1]["mismatch"]["p2"]["flagged"]
+    assert policy["mismatch"]["p1"] == {"versions": 2, "tokens": 200, "abs_mean": pytest.approx(0.02),
+                                        "k3_mean": pytest.approx(0.00025), "abs_max": 0.03, "flagged_versions": []}
+    assert policy["mismatch"]["p2"]["abs_mean"] == pytest.approx((300 * 0.03 + 100 * 0.2) / 400)
+    assert policy["mismatch"]["p2"]["flagged_versions"] == [1]
+    assert report["summary"]["policy"]["mismatch_flagged"] == {"p2": [1]}
+
+    assert state.pool_mismatch("p2", "policy")["flagged"] and state.pool_mismatch("p1", "policy")["abs"] == 0.03
+    state.pools["p1"].region, state.pools["p2"].region = "us-east", "eu-west"  # the default topology's
+    console = Console(record=True, width=200)
+    console.print(render(state, DemoConfig(steps=2), "trainer->a", "/x"))
+    live = console.export_text()
+    assert "mismatch" in live and "0.200 jumped" in live and "0.030" in live
+    assert "mismatch jumped: p2" in ProgressLines().lines(state)[1]
+
+    console = Console(record=True, width=200)
+    print_summary(console, DemoResult("completed", report, Path("/x/report.json"), None))
+    closing = console.export_text()
+    assert "trainer-side mismatch per pool" in closing
+    assert "pool p2: its logprobs jumped away from the trainer's at 1 version(s)" in closing
+    assert "pool p1:" not in closing

@@ -162,16 +162,20 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
 def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_lm, tmp_path, mesh):
     """A Solver trainer (one process, stopped with SIGTERM) and a Verifier trainer (two FSDP ranks
     under torchrun, batches of one group of three padded to split over them) consume only their own
-    batches from one broker and publish their own delta chains through one gateway."""
+    batches from one broker and publish their own delta chains through one gateway. Both measure the
+    trainer-side mismatch on their first step only (the tokens are tagged v0), near zero since the
+    behaviour logprobs are the model's own, and the Solver serves it at `--metrics-listen`."""
     model = tiny_lm[1]
     batch = 2 * mesh.GROUP  # samples: two groups per step
     broker = real_mesh.broker(["solver", "verifier"])
     gateway = real_mesh.gateway()
     common = ["--optim.lr", "1e-5", "--poll-s", "1", "--full-every", "0"]
+    solver_metrics = f"http://127.0.0.1:{mesh.free_port()}"
     solver = real_mesh.trainer(
         "solver", broker=broker, gateway=gateway, model_id="solver",
         args=[*common, "--batch-size", str(batch), "--checkpoint.dir", str(tmp_path / "ckpt-solver"),
-              "--checkpoint.every", "100", "--metrics-file", str(tmp_path / "solver.jsonl")])
+              "--checkpoint.every", "100", "--metrics-file", str(tmp_path / "solver.jsonl"),
+              "--metrics-listen", solver_metrics.removeprefix("http://")])
     verifier = real_mesh.trainer(
         "verifier", broker=broker, gateway=gateway, model_id="verifier", ranks=2,
         args=[*common, "--batch-size", "3", "--max-steps", "2", "--checkpoint.dir", str(tmp_path / "ckpt-verifier"),
@@ -187,6 +191,12 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
         return mesh.get_json(f"{broker}/v1/status")["models"][model_id]["version"]
 
     mesh.wait_until(lambda: at_broker("solver") == 3, 120, "solver v3 at the broker", [solver])
+    served = mesh.get_text(f"{solver_metrics}/metrics")
+    assert "deltamesh_build_info" in served
+    (counted,) = [line for line in served.splitlines() if line.startswith("deltamesh_trainer_mismatch_tokens_total{")]
+    assert 'model_id="solver"' in counted and float(counted.rsplit(" ", 1)[1]) > 0
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in served.splitlines()
+               if line.startswith("deltamesh_trainer_mismatch_flagged{"))
     solver.signal(signal.SIGTERM)
     assert solver.wait(30) == 0, solver.tail()
     assert verifier.wait(180) == 0, verifier.tail()
@@ -202,6 +212,13 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
     assert [r["version"] for r in verifier_steps] == [1, 2]
     assert all(r["samples"] == batch and r["reward_mean"] * 8 == round(r["reward_mean"] * 8) for r in solver_steps)
     assert all(r["samples"] == 3 and 0.01 <= r["reward_mean"] <= 0.02 + 1e-6 for r in verifier_steps)
+    for steps in (solver_steps, verifier_steps):
+        # Only the first step trained at v0, the version its tokens were generated at; the FSDP ranks'
+        # rows (the padding row dropped) come back together.
+        assert [r["mismatch"]["version"] for r in steps] == list(range(len(steps)))
+        (first,) = steps[0]["mismatch"]["pools"].values()
+        assert first["tokens"] > 0 and first["abs"] < 1e-3 and first["k3"] < 1e-5 and not first["flagged"]
+        assert all(r["mismatch"]["pools"] == {} for r in steps[1:])
     # The clean stop wrote a final checkpoint; the sharded trainer checkpointed every version.
     assert sorted(p.name for p in (tmp_path / "ckpt-solver").iterdir()) == ["v0000000003"]
     assert sorted(p.name for p in (tmp_path / "ckpt-verifier").iterdir()) == ["v0000000001", "v0000000002"]
