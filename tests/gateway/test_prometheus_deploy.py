@@ -30,6 +30,7 @@ from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.demo.processes import end_process
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.metrics import service_registry
+from deltamesh.trainer.metrics import TrainerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
@@ -45,8 +46,8 @@ def promtool(*args: str, cwd: Path) -> None:
 
 
 def exposed_names() -> set[str]:
-    """Every sample name the gateway, broker and pool registries can expose."""
-    registries = [GatewayMetrics().registry, BrokerMetrics().registry, service_registry("pool")]
+    """Every sample name the gateway, broker, trainer and pool registries can expose."""
+    registries = [GatewayMetrics().registry, BrokerMetrics().registry, TrainerMetrics().registry, service_registry("pool")]
     PoolMetrics(registries[-1])
     names: set[str] = set()
     for registry in registries:
@@ -119,7 +120,7 @@ def test_dashboard_is_grafana_json_with_real_metric_names():
             assert target["datasource"]["uid"] == "${datasource}"
             used.update(re.findall(r"\bdeltamesh_\w+", target["expr"]))
     assert used and used <= names, used - names
-    for topic in ("link_rtt", "propagation", "pool_versions_behind", "ingested", "wait_fraction"):
+    for topic in ("link_rtt", "propagation", "pool_versions_behind", "ingested", "wait_fraction", "mismatch"):
         assert any(topic in name for name in used), topic
 
 
