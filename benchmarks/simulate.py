@@ -10,7 +10,7 @@ overhead from deltamesh's fetch), then shown beside every other measured scenari
 Then it predicts per-version time to all pools, origin egress and staleness for Qwen3-14B, Qwen3-235B
 and a 1T model over 8 regions, with its assumptions printed, and sets the papers' figures beside it.
 
-Measurements come from .cache/transfer/results.json when benchmarks/transfer.py has run here (or
+Measurements come from ~/.cache/deltamesh/transfer/results.json when benchmarks/transfer.py has run here (or
 --measured FILE), else from the runs recorded in BENCHMARKS.md (benchmarks/transfer_recorded.json). `--json` prints
 one object: {"calibration", "emulated": [{"scenario", "method", "predicted_s", "measured_s", "ratio",
 "fitted"}], "big_models": [...], "papers": [...], "assumptions": {...}}.
@@ -24,6 +24,8 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from deltamesh.cache import cache_dir
+
 from common import emit
 from simulate_model import Tcp
 from simulate_scenarios import (
@@ -31,7 +33,7 @@ from simulate_scenarios import (
     paper_rows,
 )
 
-RESULTS = Path(__file__).resolve().parent.parent / ".cache" / "transfer" / "results.json"
+RESULTS = cache_dir("transfer", "results.json")
 RECORDED = Path(__file__).resolve().with_name("transfer_recorded.json")
 """The transfer runs recorded in BENCHMARKS.md (## Transfer), for machines where the emulator has not run."""
 
@@ -49,7 +51,7 @@ def load_measured(path: Path | None) -> tuple[dict[str, dict], str, list[dict]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    ap.add_argument("--measured", type=Path, help="transfer.py results file (default .cache/transfer/results.json)")
+    ap.add_argument("--measured", type=Path, help="transfer.py results file (default ~/.cache/deltamesh/transfer/results.json)")
     ap.add_argument("--check", type=Path, action="append", default=[],
                     help="another transfer.py results file of long_link runs to compare with (repeatable)")
     ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")

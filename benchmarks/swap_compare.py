@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deltamesh.cache import cache_dir
+
 from common import emit
 
 HERE = Path(__file__).resolve().parent
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     base_env = dict(os.environ)
     # Both sides use this checkout's built models (SmolLM2 is dequantized and stepped once, then cached).
-    base_env.setdefault("DELTAMESH_CACHE", str(ROOT / ".cache"))
+    base_env.setdefault("DELTAMESH_CACHE", str(cache_dir()))
     runs = {side: {m: [] for m in MEASURES} for side in ("before", "after")}
     payload = 0
     with tempfile.TemporaryDirectory(prefix="swap-compare-") as tmp:

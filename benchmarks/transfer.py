@@ -12,6 +12,10 @@ Four scenarios (transfer_scenarios.py and transfer_training.py describe each met
    lr 5e-6, next-token loss on real text) published and propagated over the fan-out mesh to 12
    `deltamesh pool sync` agents.
 
+5. `your_link` (`--mbit N --rtt-ms N`, instead of the four above): an ad-hoc origin -> relay region ->
+   pool topology across one link of that rate and RTT, deltamesh vs `single_stream`
+   (transfer_link.py), for a version of `--payload-mb`: the figures of the scenarios for your own link.
+
 Needs root and the WAN emulator (benchmarks/wan/setup.sh). Scenarios 1-3 first measure their first
 long link and print the measured rate and RTT beside the asked ones (a link the delayer cannot keep up
 with shows there). Each figure is the median of --repeats runs. `--json` prints one object
@@ -19,7 +23,8 @@ with shows there). Each figure is the median of --repeats runs. `--json` prints 
 "utilization", "origin_egress_bytes", "payload_bytes", ...}}}]} (long_link adds
 "tls_minus_plain_points": {"cold", "warm"});
 utilization = payload bits / seconds / link rate. Results are also saved (merged by scenario name)
-to .cache/transfer/results.json (results-quick.json with --quick), which benchmarks/simulate.py reads.
+to ~/.cache/deltamesh/transfer/results.json (results-quick.json with --quick, results-link.json for your_link),
+which benchmarks/simulate.py reads.
 `--quick` runs a small version over links with a fifth of the RTT, once: for trying things out.
 """
 
@@ -33,12 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+from deltamesh.cache import cache_dir
 from deltamesh.logs import setup_logging
 
 log = logging.getLogger("transfer")
 
 ORDER = ("long_link", "relay_chain", "fan_out", "real_training")
-RESULTS = Path(__file__).resolve().parent.parent / ".cache" / "transfer"
+RESULTS = cache_dir("transfer")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--quick", action="store_true", help="16 MB version, RTTs / 5, one run, 4 training steps")
     ap.add_argument("--repeats", type=int, help="runs per method (default 3; 1 with --quick)")
-    ap.add_argument("--payload-mb", type=float, help="version size for scenarios 1-3 (default 200)")
+    ap.add_argument("--payload-mb", type=float, help="version size for scenarios 1-3 and your_link (default 200)")
+    ap.add_argument("--mbit", type=float, help="with --rtt-ms: run only your_link, over a link of this rate")
+    ap.add_argument("--rtt-ms", type=float, help="with --mbit: the RTT of your_link's long link")
     ap.add_argument("--methods", help="comma-separated baselines and variants (e.g. deltamesh_warm, deltamesh_tls) "
                                       "to run beside deltamesh (default: all)")
     ap.add_argument("--connections", type=int, default=16,
@@ -58,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="hosts' TCP congestion control (default: Linux's own default, cubic)")
     ap.add_argument("--steps", type=int, help="training versions after the first (default 10; 4 with --quick)")
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
-    ap.add_argument("--save", type=Path, help="results file to merge into (default .cache/transfer/results.json, "
+    ap.add_argument("--save", type=Path, help="results file to merge into (default ~/.cache/deltamesh/transfer/results.json, "
                                               "results-quick.json with --quick)")
     ap.add_argument("--rtt-scale", type=float, help="multiply every link's RTT (default 1; 0.2 with --quick)")
     ap.add_argument("--pool-rtt-ms", type=float, default=0.0,
@@ -71,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    if (args.mbit is None) != (args.rtt_ms is None) or (args.mbit is not None and args.scenario):
+        print("--mbit and --rtt-ms go together, and without --scenario", file=sys.stderr)
+        return 2
+    if args.mbit is not None and not (args.mbit > 0 and args.rtt_ms >= 0):
+        print("--mbit must be > 0 and --rtt-ms >= 0", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("the transfer benchmark needs root (network namespaces); see benchmarks/wan/README.md", file=sys.stderr)
         return 2
@@ -78,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from transfer_mesh import congestion_allowed
     from transfer_scenarios import SCENARIOS, Settings
 
-    names = [n for n in ORDER if n in (args.scenario or ORDER)]
+    names = ["your_link"] if args.mbit is not None else [n for n in ORDER if n in (args.scenario or ORDER)]
     payload_mb = args.payload_mb or (16.0 if args.quick else 200.0)
     payload = prepare_payload(payload_mb)
     pieces = len(payload_manifest(payload).pieces)
@@ -96,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.monotonic()
             log.warning("scenario %s ...", name)
-            if name == "real_training":
+            if name == "your_link":
+                from transfer_link import your_link
+
+                result = your_link(settings, args.mbit, args.rtt_ms)
+            elif name == "real_training":
                 from transfer_training import real_training
 
                 result = real_training(settings, steps=args.steps or (4 if args.quick else 10),
@@ -108,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             scenarios.append(result)
     report = {"scenarios": scenarios, "quick": args.quick, "started": started,
               "payload_mb": payload_mb, "command": " ".join(["benchmarks/transfer.py", *(argv or sys.argv[1:])])}
-    save(report, args.save or RESULTS / ("results-quick.json" if args.quick else "results.json"))
+    default = "results-link.json" if args.mbit is not None else "results-quick.json" if args.quick else "results.json"
+    save(report, args.save or RESULTS / default)
     if args.json:
         print(json.dumps(report))
     else:
@@ -127,7 +146,9 @@ def save(report: dict, path: Path) -> None:
         old = {"scenarios": []}
     ran = {s["name"] for s in report["scenarios"]}
     kept = [s for s in old.get("scenarios", []) if s["name"] not in ran]
-    merged = {**old, **report, "scenarios": sorted(kept + report["scenarios"], key=lambda s: ORDER.index(s["name"]))}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    merged = {**old, **report,
+              "scenarios": sorted(kept + report["scenarios"], key=lambda s: rank.get(s["name"], len(ORDER)))}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(merged, indent=1))
     tmp.replace(path)

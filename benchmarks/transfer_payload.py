@@ -3,7 +3,7 @@
 Seeded random weights (matrices near 0, as in a trained model) encoded by the codec's `encode_full`,
 sized so that the encoded payload is about the asked size; the codec's byte-plane entropy coding
 shrinks random bf16 ~1.4x, so the weights themselves are larger than the payload. Cached under
-`.cache/transfer/` as a folder holding `manifest.json` (the unsigned manifest body; the publisher
+`~/.cache/deltamesh/transfer/` (deltamesh/cache.py) as a folder holding `manifest.json` (the unsigned manifest body; the publisher
 signs it with the run's key and the run's version number, which pieces do not contain) and
 `version.bin` (the pieces back to back, which is also the one file the plain-HTTP baselines serve).
 """
@@ -16,6 +16,8 @@ import math
 import shutil
 from pathlib import Path
 
+from deltamesh.cache import cache_dir
+
 import torch
 
 from deltamesh.delta import Manifest, encode_full, generate_key
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MODEL_ID = "transfer-bench"
 ROWS, COLS = 1024, 4096  # one 8 MiB bf16 matrix per tensor
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / "transfer"
+CACHE = cache_dir("transfer")
 RECIPE = 1
 
 

@@ -8,6 +8,7 @@ TARGETS = {
     "long_link": "targets: deltamesh utilization >= 85%; over TLS within 5 points of plain",
     "relay_chain": "target: two hops (deltamesh) <= 1.15x one hop (direct)",
     "fan_out": "targets: origin egress <= 3x the version; all 12 pools <= 1.25x one pool",
+    "your_link": "origin -> relay region over this link -> pool beside the relay; clock from the publish's start",
 }
 
 
@@ -43,6 +44,8 @@ def print_network_scenario(s: dict) -> None:
         dm = s["methods"]["deltamesh"]
         print(f"  one pool alone: {s['one_pool_seconds']:.2f}s; all {s['pools']} pools / one pool: "
               f"{s['all_over_one_pool']:.2f}x; first pool done after {dm.get('first_pool_seconds', 0):.2f}s")
+    if "pool_link" in s:
+        print(f"  pool link: {s['pool_link']['mbit']:g} Mbit/s, {s['pool_link']['rtt_ms']:g} ms RTT")
     print(f"  {TARGETS[s['name']]}")
 
 

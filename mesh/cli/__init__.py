@@ -45,6 +45,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "pool_run",
     "pools",
     "links",
+    "bench",
     "broker",
     "train",
 )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
@@ -26,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+    from deltamesh.cache import cache_dir
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
     from deltamesh.gateway.config import PublishConfig
@@ -36,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = command_config(args, PublishConfig)
     key = load_private_key(config.key)  # a KeyFileError stops the command here, as one line (exit code 2)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    state = PublishState(config.state or cache / "deltamesh" / "publish" / config.model)
+    state = PublishState(config.state or cache_dir("publish", config.model))
     console = Console(stderr=True)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=console, transient=True) as progress:  # no bar left above a failure's one line

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from deltamesh.cache import cache_dir as user_cache_dir
 from deltamesh.trainer.models import build_causal_lm, load_tokenizer, save_model_dir, untied_state_dict
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,8 @@ CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
 def cache_dir() -> Path:
-    """Where built models live: $DELTAMESH_CACHE/models, else .cache/models in the source checkout."""
-    root = os.environ.get("DELTAMESH_CACHE")
-    if root:
-        return Path(root) / "models"
-    repo = Path(__file__).resolve().parents[2]
-    if (repo / "pyproject.toml").exists():
-        return repo / ".cache" / "models"
-    return Path.home() / ".cache" / "deltamesh" / "models"
+    """Where built models live: the user's deltamesh cache (deltamesh/cache.py), folder `models`."""
+    return user_cache_dir("models")
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
@@ -183,6 +178,10 @@ class TinyModelConfig:
     def key(self) -> str:
         fields = "-".join(str(v) for v in asdict(self).values())
         return f"tiny-{fields}-r{RECIPE_VERSION}"
+
+
+# The tiny model as vLLM's CPU build can serve it: its attention kernels refuse head sizes below 32.
+VLLM_TINY = TinyModelConfig(head_dim=32)
 
 
 def char_tokenizer_dir() -> Path:

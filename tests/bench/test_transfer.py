@@ -1,12 +1,14 @@
 """The transfer benchmark's bookkeeping (medians, utilization, staleness, per-version times, the
-Prometheus counter it reads, results merging, tables) on hand-made timelines, and one quick real run
-of its long-link scenario through the WAN emulator (needs root)."""
+Prometheus counter it reads, results merging, tables) on hand-made timelines, and quick real runs
+of its long-link scenario and of an ad-hoc link given by flags (`your_link`, also as docs/CLI.md
+shows it) through the WAN emulator (need root)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from aiohttp import web
 import transfer
 from deltamesh.http import serving
 from deltamesh.tls import TlsSettings, server_context
+from transfer_link import pool_link_mbit
 from transfer_mesh import metric_sum
 from transfer_report import print_report
 from transfer_scenarios import Sample, steady_mbit, summarize, tls_gap
@@ -158,3 +161,58 @@ def test_quick_long_link_run_prints_its_json(tmp_path):
         assert m["origin_egress_bytes"] == m["payload_bytes"]
         assert m["payload_bytes"] < m["origin_wire_bytes"] < 1.1 * m["payload_bytes"]
     assert not list(tmp_path.glob("transfer-*")), "the scenario's scratch folder was left behind"
+
+
+def test_your_link_takes_mbit_and_rtt_together_and_alone(capsys):
+    for argv in (["--mbit", "200"], ["--rtt-ms", "20"], ["--mbit", "200", "--rtt-ms", "20", "--scenario", "long_link"],
+                 ["--mbit", "0", "--rtt-ms", "20"]):
+        assert transfer.main(argv) == 2, argv
+    assert "--mbit and --rtt-ms go together" in capsys.readouterr().err
+    assert pool_link_mbit(200) == 1000 and pool_link_mbit(800) == 1600  # the pool's LAN is never the bottleneck
+
+
+def test_your_link_results_merge_beside_the_named_scenarios(tmp_path):
+    path = tmp_path / "results.json"
+    transfer.save({"scenarios": [{"name": "your_link", "methods": {}}]}, path)
+    transfer.save({"scenarios": [{"name": "long_link", "methods": {}}]}, path)
+    assert [s["name"] for s in json.loads(path.read_text())["scenarios"]] == ["long_link", "your_link"]
+
+
+def _your_link_run(argv: list[str], tmp_path: Path, **kw) -> subprocess.CompletedProcess:
+    if os.geteuid() != 0:
+        pytest.skip("the WAN emulator needs root")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_your_link_from_flags_prints_its_json(tmp_path):
+    done = _your_link_run([sys.executable, str(BENCHMARKS / "transfer.py"), "--mbit", "200", "--rtt-ms", "20",
+                           "--payload-mb", "4", "--repeats", "1", "--json", "--save", str(tmp_path / "r.json")],
+                          tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    link = scenario["link"]
+    assert scenario["name"] == "your_link" and (link["mbit"], link["rtt_ms"]) == (200, 20)
+    assert 0.8 * 200 < link["measured_mbit"] < 200 and link["measured_rtt_ms"] >= 19.5
+    assert scenario["pool_link"] == {"mbit": 1000, "rtt_ms": 0}
+    for method in ("deltamesh", "single_stream"):
+        m = scenario["methods"][method]
+        floor = max(0.02, m["payload_bytes"] * 8 / 200e6)  # one RTT; the whole version at the link's rate
+        assert m["seconds"] > floor and 0 < m["utilization"] < 1
+        assert m["origin_egress_bytes"] == m["payload_bytes"] > 4e6  # the version left the origin once
+        assert m["payload_bytes"] < m["origin_wire_bytes"] < 1.1 * m["payload_bytes"]
+    assert not list(tmp_path.glob("transfer-*")), "the scenario's scratch folder was left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_your_link_line_of_the_cli_docs_runs_as_written(tmp_path):
+    blocks = re.findall(r"```bash\n(.*?)```", (BENCHMARKS.parent / "docs" / "CLI.md").read_text(), flags=re.S)
+    (line,) = [ln for b in blocks for ln in b.splitlines() if ln.startswith("python benchmarks/transfer.py")]
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is this environment's
+    done = _your_link_run(["bash", "-c", f"PATH={path} {line}"], tmp_path, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "your_link: 6 MB version over 200 Mbit/s, 20 ms RTT" in done.stdout, done.stdout
+    assert re.search(r"deltamesh\s+\d+\.\d\d\s+\d+\.\d%", done.stdout), done.stdout

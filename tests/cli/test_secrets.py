@@ -17,6 +17,7 @@ from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig, PublishConfig
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.cli import build_parser
+from deltamesh.mesh.cli.bench import BenchLinkConfig
 from deltamesh.mesh.cli.links import LinksConfig
 from deltamesh.mesh.cli.pools import PoolsConfig
 from deltamesh.mesh.demo.processes import end_process, free_port
@@ -25,7 +26,7 @@ from deltamesh.trainer.loop_config import TrainLoopConfig
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 CONFIGS = (GatewayConfig, PoolSyncConfig, PublishConfig, PoolConfig, AutoscaleConfig, TrainLoopConfig, LinksConfig,
-           PoolsConfig)
+           PoolsConfig, BenchLinkConfig)
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
