@@ -93,6 +93,10 @@ class WeightSync:
         self.outage = Outage(f"pool {config.name}: sync")
         """Failed rounds: the backoff before the next, and one log line per outage, not per try."""
         self._beats = Outage(f"pool {config.name}: heartbeat", retrying=f"every {config.heartbeat_s:g} s")
+        self.on_progress: Callable[[dict], None] | None = None
+        """Told `transfer` as it starts, as each verified piece arrives and, with `applied` set to the
+        version, once the directory holds it: the terminal progress of `deltamesh pool sync` and `pool
+        run` (`deltamesh.mesh.cli.progress`)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
@@ -226,6 +230,7 @@ class WeightSync:
         self.state = "fetching"
         self.transfer = {"from": plan.from_version, "to": plan.to_version, "reason": plan.reason,
                          "bytes_total": plan.payload_bytes, "bytes_done": 0, "started": time.time()}
+        self._progressed()
         versions = []
         for i, step in enumerate(plan.steps):
             manifest, pieces = await self.fetch_step(step, final=i == len(plan.steps) - 1)
@@ -238,6 +243,7 @@ class WeightSync:
         to) must also carry the weights hash the pool verified for its version, if it knows one."""
         def progress(n: int) -> None:
             self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + n
+            self._progressed()
 
         try:
             # A manifest the guard refuses is one more the fetcher cannot accept: it books the refusal
@@ -258,10 +264,15 @@ class WeightSync:
         self.since_full = len(versions) - 1 if versions[0].kind == "full" else self.since_full + len(versions)
         self.version = final.version
         self.guard.hold(final.version, final.weights_hash)
+        self._progressed(applied=final.version)
         self.state, self.transfer, self.last_error = "idle", {}, ""
         self._beat_now.set()
         log.info("pool %s: now at %s v%d", self.config.name, final.model_id, final.version)
         return final
+
+    def _progressed(self, **extra: Any) -> None:
+        if self.on_progress is not None and self.transfer:
+            self.on_progress({**self.transfer, **extra})
 
     # -- talking to gateways ------------------------------------------------------------------------------
     def _fetcher(self) -> Fetcher:

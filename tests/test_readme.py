@@ -1,12 +1,16 @@
 """The meshes of README.md and docs/SECURITY.md, run as written. The README's: keys, a CA and
 certificates, tokens, a TLS origin and a TLS relay pulling from it with a gateway token, a publish with
-the trainer's token, a pool syncing through the relay bit-exact, the admin's tables and a TLS broker.
+the trainer's token, a pool syncing through the relay bit-exact, the admin's tables and a TLS broker;
+its servers read their settings from the repository's examples/ files (a copy in the scratch folder).
 SECURITY.md's: three regions, mTLS between gateways and for the trainer, a pool two relay hops away.
 The lines use fixed ports, so each runs in a network namespace of its own, where nothing else listens."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,21 @@ def doc_lines(doc: str) -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+def listen_addresses(lines: list[str], cwd: Path) -> list[str]:
+    """Where each server line (ending in `&`) listens: its `--listen`, or that of its `--config` file's table
+    (the command's own: `deltamesh gateway --config F` reads `[gateway]`)."""
+    found = []
+    for line in lines:
+        if line.endswith("&"):
+            argv = shlex.split(line.removesuffix("&"))
+            if "--listen" in argv:
+                found.append(argv[argv.index("--listen") + 1])
+            else:
+                config = tomllib.loads((cwd / argv[argv.index("--config") + 1]).read_text())
+                found.append(config[argv[1]]["listen"])
+    return found
+
+
 @pytest.mark.parametrize("doc, pool_dir, admin_table", [("README.md", "pool-eu-1", "eu-1"),
                                                          ("docs/SECURITY.md", "pool-ap-1", None)])
 def test_the_documented_mesh_runs_as_written(tmp_path, run_documented_lines, doc, pool_dir, admin_table):
@@ -33,7 +52,9 @@ def test_the_documented_mesh_runs_as_written(tmp_path, run_documented_lines, doc
     weights = {"layer.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
                "layer.bias": torch.randn(64, generator=gen).to(torch.bfloat16)}
     write_weights(tmp_path / "weights", weights)
-    ran = run_documented_lines(doc_lines(doc), tmp_path)
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    lines = doc_lines(doc)
+    ran = run_documented_lines(lines, tmp_path, ports=listen_addresses(lines, tmp_path))
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     synced = read_weights(tmp_path / pool_dir)
     assert all(torch.equal(synced[name].view(torch.int16), w.view(torch.int16)) for name, w in weights.items())

@@ -48,7 +48,11 @@ def overrides(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from deltamesh.gateway.sync_errors import CredentialsError
+    from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
+    from deltamesh.mesh.cli.exits import describe, exit_code
+    from deltamesh.mesh.cli.progress import transfer_progress
     from deltamesh.mesh.engines.base import EngineError
     from deltamesh.mesh.pool.config import PoolConfig
     from deltamesh.mesh.pool.pool import PoolError, RolloutPool
@@ -59,11 +63,17 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         stop = stop_on_signals(f"pool {config.name}")
         try:
-            await RolloutPool(config).run(stop)  # once stopped: the apply under way ends, the pool deregisters
+            # Each policy's weight stream shows its transfers: a bar on a terminal, else a line every few seconds.
+            await RolloutPool(config, on_weights=progress.watch).run(stop)  # stopped: the apply ends, it deregisters
+        except (CredentialsError, HttpError) as e:  # the gateway refused the token (4, before any download)
+            return failed(describe(e), exit_code(e, 1))
         except (PoolError, WorkflowError) as e:
-            return failed(e, 1 if stop.is_set() else 2)
+            # A weight stream that ended (PoolError from its error) keeps that error's code: refused
+            # credentials are 4 whether found at start-up or later (docs/CLI.md), as for `pool sync`.
+            return failed(e, exit_code(e, 1 if stop.is_set() else 2))
         except (EngineError, OSError) as e:  # the engine could not start (model directory, SGLang server)
-            return failed(f"pool {config.name}: {e}", 1)
+            return failed(f"pool {config.name}: {e}", exit_code(e, 1))  # a port in use: 5, a full disk: 6
         return stop.exit_code  # 130/143 after a signal
 
-    return asyncio.run(main())
+    with transfer_progress() as progress:
+        return asyncio.run(main())

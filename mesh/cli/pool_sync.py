@@ -28,12 +28,14 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.cli.exits import describe, exit_code
+    from deltamesh.mesh.cli.progress import transfer_progress
 
     config = command_config(args, PoolSyncConfig)
 
     async def main() -> int:
         stop = stop_on_signals(f"pool {config.name}")
         async with WeightSync(config) as sync:
+            progress.watch(sync)  # a bar on a terminal, else a line every few seconds (docs/CLI.md)
             if args.once:
                 try:
                     # Registering first checks the pool's token and name before anything is downloaded.
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                 return failed(e, exit_code(e, 2))
             return stop.exit_code  # 130/143 after a signal
 
-    return asyncio.run(main())
+    with transfer_progress() as progress:
+        return asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
