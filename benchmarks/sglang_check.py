@@ -14,13 +14,17 @@ with the character tokenizer, built here without any download), then checks thro
 3. a swap from disk (pause, `/update_weights_from_disk`, continue) to v1, a directory written the
    way the pool agent writes one (`apply_to_dir` of a signed full snapshot: weights and manifest
    only): outputs change, tokens are tagged v1, and logprobs agree with transformers on v1;
-4. a generation straddling a swap: its tokens are tagged v1 then v2, in order, none lost;
-5. an update from a directory without weights fails cleanly and the server keeps generating.
+4. an in-place update to v2, a delta changing half the tensors, sent as only those tensors with
+   `/update_weights_from_tensor` (CUDA IPC handles): the adapter takes it in place, outputs change,
+   tokens are tagged v2, the server reports weight version "2", every tensor read back with
+   `/get_weights_by_name` hashes to v2's, and logprobs agree with transformers on v2;
+5. a generation straddling an in-place update: its tokens are tagged v2 then v3, in order, none lost;
+6. an update from a directory without weights fails cleanly and the server keeps generating.
 
-Figures: server start-up time, median swap time (pause to continue) over the swaps, and decode
-throughput. Exit status 0 on PASS, 1 on FAIL, 2 when it cannot run (no SGLang or no GPU). With
-`--launch-command` another server command can stand in for SGLang (e.g. the test stand-in, with
-`--no-reference --device cpu`) to dry-run the script itself on a machine without a GPU.
+Figures: server start-up time, the disk swap's time, the median in-place update time (pause to
+continue), and decode throughput. Exit status 0 on PASS, 1 on FAIL, 2 when it cannot run (no SGLang
+or no GPU). With `--launch-command` another server command can stand in for SGLang (the test
+stand-in, with `--no-reference --tensor-device cpu`) to dry-run the script itself without a GPU.
 """
 
 from __future__ import annotations
@@ -73,13 +77,17 @@ class Checks:
         return bool(self.rows) and all(r["ok"] for r in self.rows)
 
 
-def perturbed(weights: dict, scale: float, seed: int) -> dict:
-    """Weights moved by `scale` times each tensor's standard deviation of noise (outputs change)."""
+def perturbed(weights: dict, scale: float, seed: int, names: list[str] | None = None) -> dict:
+    """Weights moved by `scale` times each tensor's standard deviation of noise (outputs change); only
+    tensors `names` when given."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, w in weights.items():
+        if names is not None and name not in names:
+            out[name] = w
+            continue
         f = w.float()
         noise = torch.randn(f.shape, generator=g) * (f.std() if f.numel() > 1 else 0.0) * scale
         out[name] = (f + noise).to(w.dtype).contiguous()
@@ -123,7 +131,7 @@ def compare(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
 
 
 async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figures: dict) -> None:
-    from deltamesh.delta import generate_key, read_weights
+    from deltamesh.delta import decode_version, encode_delta, generate_key, read_weights, tensor_digest
     from deltamesh.mesh.engines.base import EngineError, SamplingParams
     from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
     from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
@@ -140,14 +148,23 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
     # The server starts from the model directory (v0); later versions come from directories written
     # the way the pool agent writes its synced directory.
     v0_weights = read_weights(base)
-    v1 = synced_dir(work / "v1", perturbed(v0_weights, 0.5, seed=1), 1, model_id, key)
-    v2 = synced_dir(work / "v2", perturbed(v0_weights, 0.5, seed=2), 2, model_id, key)
+    v1_weights = perturbed(v0_weights, 0.5, seed=1)
+    v1 = synced_dir(work / "v1", v1_weights, 1, model_id, key)
+    # v2 and v3 change half the tensors each: in-place updates send only those.
+    names = sorted(v0_weights)
+    v2_weights = perturbed(v1_weights, 0.5, seed=2, names=names[::2])
+    v3_weights = perturbed(v2_weights, 0.5, seed=3, names=names[1::2])
+    v2 = synced_dir(work / "v2", v2_weights, 2, model_id, key)
+
+    def delta(old: dict, new: dict, version: int):
+        encoded = encode_delta(old, new, model_id=model_id, version=version, base_version=version - 1, key=key)
+        return decode_version(encoded.manifest, encoded.pieces)
 
     launch = shlex.split(args.launch_command) if args.launch_command else [sys.executable, "-m", "sglang.launch_server"]
     extra = shlex.split(args.server_args)
     config = SGLangEngineConfig(
         model_id=model_id, model_path=str(base), port=free_port(), launch_command=launch, extra_args=extra,
-        log_path=str(work / "server.log"), startup_timeout_s=args.startup_timeout_s,
+        log_path=str(work / "server.log"), startup_timeout_s=args.startup_timeout_s, tensor_device=args.tensor_device,
     )
     started = time.perf_counter()
     try:
@@ -156,7 +173,8 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
         checks.add("server starts and is healthy", False, f"{e} (log: {work / 'server.log'})")
         return
     figures["startup_s"] = round(time.perf_counter() - started, 2)
-    checks.add("server starts and is healthy", True, f"{figures['startup_s']} s, v{engine.version}")
+    checks.add("server starts and is healthy", True, f"{figures['startup_s']} s, v{engine.version}, "
+               f"{'in-place updates' if engine.supports_in_place else 'disk reloads only'}")
     swaps: list[float] = []
     try:
         prompts = [engine.encode(t) for t in ("1+2=", "The capital of France is", "def f(x):", "abc")]
@@ -190,31 +208,54 @@ async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figur
         checks.add("swap from disk to v1", ok, f"{swaps[-1]:.2f} s; {changed}/{len(prompts)} outputs changed")
         await check_reference(v1, 1, after)
 
+        figures["disk_swap_s"] = round(swaps.pop(), 3)
+
+        if not checks.add("in-place updates available", engine.supports_in_place,
+                          "the server takes /update_weights_from_tensor" if engine.supports_in_place
+                          else "no /update_weights_from_tensor, or no CUDA here: see the log"):
+            return
+        t0 = time.perf_counter()
+        await engine.apply_update(delta(v1_weights, v2_weights, 2))
+        swaps.append(time.perf_counter() - t0)
+        at_v2 = await engine.generate(prompts, greedy)
+        changed = sum(a.tokens != b.tokens for a, b in zip(at_v2, after))
+        label = await engine.weight_version()
+        ok = engine.version == 2 and all(set(g.versions) == {2} for g in at_v2) and changed > 0 and label == "2"
+        checks.add("in-place update of the changed tensors to v2", ok,
+                   f"{len(names[::2])}/{len(names)} tensors sent, {swaps[-1]:.2f} s; {changed}/{len(prompts)} "
+                   f"outputs changed; server weight version {label!r}")
+        served = await engine.served_digests(names)
+        read = {n: d for n, d in served.digests.items() if d is not None}
+        ok = bool(read) and all(d == tensor_digest(v2_weights[n]) for n, d in read.items())
+        checks.add("weights read back are v2's", ok, f"{len(read)}/{len(names)} tensors read back and hashed")
+        await check_reference(v2, 2, at_v2)
+
         long = SamplingParams(max_new_tokens=args.straddle_tokens, temperature=1.0, ignore_eos=True)
+        update = delta(v2_weights, v3_weights, 3)
 
         async def swap_later() -> None:
             await asyncio.sleep(args.straddle_delay_s)
             t = time.perf_counter()
-            await engine.load_version(v2, 2)
+            await engine.apply_update(update)
             swaps.append(time.perf_counter() - t)
 
         (gen,), _ = await asyncio.gather(engine.generate([prompts[1]], long), swap_later())
         n = args.straddle_tokens
-        switch = gen.versions.index(2) if 2 in gen.versions else -1
-        ok = len(gen.tokens) == n and 0 < switch < n and gen.versions == [1] * switch + [2] * (n - switch)
-        checks.add("generation straddling a swap", ok, f"{n} tokens: v1 for {max(switch, 0)}, then v2")
+        switch = gen.versions.index(3) if 3 in gen.versions else -1
+        ok = len(gen.tokens) == n and 0 < switch < n and gen.versions == [2] * switch + [3] * (n - switch)
+        checks.add("generation straddling an in-place update", ok, f"{n} tokens: v2 for {max(switch, 0)}, then v3")
 
         try:
-            await engine.load_version(work / "missing", 3)
+            await engine.load_version(work / "missing", 4)
             checks.add("failed update is reported, server continues", False, "no error")
         except EngineError as e:
             (g,) = await engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
-            ok = engine.version == 2 and g.versions == [2] * 4
+            ok = engine.version == 3 and g.versions == [3] * 4
             checks.add("failed update is reported, server continues", ok, f"{str(e)[:70]}...")
     finally:
         await engine.close()
         if swaps:
-            figures["swap_s_median"] = round(statistics.median(swaps), 3)
+            figures["in_place_update_s_median"] = round(statistics.median(swaps), 3)
 
 
 def main() -> int:
@@ -226,6 +267,8 @@ def main() -> int:
                         help="extra sglang.launch_server flags")
     parser.add_argument("--launch-command", help="server command instead of `python -m sglang.launch_server`")
     parser.add_argument("--no-reference", action="store_true", help="skip the transformers logprob comparison")
+    parser.add_argument("--tensor-device", default="cuda",
+                        help="where in-place updates put the tensors the server maps (default cuda; cpu for the stand-in)")
     parser.add_argument("--logprob-tolerance", type=float, default=0.1)
     parser.add_argument("--straddle-tokens", type=int, default=400)
     parser.add_argument("--straddle-delay-s", type=float, default=0.3)

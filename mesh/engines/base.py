@@ -15,6 +15,10 @@ Behaviour log-probabilities are those of the temperature-scaled distribution (lo
 logits / temperature) before top-p/top-k truncation; this is what SGLang returns and what the trainer
 recomputes with its `temperature` setting. With temperature 0 (greedy) they are the model's own.
 `TokenizedEngine` is the part of the interface every adapter answers alike (version, tokenizer).
+
+An engine that can read its served weights back (`ReadsBack`) lets the pool prove after every swap
+that it serves exactly the version it claims (`deltamesh.mesh.pool.serve_check`); an engine without
+it is not checked, and a tensor it cannot read back (digest None) is counted, never taken as wrong.
 """
 
 from __future__ import annotations
@@ -118,6 +122,25 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class ServedDigests:
+    """What an engine serves at one instant: the version it claims and, per asked checkpoint tensor, the
+    xxh3-128 (`deltamesh.delta.tensor_digest`) of that tensor as the engine's forward pass reads it, or
+    None where the engine cannot read it back (e.g. a layer repacked into an opaque kernel format)."""
+
+    version: int
+    digests: dict[str, str | None]
+
+
+@runtime_checkable
+class ReadsBack(Protocol):
+    """An engine that can hash the weights it serves, by checkpoint tensor name."""
+
+    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+        """Digests of `names` as served now, read between two steps and never during an update."""
         ...
 
 

@@ -2,16 +2,26 @@
 
 Generation goes through `POST /generate` with `input_ids` and `return_logprob`, one request per
 prompt (SGLang batches them itself); the behaviour logprobs and token ids come from
-`meta_info.output_token_logprobs` (`[logprob, token_id, text]` per generated token). A weight update
-is `POST /pause_generation` (mode `abort`), `POST /update_weights_from_disk` on the directory the
-pool agent keeps in sync (with `weight_version` set to the version number), then
-`POST /continue_generation`. Pausing in `abort` mode makes SGLang return every running request with
-what it generated so far (finish reason `abort`); this adapter tags those tokens with the old version
-and resubmits prompt + partial output for the rest, which then comes from the new weights. So a
-generation may straddle a swap and every token's version is exact. Where SGLang reports
-`meta_info.weight_version` as a number it is used as the segment's version.
+`meta_info.output_token_logprobs` (`[logprob, token_id, text]` per generated token).
 
-SGLang cannot update in place from a delta: `apply_update` refuses and the agent uses `load_version`.
+Weight updates (docs/ENGINES.md), fastest first. `apply_update` applies the pool's decoded version
+to a host copy of the weights (`sglang_tensors.HostWeights`, read from `model_path`) and sends only
+the tensors whose bytes changed with `POST /update_weights_from_tensor` (handles to memory on this
+machine: the server must be co-located), in buckets of `bucket_bytes`, the last one flushing the
+prefix cache and setting `weight_version` to the deltamesh version. `load_version` reloads a whole
+directory with `POST /update_weights_from_disk`; it is the fallback, with a log line, for a server
+that answers 404 for the tensor route (probed at start, noticed on use), no CUDA device to send
+from, no `model_path`, or `weight_update = "disk"`. Either update sits between
+`POST /pause_generation` (mode `abort`) and `POST /continue_generation`: SGLang returns each running
+request with what it generated so far (finish reason `abort`), this adapter tags those tokens with
+the old version and resubmits prompt + partial output for the rest, so every token's version is
+exact (`retract` would hide where the version changed; `in_place` keeps the old KV and cannot flush
+the cache). Where SGLang reports `meta_info.weight_version` as a number it is the segment's version.
+
+A failed tensor update is undone (the previous bytes of the tensors it touched are sent back before
+generation continues); if even that fails, the adapter refuses to generate until a `load_version`
+succeeds. `served_digests` reads tensors back with `POST /get_weights_by_name` (float32 lists, exact
+for bf16) and hashes them, for the pool's check after a swap; `read_back` returns the values.
 Nothing here imports SGLang; `pip install deltamesh[sglang]` brings it for launching a local server.
 """
 
@@ -23,17 +33,25 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import aiohttp
+import numpy as np
+import torch
 from prometheus_client import CollectorRegistry
 
 from deltamesh.config import http_url
-from deltamesh.delta import DecodedVersion, dir_manifest
+from deltamesh.delta import BaseMismatchError, DecodedVersion, dir_manifest, read_weights, tensor_digest
 from deltamesh.http import HttpError, client_session, request_json
-from deltamesh.mesh.engines.base import EngineError, FinishReason, Generation, SamplingParams, TokenizedEngine
+from deltamesh.mesh.engines.base import (
+    EngineError, FinishReason, Generation, SamplingParams, ServedDigests, TokenizedEngine,
+)
+from deltamesh.mesh.engines.local import read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
-from deltamesh.mesh.engines.sglang_server import launch_server, stop_server, wait_healthy
+from deltamesh.mesh.engines.sglang_server import (
+    has_route, launch_server, parse_answer, sampling_body, stop_server, wait_healthy,
+)
+from deltamesh.mesh.engines.sglang_tensors import HostWeights, post_tensors
 from deltamesh.trainer.models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -60,6 +78,20 @@ class SGLangEngineConfig:
     request_timeout_s: float = 3600.0
     update_timeout_s: float = 900.0
     connections: int = 256
+    weight_update: Literal["tensor", "disk"] = "tensor"
+    """tensor: `apply_update` sends the server only the tensors a version changes (needs `model_path`,
+    the host copy's source, and the server on this machine); disk: every version reloads from the
+    synced directory."""
+    tensor_device: str = "cuda"
+    """Where sent tensors are put for the server to map: "cuda" (CUDA IPC, the GPU the server uses) or
+    "cpu" (shared memory; a server that copies from host memory, such as the test stand-in)."""
+    tp_size: int = 1
+    """The server's tensor-parallel size: `serialized_named_tensors` has one entry per rank."""
+    bucket_bytes: int = 1 << 30
+    """Most tensor bytes per `/update_weights_from_tensor` request."""
+    read_back_max_elements: int = 1 << 20
+    """`served_digests` reads back no tensor larger than this (SGLang answers JSON floats, ~12 bytes per
+    element); those get None, which the pool's check counts as unread, not as wrong."""
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -74,6 +106,10 @@ class SGLangEngineConfig:
             raise ValueError(f"port {self.port} out of range")
         if min(self.startup_timeout_s, self.request_timeout_s, self.update_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.weight_update not in ("tensor", "disk"):
+            raise ValueError(f"weight_update must be tensor or disk, got {self.weight_update!r}")
+        if min(self.tp_size, self.bucket_bytes, self.read_back_max_elements) < 1:
+            raise ValueError("tp_size, bucket_bytes and read_back_max_elements must be >= 1")
 
 
 class SGLangEngine(TokenizedEngine):
@@ -92,6 +128,10 @@ class SGLangEngine(TokenizedEngine):
         self._epoch = 0  # bumped by every pause, so a request can tell its abort was ours
         self._serving = asyncio.Event()
         self._swap_lock = asyncio.Lock()
+        self._host: HostWeights | None = None  # the tensor path's host copy (None: disk reloads only)
+        self._weights_lost = ""  # why the server's weights are unknown (a failed update not undone)
+        self._posted = 0  # tensor requests of the update under way that were sent
+        self._mirrored = False  # the host copy is known to hold what the server serves
 
     @classmethod
     async def open(cls, config: SGLangEngineConfig, *, registry: CollectorRegistry | None = None) -> "SGLangEngine":
@@ -110,6 +150,7 @@ class SGLangEngine(TokenizedEngine):
         if cfg.url:
             await wait_healthy(self._session, self.base_url, min(cfg.startup_timeout_s, 60.0))
         else:
+            self._mirrored = True  # the server starts from model_path, as the host copy does
             self._process = await launch_server(
                 cfg.launch_command, cfg.model_path, cfg.host, cfg.port, cfg.extra_args,
                 log_path=Path(cfg.log_path) if cfg.log_path else None,
@@ -130,15 +171,28 @@ class SGLangEngine(TokenizedEngine):
             raise EngineError(f"{cfg.model_path} holds v{manifest.version}, config says v{cfg.version}")
         self._version = manifest.version if manifest is not None else (cfg.version or 0)
         self.metrics.version.set(self._version)
+        if cfg.weight_update == "tensor" and cfg.model_path:
+            if cfg.tensor_device.startswith("cuda") and not torch.cuda.is_available():
+                log.warning("%s: no CUDA device here to hand SGLang tensors from (tensor_device %s): every "
+                            "version reloads from disk", self.model_id, cfg.tensor_device)
+            elif await has_route(self._session, self.base_url, "/update_weights_from_tensor"):
+                weights = await asyncio.to_thread(read_weights, cfg.model_path)
+                self._host = HostWeights(weights, manifest.weights_hash if manifest is not None else None)
+            else:
+                log.warning("%s: SGLang at %s has no /update_weights_from_tensor (HTTP 404): every version "
+                            "reloads from disk", self.model_id, self.base_url)
         self._serving.set()
-        log.info("%s: SGLang engine at %s serving v%d", self.model_id, self.base_url, self._version)
+        log.info("%s: SGLang engine at %s serving v%d (updates: %s)", self.model_id, self.base_url, self._version,
+                 "changed tensors" if self._host is not None else "reload from disk")
 
     # -- the Engine interface --------------------------------------------------------------------
     @property
     def supports_in_place(self) -> bool:
-        return False
+        return self._host is not None
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if self._weights_lost:
+            raise EngineError(f"{self.model_id}: weights unknown until a full reload ({self._weights_lost})")
         prompts = [[int(t) for t in p] for p in prompts]
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -152,35 +206,94 @@ class SGLangEngine(TokenizedEngine):
         manifest = dir_manifest(path)
         if manifest is not None and manifest.version != version:
             raise EngineError(f"{path} holds v{manifest.version}, v{version} was asked for")
+        weights = None
+        if self._host is not None:  # the host copy follows, read (and checked) before the pause
+            weights, manifest = await asyncio.to_thread(read_verified, Path(path), version)
+
+        async def reload() -> None:
+            answer = await self._call("POST", "/update_weights_from_disk",
+                                      {"model_path": str(path), "weight_version": str(version)},
+                                      timeout_s=self.config.update_timeout_s)
+            if not isinstance(answer, dict) or not answer.get("success", False):
+                raise EngineError(f"SGLang refused the update to v{version}: {answer!r:.300}")
+
         async with self._swap_lock:
-            started = time.perf_counter()
-            self._serving.clear()
-            self._epoch += 1
-            try:
-                await self._call("POST", "/pause_generation", {"mode": "abort"})
-                answer = await self._call(
-                    "POST", "/update_weights_from_disk",
-                    {"model_path": str(path), "weight_version": str(version)},
-                    timeout_s=self.config.update_timeout_s,
-                )
-                if not isinstance(answer, dict) or not answer.get("success", False):
-                    raise EngineError(f"SGLang refused the update to v{version}: {answer!r:.300}")
-                self._version = version
-            except Exception:
-                self.metrics.update_done("disk", False, 0.0)
-                raise
-            finally:
-                try:
-                    await self._call("POST", "/continue_generation", {})
-                finally:
-                    self._serving.set()
-        seconds = time.perf_counter() - started
-        self.metrics.update_done("disk", True, seconds)
-        self.metrics.version.set(version)
+            seconds = await self._paused("disk", reload)
+            self._weights_lost = ""
+            if self._host is not None and weights is not None:
+                self._host.commit(weights, manifest.weights_hash if manifest is not None else None)
+                self._mirrored = True
+            self._set_version(version)
         log.info("%s: SGLang now serving v%d from %s (%.3f s paused)", self.model_id, version, path, seconds)
 
     async def apply_update(self, version: DecodedVersion) -> None:
-        raise EngineError("the SGLang engine cannot apply updates in place: sync a directory, then load_version")
+        """Send the server only the tensors that decoded delta or full snapshot `version` changes."""
+        host, manifest = self._host, version.manifest
+        if host is None:
+            raise EngineError(f"{self.model_id}: this SGLang engine takes no in-place updates "
+                              "(weight_update disk, no model_path, or no /update_weights_from_tensor): load_version")
+        if self._weights_lost:
+            raise EngineError(f"{self.model_id}: weights unknown until a full reload ({self._weights_lost})")
+        if manifest.model_id != self.model_id:
+            raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
+        if manifest.kind == "delta" and not self._mirrored:
+            raise EngineError(f"{self.model_id}: the attached server's weights are not known to match {self.config.model_path}; "
+                              "load_version first")
+        async with self._swap_lock:
+            try:
+                # Until the host copy is known to mirror the server, a full snapshot is sent whole.
+                result, changed = await asyncio.to_thread(
+                    lambda: host.apply(version, self._version, diff=self._mirrored))
+            except Exception:
+                self.metrics.update_done(manifest.kind, False, 0.0)
+                raise
+            try:
+                seconds = await self._paused(manifest.kind, lambda: self._send_or_restore(result, changed, version))
+            except Exception:
+                host.undo(version)
+                raise
+            host.commit(result, manifest.weights_hash)
+            self._mirrored = True
+            self._set_version(manifest.version)
+        log.info("%s: SGLang now serving %s v%d (%d of %d tensors sent, %.3f s paused)", self.model_id,
+                 manifest.kind, manifest.version, len(changed), len(result), seconds)
+
+    async def read_back(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """The served values of checkpoint tensors `names` (`POST /get_weights_by_name`), as float32
+        arrays; SGLang reads them between two scheduler steps, and no update runs meanwhile."""
+        async with self._swap_lock:
+            return {name: await self._read_one(name) for name in names}
+
+    async def weight_version(self) -> str | None:
+        """The weight version the server reports (`GET /get_weight_version`; newer SGLang: its model info)."""
+        for path in ("/get_weight_version", "/model_info", "/get_model_info"):
+            try:
+                answer = await self._call("GET", path)
+            except EngineError:
+                continue
+            if isinstance(answer, dict) and answer.get("weight_version") is not None:
+                return str(answer["weight_version"])
+        return None
+
+    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+        """xxh3-128 of each tensor as the server holds it (`ReadsBack`), cast back to the checkpoint's
+        dtype; None for a tensor not in the host copy, too large to read back, or not answered."""
+        host = self._host.weights if self._host is not None else {}
+        digests: dict[str, str | None] = {name: None for name in names}
+        async with self._swap_lock:
+            version = self._version
+            for name in names:
+                if name not in host or host[name].numel() > self.config.read_back_max_elements:
+                    continue
+                try:
+                    values = await self._read_one(name)
+                except EngineError as e:
+                    log.warning("%s: cannot read %s back from SGLang: %s", self.model_id, name, e)
+                    continue
+                if values.size == host[name].numel():
+                    served = torch.from_numpy(values).reshape(host[name].shape).to(host[name].dtype)
+                    digests[name] = tensor_digest(served)
+        return ServedDigests(version, digests)
 
     async def close(self) -> None:
         if self._process is not None:
@@ -190,6 +303,75 @@ class SGLangEngine(TokenizedEngine):
             self._session = None
 
     # -- internals -------------------------------------------------------------------------------
+    async def _send(self, weights: dict[str, torch.Tensor], names: list[str], label: str) -> None:
+        assert self._session is not None
+        cfg = self.config
+
+        def posted() -> None:
+            self._posted += 1
+
+        await post_tensors(self._session, self.base_url, weights, names, label, device=cfg.tensor_device,
+                           tp_size=cfg.tp_size, bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.update_timeout_s,
+                           on_post=posted)
+
+    async def _paused(self, way: str, update: Callable[[], Awaitable[None]]) -> float:
+        """Run `update` with generation paused (mode abort: running requests return and are resumed
+        after), continuing whatever happens; the seconds paused."""
+        started = time.perf_counter()
+        self._serving.clear()
+        self._epoch += 1
+        try:
+            await self._call("POST", "/pause_generation", {"mode": "abort"})
+            await update()
+        except Exception:
+            self.metrics.update_done(way, False, 0.0)
+            raise
+        finally:
+            try:
+                await self._call("POST", "/continue_generation", {})
+            finally:
+                self._serving.set()
+        seconds = time.perf_counter() - started
+        self.metrics.update_done(way, True, seconds)
+        return seconds
+
+    async def _send_or_restore(self, result: dict[str, torch.Tensor], changed: list[str],
+                               version: DecodedVersion) -> None:
+        """Send `changed` tensors of `result`; if that fails, send back their previous bytes."""
+        self._posted = 0
+        try:
+            await self._send(result, changed, str(version.version))
+        except Exception as e:
+            if not self._posted:  # failed before anything reached the server: nothing to undo there
+                raise EngineError(f"{self.model_id}: could not send v{version.version} to SGLang: {e}") from e
+            assert self._host is not None
+            if isinstance(e, HttpError) and e.status == 404:
+                log.warning("%s: SGLang at %s has no /update_weights_from_tensor (HTTP 404): every version "
+                            "reloads from disk from now on", self.model_id, self.base_url)
+                self._host = None  # apply_update puts the host copy back as it was
+                raise EngineError(f"{self.model_id}: SGLang has no /update_weights_from_tensor; load_version") from e
+            if not self._mirrored:  # the server's previous bytes are unknown: nothing to send back
+                self._weights_lost = f"a full update to an attached server failed part way: {e}"
+                raise EngineError(f"{self.model_id}: {self._weights_lost}") from e
+            try:
+                await self._send(self._host.previous(), changed, str(self._version))
+            except Exception as again:  # noqa: BLE001 - reported through the engine's state
+                self._weights_lost = f"restoring v{self._version} after a failed update failed: {again}"
+                log.exception("%s: %s", self.model_id, self._weights_lost)
+            raise EngineError(f"{self.model_id}: SGLang failed to take v{version.version} ({e}); "
+                              f"{'weights lost' if self._weights_lost else f'still serving v{self._version}'}") from e
+
+    async def _read_one(self, name: str) -> np.ndarray:
+        """SGLang answers a parameter's first `truncate_size` rows: ask for all of them."""
+        host = self._host.weights if self._host is not None else {}
+        rows = max(1, host[name].shape[0]) if name in host and host[name].dim() else 1 << 30
+        answer = await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": rows})
+        return np.asarray(answer, dtype=np.float32)
+
+    def _set_version(self, version: int) -> None:
+        self._version = version
+        self.metrics.version.set(version)
+
     async def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
         if self._session is None:
             raise EngineError(f"{self.model_id}: engine is not started")
@@ -208,7 +390,7 @@ class SGLangEngine(TokenizedEngine):
             epoch, version = self._epoch, self._version
             body = {
                 "input_ids": prompt + gen.tokens,
-                "sampling_params": _sampling_body(params, params.max_new_tokens - len(gen.tokens)),
+                "sampling_params": sampling_body(params, params.max_new_tokens - len(gen.tokens)),
                 "return_logprob": True,
             }
             try:
@@ -219,7 +401,7 @@ class SGLangEngine(TokenizedEngine):
                 # A server that answers an aborted request with an error status: redo the segment.
                 log.warning("%s: request failed across a weight update; resubmitting", self.model_id)
                 continue
-            tokens, logprobs, label, reason = _parse_answer(answer)
+            tokens, logprobs, label, reason = parse_answer(answer)
             segment_version = int(label) if label is not None and label.isdigit() else version
             gen.tokens += tokens
             gen.logprobs += logprobs
@@ -235,34 +417,3 @@ class SGLangEngine(TokenizedEngine):
         if len(set(gen.versions)) > 1:
             self.metrics.straddled.inc()
         return gen
-
-
-def _sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "ignore_eos": params.ignore_eos,
-        "no_stop_trim": True,
-    }
-    if params.stop_token_ids:
-        body["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        body["sampling_seed"] = params.seed
-    return body
-
-
-def _parse_answer(answer: Any) -> tuple[list[int], list[float], str | None, str]:
-    """(token ids, logprobs, weight_version label, finish type) of one `/generate` answer."""
-    try:
-        meta = answer["meta_info"]
-        entries = meta["output_token_logprobs"] or []
-        tokens = [int(e[1]) for e in entries]
-        logprobs = [float(e[0]) for e in entries]
-        reason = meta.get("finish_reason") or {}
-        kind = str(reason.get("type", "length")) if isinstance(reason, dict) else str(reason)
-        label = meta.get("weight_version")
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise EngineError(f"unexpected /generate answer from SGLang: {type(e).__name__}: {e}") from e
-    return tokens, logprobs, None if label is None else str(label), kind

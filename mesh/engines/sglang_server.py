@@ -1,4 +1,6 @@
-"""Starting, waiting for and stopping an SGLang server process for the SGLang engine.
+"""Starting, waiting for and stopping an SGLang server process for the SGLang engine, asking it whether
+it has a route (`has_route`), and the shapes of its `/generate` request and answer (`sampling_body`,
+`parse_answer`).
 
 The server runs in a session of its own, so stopping it ends its scheduler and detokenizer children
 too: SIGTERM to the process group, then SIGKILL after a grace period. Nothing here imports SGLang;
@@ -13,12 +15,12 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import aiohttp
 
 from deltamesh.http import HttpError, request_bytes
-from deltamesh.mesh.engines.base import EngineError
+from deltamesh.mesh.engines.base import EngineError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,15 @@ async def wait_healthy(
     raise EngineError(f"SGLang server at {base_url} not healthy after {timeout_s:.0f} s: {last}")
 
 
+async def has_route(session: aiohttp.ClientSession, base_url: str, path: str) -> bool:
+    """Whether the server serves POST `path`: a GET answers 405 if so, 404 if not (and changes nothing)."""
+    try:
+        await request_bytes(session, "GET", f"{base_url}{path}", timeout_s=10.0)
+    except HttpError as e:
+        return e.status != 404
+    return True
+
+
 async def stop_server(process: asyncio.subprocess.Process, grace_s: float = 15.0) -> None:
     """SIGTERM the server's process group, SIGKILL it if it has not exited after `grace_s`."""
     if process.returncode is not None:
@@ -76,3 +87,34 @@ async def stop_server(process: asyncio.subprocess.Process, grace_s: float = 15.0
             return
         except asyncio.TimeoutError:
             log.warning("SGLang server pid %d ignored %s", process.pid, sig.name)
+
+
+def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "ignore_eos": params.ignore_eos,
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        body["sampling_seed"] = params.seed
+    return body
+
+
+def parse_answer(answer: Any) -> tuple[list[int], list[float], str | None, str]:
+    """(token ids, logprobs, weight_version label, finish type) of one `/generate` answer."""
+    try:
+        meta = answer["meta_info"]
+        entries = meta["output_token_logprobs"] or []
+        tokens = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+        reason = meta.get("finish_reason") or {}
+        kind = str(reason.get("type", "length")) if isinstance(reason, dict) else str(reason)
+        label = meta.get("weight_version")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EngineError(f"unexpected /generate answer from SGLang: {type(e).__name__}: {e}") from e
+    return tokens, logprobs, None if label is None else str(label), kind

@@ -37,8 +37,9 @@ from deltamesh.delta import (
     live_hash,
     live_tensors,
     swap_in_place,
+    tensor_digest,
 )
-from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
+from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sampling import sample_next
@@ -164,6 +165,13 @@ class TransformersEngine(LocalEngine):
         else:
             log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version, seconds)
 
+    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+        """Hash the live tensors the forward pass reads (`ReadsBack`), between two decode steps."""
+        self._check_open()
+        async with self._lock:
+            digests = await asyncio.to_thread(self._digests, list(names))
+            return ServedDigests(self._version, digests)
+
     async def close(self) -> None:
         async with self._lock:
             self._closed = True
@@ -193,6 +201,9 @@ class TransformersEngine(LocalEngine):
         self._version = version
         self._weights_hash = weights_hash
         self.metrics.version.set(version)
+
+    def _digests(self, names: list[str]) -> dict[str, str | None]:
+        return {name: tensor_digest(self._live[name]) if name in self._live else None for name in names}
 
     async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         started = time.perf_counter()

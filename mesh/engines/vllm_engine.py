@@ -20,7 +20,9 @@ generation only for vLLM's own in-place reload of the layers the version touched
 A full snapshot goes the same way with every layer, from its own decoded tensors. `load_version` verifies the directory, then lets vLLM
 reload it from disk (`reload_weights(weights_path=...)`). If vLLM fails part way, the previous host
 tensors of the same layers are written back; if even that fails, the engine refuses to generate
-until a `load_version` succeeds (the pool then reloads from its directory).
+until a `load_version` succeeds (the pool then reloads from its directory). `served_digests` hashes
+what vLLM itself holds (`VLLMWeights.digests`), not the host copy, so the pool's check after a swap
+sees a layer vLLM did not take.
 
 Behaviour logprobs are vLLM's `processed_logprobs`: log_softmax(logits / temperature), as the engine
 contract says, except that with top-p/top-k truncation vLLM reports them over the truncated,
@@ -43,7 +45,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, apply_version, dir_manifest, read_weights
-from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams
+from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.vllm_weights import VLLMWeights
@@ -201,6 +203,14 @@ class VLLMEngine(LocalEngine):
         log.info("%s: swapped in %s v%d in place (%d of %d tensors to vLLM, %.3f s paused, %.3f s in vLLM)",
                  self.model_id, manifest.kind, manifest.version, len(names), len(result), seconds,
                  self._weights.last_reload_s)
+
+    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+        """Hash vLLM's own parameters by checkpoint tensor (`ReadsBack`), between two engine steps and
+        never while an update is under way."""
+        self._check_serving()
+        async with self._update_lock, self._lock:
+            digests = await asyncio.to_thread(self._weights.digests, list(names), self._host)
+            return ServedDigests(self._version, digests)
 
     async def close(self) -> None:
         async with self._lock:

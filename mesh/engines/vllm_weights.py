@@ -14,6 +14,13 @@ touches some tensors hands over every tensor of each layer it touches (`layer_gr
 model's `packed_modules_mapping`), and vLLM re-processes only those layers: its time is the floor
 of an in-place update.
 
+Reading back (`digests`): where vLLM keeps a layer's weights as plain parameters (CUDA, and the CPU
+build when it falls back to torch's linear, as here), a fused parameter is the concatenation along
+dim 0 of its checkpoint parts in `packed_modules_mapping` order (q, k, v; gate, up), each a bit-exact
+copy for bf16 without quantization, so every checkpoint tensor is a row slice of one vLLM parameter
+and hashes like the checkpoint tensor. A parameter vLLM emptied after repacking it into an opaque
+kernel format (oneDNN/AMX on some CPUs) cannot be read back; those tensors are reported unreadable.
+
 The engine core must run in this process (`multiprocess_mode=False`): the tensors go to the worker
 by reference, not serialised through a socket. A reload that fails half way leaves layers buffered
 on the meta device; `restore` finishes vLLM's reload state first, then writes the previous tensors
@@ -30,6 +37,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from deltamesh.delta import tensor_digest
+
 # vLLM's reload warns once per layer it was not handed anything for, and lists those weights: on a
 # partial update that is every untouched layer, by design, so those two loggers are quieted then.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -45,6 +54,7 @@ class VLLMWeights:
         (packed,) = engine.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
         # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
         self._fused_into = {part: fused for fused, parts in packed.items() for part in parts}
+        self._parts = {fused: list(parts) for fused, parts in packed.items()}
         self._groups = self._group(names)
         self.last_reload_s = 0.0
         """Seconds the last reload spent inside vLLM (its re-processing: the floor of an update)."""
@@ -71,6 +81,33 @@ class VLLMWeights:
         self._engine.collective_rpc(_finish_reload)
         self.load(tensors, names)
 
+    def digests(self, names: Iterable[str], checkpoint: Mapping[str, torch.Tensor]) -> dict[str, str | None]:
+        """xxh3-128 of each checkpoint tensor of `names` as vLLM's forward pass reads it (None where it
+        cannot be read back), found as a row slice of vLLM's parameter; `checkpoint` gives the shapes
+        and dtypes of every checkpoint tensor (the host copy), which place the parts of fused ones."""
+        where = {name: self._slice_of(name, checkpoint) for name in names}
+        (found,) = self._engine.apply_model(lambda model: _read_back(model, where))
+        return found
+
+    def _slice_of(self, name: str, checkpoint: Mapping[str, torch.Tensor]) -> tuple[str, int, torch.Tensor] | None:
+        """(vLLM parameter name, first row, the checkpoint tensor) of checkpoint tensor `name`."""
+        if name not in checkpoint:
+            return None
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused = self._fused_into.get(leaf)
+        if fused is None:
+            return name, 0, checkpoint[name]
+        offset = 0
+        for part in self._parts[fused]:
+            if part == leaf:
+                return f"{parent}.{fused}.{param}", offset, checkpoint[name]
+            sibling = checkpoint.get(f"{parent}.{part}.{param}")
+            if sibling is None:
+                return None
+            offset += sibling.shape[0]
+        return None
+
     def _reload(self, **source: Any) -> None:
         started = time.perf_counter()
         self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
@@ -87,6 +124,26 @@ class VLLMWeights:
         for name in names:
             groups[self._layer_of(name)].append(name)
         return dict(groups)
+
+
+def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch.Tensor] | None]) -> dict[str, str | None]:
+    """Runs in the worker: hash rows [first, first + rows) of each vLLM parameter, where its shape and
+    dtype show it holds the checkpoint tensor's words as they are (else None: unreadable)."""
+    params = dict(model.named_parameters())
+    found: dict[str, str | None] = {}
+    for name, spot in where.items():
+        found[name] = None
+        if spot is None:
+            continue
+        param_name, first, ref = spot
+        p = params.get(param_name)
+        if p is None or p.dtype != ref.dtype or p.dim() != ref.dim() or tuple(p.shape[1:]) != tuple(ref.shape[1:]):
+            continue
+        if p.dim() == 0:
+            found[name] = tensor_digest(p.data) if p.shape == ref.shape else None
+        elif p.shape[0] >= first + ref.shape[0]:  # more rows than the parts: vocabulary padding
+            found[name] = tensor_digest(p.data[first:first + ref.shape[0]])
+    return found
 
 
 def _finish_reload(worker: Any) -> None:

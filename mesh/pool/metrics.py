@@ -1,7 +1,7 @@
 """Prometheus metrics of a rollout pool, in the one registry its status server exposes at `/metrics`.
 
 The pool's own counters (leases, episodes, submitted trajectories, weight transfers, refusals and
-stale gateways, whether it may lease) live in a per-pool `CollectorRegistry`. Each engine keeps its
+stale gateways, checks of what the engine serves and drift, whether it may lease) live in a per-pool `CollectorRegistry`. Each engine keeps its
 metrics in a registry of its own (two engines of one process would otherwise register the same
 metric names twice); `EngineMetricsCollector` merges their families into the pool's registry, one
 family per name.
@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+_CHECK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _EPISODE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -36,6 +37,17 @@ class PoolMetrics:
         self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes_total", "Payload bytes fetched", ["model"], registry=r)
         self.swaps = Counter("deltamesh_pool_weight_swaps_total", "Versions brought into an engine, by way",
                              ["model", "way"], registry=r)
+        self.checks = Counter("deltamesh_pool_serve_checks_total",
+                              "Checks that the engine serves exactly the version it claims (weights read back "
+                              "against the manifest's signed hashes), by result", ["model", "result"], registry=r)
+        self.check_failures = Counter("deltamesh_pool_check_failures_total",
+                                      "Checks that found the engine serving other weights than it claims",
+                                      ["model"], registry=r)
+        self.check_seconds = Histogram("deltamesh_pool_serve_check_seconds", "Time one check of the engine took",
+                                       ["model"], buckets=_CHECK_BUCKETS, registry=r)
+        self.drifted = Gauge("deltamesh_pool_drifted",
+                             "1 while the engine's weights differ from the version it claims (no leases until a "
+                             "full reload passes its check), else 0", ["model"], registry=r)
         self.refusals = Counter("deltamesh_pool_gateway_refusals_total",
                                 "Offers refused from gateways, by reason: rollback (an older version), "
                                 "equivocation (another weights hash for a verified version), statement (a head "

@@ -3,7 +3,10 @@
 `RolloutPool(config).run(stop)` does, in order: serve its status and `/metrics`; learn the region
 (and a missing model_id) from the gateway; bind the workflow and check that every role has a policy;
 build the sandbox when the workflow runs model-written code (refusing to start without bubblewrap
-unless the weaker isolation was configured); start one engine per policy; start each policy's weight stream, which resumes from the synced
+unless the weaker isolation was configured); show its credentials to the gateway (registering each
+policy's stream, so a token bound to another pool's name is caught too) and to the broker, so that a
+refused token stops it with one error (exit code 4, docs/CLI.md) before an engine starts or a byte
+is downloaded; start one engine per policy; start each policy's weight stream, which resumes from the synced
 directory, registers with the gateway and syncs to the head; and run the rollout worker, which
 leases only once every engine serves a published version within the staleness bound. Each weight
 stream and the worker are their own asyncio loops (the transformers engine decodes in worker
@@ -19,9 +22,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
+from deltamesh.gateway.sync_errors import credentials_refused
+from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
 from deltamesh.metrics import service_registry
@@ -61,10 +66,17 @@ def resolve_roles(workflow_roles: Sequence[str], model_ids: Sequence[str], roles
     return resolved
 
 
-async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: float = 1.0) -> dict[str, Any] | None:
+BROKER_CHECK_S = 5.0
+"""How long the start-up check of the broker token waits for a broker: the check is there to catch a
+refused token early; a broker that does not answer yet is the worker's to wait for."""
+
+
+async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: float = 1.0, *,
+                       pool: str = "") -> dict[str, Any] | None:
     """The first answer of `GET /v1/models` ({"region", "models"}) from the pool's gateways, asked with its
-    token over its TLS settings; None if stopped first. PoolError when every gateway refuses the
-    pool's credentials (asking again would not help)."""
+    token over its TLS settings; None if stopped first. CredentialsError (the one error a refused pool
+    stops with, as `pool sync` does) when every gateway refuses the credentials of pool `pool`: asking
+    again would not help."""
     async with client_session(timeout_s=10.0, tls=sync.tls) as session:
         while not stop.is_set():
             refused = []
@@ -77,16 +89,17 @@ async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: f
                     else:
                         log.warning("gateway %s: %s", url, e)
             if len(refused) == len(sync.gateways):
-                raise PoolError(f"every gateway refused the pool's credentials ({'; '.join(refused)}): check its "
-                                "token, or its client certificate")
+                raise credentials_refused(pool, refused)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), retry_s)
     return None
 
 
 class RolloutPool:
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, *, on_weights: Callable[[WeightSync], None] | None = None) -> None:
         self.config = config
+        self.on_weights = on_weights
+        """Told each policy's weight stream as it is made (the command shows its transfers' progress)."""
         self.registry = service_registry("pool")
         self.metrics = PoolMetrics(self.registry)
         self.region = config.region
@@ -105,6 +118,7 @@ class RolloutPool:
                 "engine_version": w.version, "dir_version": w.sync.version, "head": w.sync.head, "ready": w.ready,
                 "resumed_from_dir": w.status.resumed_from_dir, "fetched": w.status.fetched, "swaps": w.status.swaps,
                 "last_swap_at": w.status.last_swap_at, "last_error": w.status.last_error,
+                "drifted": w.status.drifted, "checks": w.status.checks, "last_check": w.status.last_check,
                 "refusals": dict(w.sync.book.refusals), "gateways": w.sync.book.describe(),
             }
         worker = dataclasses.asdict(self.worker.counts) if self.worker is not None else {}
@@ -126,7 +140,6 @@ class RolloutPool:
             torch.set_num_threads(cfg.threads)
         async with contextlib.AsyncExitStack() as stack:
             self.url = await stack.enter_async_context(serving(status_app(self.status, self.registry), cfg.listen))
-            log.info("pool %s: status and /metrics at %s", cfg.name, self.url)
             policies = await self._resolve(stop)
             if policies is None:
                 return
@@ -138,6 +151,12 @@ class RolloutPool:
                     self.sandbox = Sandbox(cfg.sandbox)
                 except SandboxError as e:
                     raise PoolError(f"the {workflow.name} workflow runs model-written code: {e}") from e
+            client = BrokerClient(cfg.broker, token=cfg.broker_token, tls=cfg.sync.tls,
+                                  pool=cfg.name, region=self.region, gpus=cfg.sync.gpus)
+            stack.push_async_callback(client.close)
+            await self._check_credentials(policies, client)
+            # Logged once the credentials are taken: a pool refused says that in one line, and only that.
+            log.info("pool %s: status and /metrics at %s", cfg.name, self.url)
 
             engines: dict[str, Engine] = {}
             registries = []
@@ -151,6 +170,8 @@ class RolloutPool:
             for model_id, engine in engines.items():
                 self.weights[model_id] = PolicyWeights(engine, self._sync_config(model_id), hot_swap=cfg.hot_swap,
                                                        metrics=self.metrics)
+                if self.on_weights is not None:
+                    self.on_weights(self.weights[model_id].sync)
             generating: dict[str, Engine] = {}
             for model_id, engine in engines.items():
                 if engine.supports_in_place and cfg.batch_window_s > 0:
@@ -162,9 +183,6 @@ class RolloutPool:
                                     top_k=s.top_k, ignore_eos=s.ignore_eos)
             ctx = EpisodeContext(engines=generating, params=params, roles=roles, pool=cfg.name, region=self.region,
                                  sandbox=self.sandbox)
-            client = BrokerClient(cfg.broker, token=cfg.broker_token, tls=cfg.sync.tls,
-                                  pool=cfg.name, region=self.region, gpus=cfg.sync.gpus)
-            stack.push_async_callback(client.close)
             self.gate = LeaseGate(self.weights, client.status, max_staleness=cfg.worker.max_staleness,
                                   refresh_s=cfg.worker.broker_refresh_s, metrics=self.metrics)
             self.worker = RolloutWorker(client, workflow, ctx, self.gate, cfg.worker, tier=cfg.sync.tier,
@@ -202,7 +220,7 @@ class RolloutPool:
         policies = list(cfg.models)
         if self.region and all(p.model_id for p in policies):
             return policies
-        info = await gateway_info(cfg.sync, stop)
+        info = await gateway_info(cfg.sync, stop, pool=cfg.name)
         if info is None:
             return None
         self.region = self.region or str(info.get("region", ""))
@@ -213,6 +231,25 @@ class RolloutPool:
             policies[0] = dataclasses.replace(policies[0], model_id=served[0])
             log.info("pool %s: serving %s (the gateway's only model)", cfg.name, served[0])
         return policies
+
+    async def _check_credentials(self, policies: Sequence[PolicyConfig], broker: BrokerClient) -> None:
+        """Show the pool's tokens before anything starts: each policy's weight stream registers with the
+        gateway (`register_once`: a token refused, of another role or bound to another pool's name ends
+        the pool with a CredentialsError), and the broker is asked for its status (401/403 end it with a
+        PoolError raised from that HttpError). Anything else (a gateway or broker down) is logged and
+        left to the loops."""
+        for policy in policies:
+            async with WeightSync(self._sync_config(policy.model_id)) as sync:
+                await sync.register_once()
+        try:
+            await asyncio.wait_for(broker.status(), BROKER_CHECK_S)
+        except HttpError as e:
+            if e.status in (401, 403):  # the command's exit code comes from `e` (4)
+                raise PoolError(f"pool {self.config.name}: the broker refused its credentials ({e}): check its "
+                                "broker token, or its client certificate") from e
+            log.warning("pool %s: broker %s: %s", self.config.name, broker.base, e)
+        except asyncio.TimeoutError:
+            log.warning("pool %s: broker %s did not answer within %g s", self.config.name, broker.base, BROKER_CHECK_S)
 
     def _sync_config(self, model_id: str) -> PoolSyncConfig:
         cfg = self.config

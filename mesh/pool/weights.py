@@ -14,8 +14,13 @@
 5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
    delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
    fails too, the next round retries it first and polls the head only briefly until it succeeds;
-6. report: `status` and the pool metrics (steps fetched, swaps by way, offers refused from gateways
-   and gateways found stale: `deltamesh.gateway.head_check`).
+6. prove: the engine's weights, read back, must be exactly the version it claims (`serve_check.py`:
+   every tensor the swap wrote and a rotating share of the rest, against the manifest's signed
+   hashes). On a mismatch the policy is drifted: not `ready` (so the worker leases nothing), the
+   version is reloaded in full from the directory and checked again; a reload that fails or does not
+   pass is retried at the start of each round;
+7. report: `status` and the pool metrics (steps fetched, swaps by way, checks and drift, offers
+   refused from gateways and gateways found stale: `deltamesh.gateway.head_check`).
 
 A delta that does not verify, or does not fit what the directory holds, sends the round back to
 step 2 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
@@ -34,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from deltamesh.delta import CodecError, DecodedVersion, dir_manifest
+from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.head_check import Refusal
 from deltamesh.gateway.weight_sync import (
@@ -49,6 +54,7 @@ from deltamesh.gateway.weight_sync import (
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck, ServeCheckConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,11 @@ class WeightsStatus:
     """Versions brought into the engine, by way."""
     last_swap_at: float | None = None
     last_error: str = ""
+    drifted: bool = False
+    """The engine's weights read back differ from the version it claims (cleared by a passing check)."""
+    checks: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
+    """Checks of what the engine serves (`serve_check.py`), by result."""
+    last_check: str = ""
 
 
 class PolicyWeights:
@@ -72,7 +83,7 @@ class PolicyWeights:
     never run concurrently (`run` drives them one after another)."""
 
     def __init__(self, engine: Engine, sync_config: PoolSyncConfig, *, hot_swap: bool = True,
-                 metrics: PoolMetrics | None = None) -> None:
+                 metrics: PoolMetrics | None = None, check: ServeCheckConfig | None = None) -> None:
         self.engine = engine
         self.model_id = engine.model_id
         self.hot_swap = hot_swap and engine.supports_in_place
@@ -81,6 +92,10 @@ class PolicyWeights:
         self.status = WeightsStatus()
         self._engine_synced = False  # the engine serves a version of the gateway's lineage
         self._started = False  # the first sync round after start-up is done
+        self.check = ServeCheck(check)
+        self._served: Manifest | None = None  # manifest of the version last put into the engine
+        self._touched: set[str] | None = set()  # tensors written since the last check (None: all)
+        self._check_due = False
 
     @property
     def dir(self) -> str:
@@ -89,7 +104,7 @@ class PolicyWeights:
     @property
     def ready(self) -> bool:
         """The engine serves a published version, and the start-up sync to the head is done."""
-        return self._started and self._engine_synced
+        return self._started and self._engine_synced and not self.status.drifted
 
     @property
     def version(self) -> int | None:
@@ -136,7 +151,8 @@ class PolicyWeights:
         Raises SyncError/HttpError/CodecError/OSError when the transfer fails (the directory is then
         where it was)."""
         if self._engine_behind():
-            await self._reload_from_dir()  # a reload that failed in an earlier round
+            await self._reload_from_dir()  # a reload that failed (or a drift) in an earlier round
+            await self._prove()
             if self._engine_behind():
                 wait_s = min(wait_s, RETRY_S)
         head = await self.sync.wait_for_head(wait_s)
@@ -155,6 +171,7 @@ class PolicyWeights:
                 plan = await self.sync.fallback_plan(plan, e)  # a full snapshot; raises if that was one
         if self._engine_behind():
             await self._reload_from_dir()
+        await self._prove()
         return True
 
     async def _update_engine(self, versions: Sequence[DecodedVersion]) -> None:
@@ -174,6 +191,9 @@ class PolicyWeights:
                                  f"v{self.engine.version} and will load from the directory: {e}")
                 return
             self._swapped("in_place")
+            self._put_in(version.manifest, [version.manifest.tensors[i].name
+                                            for i in (*version.updates, *version.whole)]
+                         if version.kind == "delta" else None)
 
     async def _reload_from_dir(self) -> None:
         """Load the version the directory holds into the engine; a failure is logged, not raised (the
@@ -185,10 +205,52 @@ class PolicyWeights:
             self._note_error(f"loading v{held} from {self.dir} failed, the next round tries again: {e}")
             return
         self._swapped("reload")
+        self._put_in(await asyncio.to_thread(dir_manifest, self.dir), None)
 
     def _engine_behind(self) -> bool:
         held = self.sync.version
-        return held is not None and not (self._engine_synced and self.engine.version >= held)
+        return held is not None and (self.status.drifted or not (self._engine_synced and self.engine.version >= held))
+
+    # -- proof of what the engine serves (step 6) ------------------------------------------------
+    def _put_in(self, manifest: Manifest | None, touched: Sequence[str] | None) -> None:
+        """Note a version that went into the engine and the tensors it wrote (None: every tensor)."""
+        self._served = manifest if manifest is not None and manifest.model_id == self.model_id else None
+        self._touched = None if touched is None or self._touched is None else self._touched | set(touched)
+        self._check_due = True
+
+    async def _prove(self) -> None:
+        """Check the engine after the round's swaps; on a mismatch, drift: reload in full and check again."""
+        if not self._check_due or self._served is None:
+            return
+        if not self.check.checkable(self.engine):  # switched off, or an engine without read-back
+            self._check_due = False
+            self.status.last_check = "not checked: off, or the engine cannot read its weights back"
+            return
+        result = await self.check.run(self.engine, self._served, self._touched)
+        self._checked(result)
+        if result.ok:
+            return
+        await self._reload_from_dir()
+        if self._check_due and self._served is not None:
+            self._checked(await self.check.run(self.engine, self._served, self._touched))
+
+    def _checked(self, result: CheckResult) -> None:
+        self._check_due, self._touched = False, set()
+        self.status.checks["ok" if result.ok else "failed"] += 1
+        self.status.last_check = result.describe()
+        was_drifted, self.status.drifted = self.status.drifted, not result.ok
+        if not result.ok:
+            log.error("%s: the engine does not serve what it claims, %s; not leasing until a full reload "
+                      "passes", self.model_id, result.reason)
+            self.status.last_error = f"drifted: {result.reason}"
+        elif was_drifted:
+            log.info("%s: recovered, the engine serves %s", self.model_id, result.describe())
+        if self.metrics is not None:
+            self.metrics.checks.labels(self.model_id, "ok" if result.ok else "failed").inc()
+            self.metrics.check_seconds.labels(self.model_id).observe(result.seconds)
+            self.metrics.drifted.labels(self.model_id).set(0 if result.ok else 1)
+            if not result.ok:
+                self.metrics.check_failures.labels(self.model_id).inc()
 
     # -- start-up and following the head ---------------------------------------------------------
     async def _resume_from_dir(self) -> None:
@@ -201,6 +263,7 @@ class PolicyWeights:
             self._note_error(f"cannot load v{held.version} from {self.dir}: {e}")
             return
         self._swapped("reload")
+        self._put_in(held, None)
         self.status.resumed_from_dir = held.version
         log.info("%s: resumed v%d from %s", self.model_id, held.version, self.dir)
 

@@ -5,7 +5,8 @@ every test shares that engine and leaves it serving v0's weights. A real delta i
 lr 5e-6 (`smollm2_adam_versions`). "Equal to a fresh engine" is checked against the same engine
 reloading that version's directory from disk (`load_version`, vLLM's `reload_weights(weights_path=)`),
 which starts no second engine; the transformers engine's logprobs are compared for closeness only
-(other kernels).
+(other kernels). The last test drives a pool's weight stream (a real gateway in this process) into the
+same engine to show the check of what vLLM serves (`serve_check.py`) catching injected faults.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import (
     BaseMismatchError,
@@ -24,12 +27,20 @@ from deltamesh.delta import (
     generate_key,
     load_manifest,
     read_weights,
+    save_keypair,
     write_weights,
 )
+from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.gateway.server import create_app
+from deltamesh.http import serving
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.serve_check import ServeCheckConfig
+from deltamesh.mesh.pool.weights import PolicyWeights
 
 pytestmark = pytest.mark.slow
 
@@ -169,3 +180,94 @@ def test_failed_updates_keep_the_old_version(engine: VLLMEngine, weights, monkey
     assert failures and engine.version == base and probe(engine) == before
     asyncio.run(engine.apply_update(decoded(weights["v0"], weights["v1"], base + 1, base)))  # and it still updates
     assert engine.version == base + 1 and probe(engine) != before
+
+
+def _bump_in_vllm(engine: VLLMEngine, param: str) -> None:
+    """One word of vLLM's own parameter `param` moves by an ulp: inside the engine, not in its host copy
+    nor on disk (a fault injection: updates never write parameters directly)."""
+    def bump(model):
+        with torch.no_grad():
+            model.get_parameter(param).data.view(-1).view(torch.int16)[3] += 1
+
+    engine._engine.apply_model(bump)
+
+
+def test_the_pool_proves_what_vllm_serves_and_recovers(engine, weights, tmp_path) -> None:
+    """Real SmolLM2 deltas (one Adam step at lr 5e-6) through a pool's weight stream: correct swaps never
+    alarm; a swap that vLLM did not take (its reload made a no-op: the host copy moved, vLLM did not),
+    a tensor changed inside vLLM right after a swap, and a norm (no delta touches one) changed inside
+    vLLM between swaps are each caught, the pool drifts, reloads in full and recovers."""
+    key = generate_key()
+    public = save_keypair(key, tmp_path / "trainer.key")
+    gateway = GatewayConfig(store=str(tmp_path / "store"), trusted_keys=[str(public)], anonymous=True,
+                            piece_wait_s=1.0, probe_interval_s=0.5)
+    expected = {}
+
+    async def greedy_probe() -> tuple[list[int], list[float]]:
+        (gen,) = await engine.generate([engine.encode("The capital of France is")], GREEDY)
+        return gen.tokens, gen.logprobs
+
+    async def scenario():
+        async with serving(create_app(gateway), "127.0.0.1:0") as url:
+            pub = Publisher(url, key, MODEL, full_every=0)
+            await pub.publish(weights["v0"], engine.version + 1)
+            sync = PoolSyncConfig(gateways=[url], token="t", name="vllm-pool", dir=str(tmp_path / "synced"),
+                                  trusted_keys=[str(public)], model=MODEL, stall_timeout_s=30, give_up_s=300)
+            metrics = PoolMetrics(CollectorRegistry())
+            async with PolicyWeights(engine, sync, metrics=metrics, check=ServeCheckConfig(rotation=2)) as w:
+                assert await w.sync_round()  # the full snapshot, in place
+                if "(0 unreadable" not in w.status.last_check:
+                    pytest.skip(f"vLLM packs its weights into an opaque format on this CPU: {w.status.last_check}")
+                w._started = True
+                current = "v0"
+                expected["v0"] = await greedy_probe()  # v0's weights, as the check has just shown
+
+                async def publish(name: str) -> None:
+                    nonlocal current
+                    await pub.publish(weights[name])
+                    assert await w.sync_round()
+                    current = name
+
+                for name in ("v1", "v0"):  # correct deltas
+                    await publish(name)
+                assert w.status.checks == {"ok": 3, "failed": 0} and w.ready
+
+                load = engine._weights.load
+                engine._weights.load = lambda tensors, names: None  # "succeeds", vLLM keeps v0's weights
+                try:
+                    await publish("v1")
+                finally:
+                    engine._weights.load = load
+                assert w.status.checks == {"ok": 4, "failed": 1} and "differ from the signed hashes" in w.status.last_error
+                assert w.status.swaps["reload"] == 1 and not w.status.drifted and w.ready
+
+                apply_update = engine.apply_update
+
+                async def corrupting(version):
+                    await apply_update(version)
+                    _bump_in_vllm(engine, "model.layers.3.mlp.down_proj.weight")
+
+                engine.apply_update = corrupting
+                try:
+                    await publish("v0")
+                finally:
+                    del engine.apply_update
+                assert w.status.checks == {"ok": 5, "failed": 2} and "down_proj" in w.status.last_error
+                assert w.status.swaps["reload"] == 2 and not w.status.drifted
+                assert await greedy_probe() == expected["v0"]  # recovered: bit-equal to v0 as served before
+
+                _bump_in_vllm(engine, "model.layers.5.input_layernorm.weight")
+                for name in ("v1", "v0"):  # a rotation of 2: caught within two versions
+                    await publish(name)
+                    if w.status.checks["failed"] == 3:
+                        break
+                assert w.status.checks["failed"] == 3 and "input_layernorm" in w.status.last_error
+                assert w.status.swaps["reload"] == 3 and not w.status.drifted
+                if current != "v0":
+                    await publish("v0")
+                assert w.status.checks["failed"] == 3, "no false alarm"
+                assert metrics.registry.get_sample_value("deltamesh_pool_check_failures_total", {"model": MODEL}) == 3
+                assert metrics.registry.get_sample_value("deltamesh_pool_drifted", {"model": MODEL}) == 0
+
+    asyncio.run(scenario())
+    assert probe(engine) == expected["v0"]  # later tests start from v0's weights
