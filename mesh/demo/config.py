@@ -11,6 +11,11 @@ The code workflows (`code`, `solver_selector`, `solver_testgen`) take their prob
 in-repo synthetic set (`code_tasks = "humaneval"`: HumanEval's 164), run model-written programs in
 each pool's sandbox (`[demo.sandbox]`, passed to every pool as `[pool.sandbox]`), and have their own
 recipes (`CODE_RECIPES`: longer answers, smaller batches, since each sample costs sandbox runs).
+
+`engine = "vllm"` runs every pool on the in-process vLLM engine (its CPU build here) instead of the
+transformers engine. vLLM's CPU attention kernels take no head size below 32, so the tiny model of a
+vLLM demo is the same seeded model with 32-wide heads (`mesh/demo/models.py: VLLM_TINY`); the
+trainer trains that same model. Each vLLM pool takes a 512 MiB KV cache (see `mesh/pool/engine_setup.py`).
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ class DemoConfig:
     workflow: Literal["math", "solver_verifier", "code", "solver_selector", "solver_testgen"] = "math"
     """math, code: one policy; solver_verifier, solver_selector, solver_testgen: two policies, two trainers
     (docs/WORKFLOWS.md)."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """The pools' inference engine: transformers, or vLLM in process (`pip install deltamesh[vllm]`;
+    the tiny model then has 32-wide attention heads, which vLLM's CPU kernels need)."""
     code_tasks: Literal["synthetic", "humaneval"] = "synthetic"
     """Problems of the code workflows: the in-repo synthetic set, or HumanEval (the `code` extra)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -126,6 +134,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.model not in RECIPES:
             raise ValueError(f"model must be one of {sorted(RECIPES)}, got {self.model!r}")
+        if self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"engine must be transformers or vllm, got {self.engine!r}")
         if self.workflow not in WORKFLOW_MODELS:
             raise ValueError(f"workflow must be one of {sorted(WORKFLOW_MODELS)}, got {self.workflow!r}")
         recipe = (CODE_RECIPES if self.workflow in CODE_WORKFLOWS else RECIPES)[self.model]

@@ -79,11 +79,14 @@ class MeshPlan:
         return [*out, *self.gateways.values(), *self.pools.values(), *self.trainers.values()]
 
 
-def model_dir(model: str) -> Path:
-    """The model's bf16 Hugging Face directory (built into the cache on first use)."""
+def model_dir(model: str, engine: str = "transformers") -> Path:
+    """The model's bf16 Hugging Face directory (built into the cache on first use); the tiny model of
+    a vLLM demo has the head size vLLM's CPU kernels need."""
     from deltamesh.mesh.demo import models
 
-    return models.tiny_model_dir() if model == "tiny" else models.smollm2_model_dir()
+    if model == "tiny":
+        return models.tiny_model_dir(models.VLLM_TINY if engine == "vllm" else models.TinyModelConfig())
+    return models.smollm2_model_dir()
 
 
 def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
@@ -91,7 +94,7 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
     key_path = run_dir / "keys" / "trainer.key"
     key_path.parent.mkdir(exist_ok=True)
     public = save_keypair(generate_key(), key_path)
-    plan = MeshPlan(config, run_dir, model_dir(config.model), key_path, Path(public), secrets.token_hex(16))
+    plan = MeshPlan(config, run_dir, model_dir(config.model, config.engine), key_path, Path(public), secrets.token_hex(16))
     if config.tls:
         plan.creds = make_credentials(run_dir / "pki", [g.region for g in config.topology.gateways],
                                       [p.name for p in config.topology.pools], list(config.model_ids))
@@ -160,7 +163,7 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
     config = _write_toml(plan.run_dir / "pools" / f"{name}.toml", {"pool": {
         "name": name, "broker": plan.broker.url, "broker_token": plan.token(f"pool/{name}"),
         "dir": str(plan.pool_dir(name)), "region": region,
-        "engine": "transformers", "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
+        "engine": cfg.engine, "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
         "listen": f"127.0.0.1:{port}",
         "models": [{"model_id": m, "model_path": str(plan.model_dir)} for m in cfg.model_ids],
         "sync": {"gateways": [plan.gateways[region].url], "token": plan.token(f"pool/{name}") or plan.pool_token,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +29,7 @@ from deltamesh.delta import dir_manifest, load_manifest, load_public_key, read_w
 pytestmark = pytest.mark.slow
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
 # Mean reward of the last third of the steps minus that of the first third. Runs of this test's
 # settings (seeds 0-3, one at a time on the shared 2-core machine) rose by 0.085-0.154 over 30 steps.
@@ -176,4 +179,28 @@ def test_a_two_policy_code_workflow_reports_both_rewards_and_sandbox_outcomes_an
         assert pool["sandbox"] is not None and set(pool["sandbox"]) == outcomes, name
     assert {o: sum(p["sandbox"][o] for p in report["pools"].values()) for o in outcomes} == total
     assert "sandbox outcomes (tests run, all pools): passed" in proc.stdout
+    assert_all_stopped(report, run_dir)
+
+
+
+def test_the_demo_on_vllm_pools_as_docs_engines_md_runs_it_swaps_in_place_and_ends_bit_exact(run_dir):
+    """docs/ENGINES.md's `deltamesh demo --engine vllm ...` line, run as written (in a scratch folder):
+    every pool runs the in-process vLLM engine (the tiny model with 32-wide heads, which vLLM's CPU
+    kernels need), takes each version in place, and ends on the final one bit for bit. About 100 s
+    here, most of it vLLM starting in each pool."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "ENGINES.md").read_text(), flags=re.S)
+    (line,) = [line for b in blocks for line in b.splitlines() if "--engine vllm" in line]
+    argv = shlex.split(line)
+    steps = int(argv[argv.index("--steps") + 1])
+    run_dir.mkdir()
+    proc = subprocess.run([DELTAMESH, *argv[1:]], cwd=run_dir, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "bit-exact: 3/3" in proc.stdout
+    (out,) = (run_dir / "runs").iterdir()
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "completed" and report["config"]["engine"] == "vllm"
+    assert_pools_hold_final(out, report, "policy", steps)
+    for pool in report["pools"]:
+        log = (out / "logs" / f"pool-{pool}.log").read_text()
+        assert "vLLM engine serving" in log and "in place" in log, pool
     assert_all_stopped(report, run_dir)
