@@ -39,7 +39,8 @@ from common import bench_parser, emit, parse_bench_args
 from deltamesh.delta import CodecError, decode_version, encode_delta, generate_key, read_weights, write_weights
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
-from deltamesh.mesh.pool.serve_check import ServeCheck, ServeCheckConfig
+from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.serve_check import ServeCheck
 
 log = logging.getLogger("benchmarks.swap_check")
 

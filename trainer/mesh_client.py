@@ -29,11 +29,11 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.http import HttpError, serving
+from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
-from deltamesh.trainer.metrics import metrics_app
 from deltamesh.trainer.publish import StreamStart, start_stream
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class MeshClient:
     def serve_metrics(self, registry: CollectorRegistry, listen: str) -> str:
         """Serve `registry` at `/metrics` on `listen` (HOST:PORT) from the client's thread until `close`;
         returns the base URL."""
-        return self._thread.call(self._served.enter_async_context(serving(metrics_app(registry), listen)))
+        return self._thread.call(self._served.enter_async_context(serving(status_app(registry), listen)))
 
     async def _refresh_statements(self, every_s: float) -> None:
         """Re-sign the head statement between versions, so pools that require a fresh one can tell a

@@ -1,6 +1,6 @@
-"""Prometheus metrics of one trainer (rank 0), in a registry of its own, and the app that serves them.
+"""Prometheus metrics of one trainer (rank 0), in a registry of its own.
 
-With `metrics_listen` set, `deltamesh train` serves `/metrics` (and `/healthz`) there, read-only and
+With `metrics_listen` set, `deltamesh train` serves them (`deltamesh.metrics.status_app`) there, read-only and
 unauthenticated like a pool's status server: bind it to loopback or the scraper's network. Besides
 the process and build metrics (`deltamesh.metrics`), the series are the trainer-side mismatch of each
 rollout pool (`deltamesh.trainer.mismatch`), labelled by model_id and pool; every series is listed
@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Collection, Mapping
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import Counter, Gauge
 
-from deltamesh.http import json_errors
 from deltamesh.metrics import service_registry
 
 if TYPE_CHECKING:
@@ -49,19 +47,3 @@ class TrainerMetrics:
                 if r.flagged:
                     self.flags.labels(model_id, pool).inc()
 
-
-def metrics_app(registry: CollectorRegistry) -> web.Application:
-    """`/metrics` (Prometheus text) and `/healthz`."""
-    app = web.Application(middlewares=[json_errors])
-    routes = web.RouteTableDef()
-
-    @routes.get("/healthz")
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    @routes.get("/metrics")
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app.add_routes(routes)
-    return app

@@ -74,10 +74,10 @@ async def metrics_served(sync, listen: str) -> AsyncIterator[None]:
 
     from deltamesh.gateway.sync_metrics import sync_registry
     from deltamesh.http import serving
-    from deltamesh.mesh.pool.status import status_app
+    from deltamesh.metrics import status_app
 
-    app = status_app(lambda: {"model": sync.model, "version": sync.version, "head": sync.head, "state": sync.state,
-                              "last_error": sync.last_error}, sync_registry(sync))
+    app = status_app(sync_registry(sync), lambda: {"model": sync.model, "version": sync.version, "head": sync.head,
+                                                   "state": sync.state, "last_error": sync.last_error})
     async with serving(app, listen) as url:
         logging.getLogger(__name__).info("pool %s: metrics at %s/metrics", sync.config.name, url)
         yield

@@ -108,6 +108,20 @@ class WorkerConfig:
 
 
 @dataclass
+class ServeCheckConfig:
+    """The check after every swap that the engine serves exactly the version it claims (docs/PROOF.md)."""
+
+    enabled: bool = True
+    """Off: the pool trusts its engine's update calls (only for an engine that cannot read its weights back)."""
+    rotation: int = 4
+    """Every tensor of the model is read back at least once every `rotation` checks, touched or not."""
+
+    def __post_init__(self) -> None:
+        if self.rotation < 1:
+            raise ValueError(f"rotation must be >= 1, got {self.rotation}")
+
+
+@dataclass
 class PoolConfig:
     """Everything `deltamesh pool run` needs: the pool itself, its policies, and its three sections."""
 
@@ -153,6 +167,8 @@ class PoolConfig:
     """How the engines sample (`[pool.sampling]`)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where the code workflows run model-written code (`[pool.sandbox]`); built only for those."""
+    check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
+    """The check after every swap of what each engine serves (`[pool.check]`, docs/PROOF.md)."""
 
     def __post_init__(self) -> None:
         if not self.name:

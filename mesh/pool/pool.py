@@ -29,7 +29,7 @@ from deltamesh.gateway.sync_errors import credentials_refused
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
-from deltamesh.metrics import service_registry
+from deltamesh.metrics import service_registry, status_app
 from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
@@ -37,7 +37,6 @@ from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
 from deltamesh.mesh.pool.engine_setup import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
-from deltamesh.mesh.pool.status import status_app
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker
 from deltamesh.mesh.sandbox import Sandbox, SandboxError
@@ -139,7 +138,7 @@ class RolloutPool:
 
             torch.set_num_threads(cfg.threads)
         async with contextlib.AsyncExitStack() as stack:
-            self.url = await stack.enter_async_context(serving(status_app(self.status, self.registry), cfg.listen))
+            self.url = await stack.enter_async_context(serving(status_app(self.registry, self.status), cfg.listen))
             policies = await self._resolve(stop)
             if policies is None:
                 return
@@ -169,7 +168,7 @@ class RolloutPool:
 
             for model_id, engine in engines.items():
                 self.weights[model_id] = PolicyWeights(engine, self._sync_config(model_id), hot_swap=cfg.hot_swap,
-                                                       metrics=self.metrics)
+                                                       metrics=self.metrics, check=cfg.check)
                 if self.on_weights is not None:
                     self.on_weights(self.weights[model_id].sync)
             generating: dict[str, Engine] = {}

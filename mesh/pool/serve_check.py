@@ -24,19 +24,9 @@ from typing import Iterable
 
 from deltamesh.delta import Manifest
 from deltamesh.mesh.engines.base import Engine, EngineError, ReadsBack
+from deltamesh.mesh.pool.config import ServeCheckConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeCheckConfig:
-    enabled: bool = True
-    rotation: int = 4
-    """Every tensor of the model is read back at least once every `rotation` checks, touched or not."""
-
-    def __post_init__(self) -> None:
-        if self.rotation < 1:
-            raise ValueError(f"rotation must be >= 1, got {self.rotation}")
 
 
 @dataclass(frozen=True)

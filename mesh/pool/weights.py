@@ -54,7 +54,8 @@ from deltamesh.gateway.weight_sync import (
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
-from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck, ServeCheckConfig
+from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
-from deltamesh.mesh.pool.serve_check import ServeCheckConfig
+from deltamesh.mesh.pool.config import ServeCheckConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
 
 pytestmark = pytest.mark.slow

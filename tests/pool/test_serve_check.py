@@ -19,7 +19,8 @@ from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
-from deltamesh.mesh.pool.serve_check import ServeCheck, ServeCheckConfig
+from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.serve_check import ServeCheck
 from deltamesh.mesh.pool.weights import PolicyWeights
 
 
