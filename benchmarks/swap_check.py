@@ -24,7 +24,6 @@ import functools
 import gc
 import logging
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,8 +35,8 @@ import torch
 
 from common import bench_parser, emit, parse_bench_args
 
-from deltamesh.delta import CodecError, decode_version, encode_delta, generate_key, read_weights, write_weights
-from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
+from deltamesh.delta import CodecError, decode_version, encode_delta, generate_key, read_weights
+from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.pool.config import ServeCheckConfig
 from deltamesh.mesh.pool.serve_check import ServeCheck
@@ -235,16 +234,6 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def version_dirs(root: Path, weights: dict[str, dict[str, torch.Tensor]]) -> dict[str, Path]:
-    """Model directories (config, tokenizer) holding each version's weights, for the engines' reloads."""
-    dirs = {}
-    for name, w in weights.items():
-        dirs[name] = root / name
-        shutil.copytree(smollm2_model_dir(), dirs[name], ignore=shutil.ignore_patterns("*.safetensors*"))
-        write_weights(dirs[name], w)
-    return dirs
-
-
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -280,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = {"v0": read_weights(smollm2_model_dir()), "v1": smollm2_adam_versions([args.lr])[args.lr]}
     result: dict[str, Any] = {"model": "smollm2-135m", "lr": args.lr, "threads": torch.get_num_threads(), "engines": []}
     with tempfile.TemporaryDirectory(prefix="swap-check-") as tmp:
-        dirs = version_dirs(Path(tmp), weights)
+        dirs = smollm2_version_dirs(Path(tmp), weights)
         for name in args.engines:
             result["engines"].append(asyncio.run(measure_engine(name, weights, dirs, args)))
     if len(result["engines"]) == 2:

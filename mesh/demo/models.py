@@ -148,6 +148,19 @@ def smollm2_model_dir() -> Path:
     return build_once(cache_dir() / f"{SMOLLM2_NAME}-bf16-r{RECIPE_VERSION}", build)
 
 
+def smollm2_version_dirs(root: Path, weights: dict[str, dict[str, torch.Tensor]]) -> dict[str, Path]:
+    """For each named set of SmolLM2 weights, a model directory under `root` (SmolLM2's config and
+    tokenizer, those weights, no manifest): what an engine reloads a version from in tests and benchmarks."""
+    from deltamesh.delta import write_weights
+
+    dirs = {}
+    for name, w in weights.items():
+        dirs[name] = root / name
+        shutil.copytree(smollm2_model_dir(), dirs[name], ignore=shutil.ignore_patterns("*.safetensors*"))
+        write_weights(dirs[name], w)
+    return dirs
+
+
 # -- tiny seeded models ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

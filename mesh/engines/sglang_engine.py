@@ -5,7 +5,7 @@ prompt (SGLang batches them itself); the behaviour logprobs and token ids come f
 `meta_info.output_token_logprobs` (`[logprob, token_id, text]` per generated token).
 
 Weight updates (docs/ENGINES.md), fastest first. `apply_update` applies the pool's decoded version
-to a host copy of the weights (`sglang_tensors.HostWeights`, read from `model_path`) and sends only
+to a host copy of the weights (`host_weights.HostWeights`, read from `model_path`) and sends only
 the tensors whose bytes changed with `POST /update_weights_from_tensor` (handles to memory on this
 machine: the server must be co-located), in buckets of `bucket_bytes`, the last one flushing the
 prefix cache and setting `weight_version` to the deltamesh version. `load_version` reloads a whole
@@ -51,7 +51,8 @@ from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sglang_server import (
     has_route, launch_server, parse_answer, sampling_body, stop_server, wait_healthy,
 )
-from deltamesh.mesh.engines.sglang_tensors import HostWeights, post_tensors
+from deltamesh.mesh.engines.host_weights import HostWeights
+from deltamesh.mesh.engines.sglang_tensors import post_tensors
 from deltamesh.trainer.models import load_tokenizer
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ fuses q/k/v and gate/up projections).
 This is a pickle, which deltamesh keeps off every wire it reads: here one is only written, for the
 pool's own local server, and never read from a peer. `serialize_named_tensors` is the one place that
 knows the format, so a change of SGLang's encoding is a change here; SGLang's package (CUDA-only, not
-installable on every pool host) is not needed. `HostWeights` is the pool's host copy that a decoded
-version is applied to, to learn which tensors it changes and what they become; `post_tensors` sends
-them in requests of bounded size (`buckets`).
+installable on every pool host) is not needed. The pool applies a version to its host copy
+(host_weights.py) to learn which tensors it changes and what they become; `post_tensors` sends them
+in requests of bounded size (`buckets`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import aiohttp
 import torch
 import torch.multiprocessing
 
-from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, apply_version
 from deltamesh.http import request_json
 from deltamesh.mesh.engines.base import EngineError
 
@@ -59,61 +58,6 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], *, tp_siz
     text = base64.b64encode(buf.getvalue()).decode("ascii")
     # Every rank gets the whole tensors and loads its own shard of them, as SGLang's own senders do.
     return [text] * tp_size
-
-
-class HostWeights:
-    """The pool's host copy of the checkpoint tensors an SGLang server serves (bf16 on the CPU, named as
-    in the model directory), which a decoded version is applied to so that only the tensors it changes
-    need to reach the server. `apply` returns those tensors; `undo` puts the host copy back."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], weights_hash: str | None) -> None:
-        self.weights = weights
-        self.weights_hash = weights_hash
-        self._spare: dict[str, torch.Tensor] = {}  # tensors a delta changed, as they were before it
-        self._before: dict[str, torch.Tensor] = {}  # the previous tensors of the last `apply`
-
-    def apply(self, version: DecodedVersion, served: int, *, diff: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """The weights of `version` (a delta onto version `served`, or a full snapshot) and the names
-        of the tensors whose bytes it changes (a full snapshot without `diff`: all of them); the
-        previous tensors stay available to `previous`."""
-        manifest = version.manifest
-        if manifest.kind == "delta":
-            if manifest.base_version != served:
-                raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} is a delta from "
-                                        f"v{manifest.base_version}, the server serves v{served}")
-            if version.whole:
-                raise CorruptError(f"{manifest.model_id} v{manifest.version} adds tensors the model lacks")
-            changed = [manifest.tensors[i].name for i in version.updates]
-            for name in changed:
-                if name not in self.weights:
-                    raise CorruptError(f"{manifest.model_id} v{manifest.version}: model has no tensor {name!r}")
-                spare = self._spare.get(name)
-                if spare is None or spare.shape != self.weights[name].shape or spare.dtype != self.weights[name].dtype:
-                    spare = self._spare[name] = torch.empty_like(self.weights[name])
-                spare.copy_(self.weights[name])
-            # In place: on a wrong base or result the applier restores every word it wrote.
-            result = apply_version(version, self.weights, base_hash=self.weights_hash, in_place=True)
-            self._before = {name: self._spare[name] for name in changed}
-        else:
-            result = apply_version(version)
-            if set(result) != set(self.weights):
-                raise CorruptError(f"{manifest.model_id} v{manifest.version}: tensors differ from the model's")
-            changed = [n for n, t in result.items() if not diff or not _same_bytes(t, self.weights[n])]
-            self._before = {name: self.weights[name] for name in changed}
-        return result, changed
-
-    def previous(self) -> dict[str, torch.Tensor]:
-        """The tensors the last `apply` changed, as they were before it."""
-        return self._before
-
-    def commit(self, result: dict[str, torch.Tensor], weights_hash: str | None) -> None:
-        self.weights, self.weights_hash = result, weights_hash
-
-    def undo(self, version: DecodedVersion) -> None:
-        """Put back the tensors a delta wrote into the host copy (a full snapshot never wrote there)."""
-        if version.manifest.kind == "delta":
-            for name, before in self._before.items():
-                self.weights[name].copy_(before)
 
 
 async def post_tensors(
@@ -154,9 +98,3 @@ def buckets(names: Sequence[str], weights: dict[str, torch.Tensor], max_bytes: i
         groups[-1].append(name)
         size += nbytes
     return groups
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))

@@ -44,8 +44,9 @@ from typing import Any, Literal, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, apply_version, dir_manifest, read_weights
+from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, dir_manifest, read_weights
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
+from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.vllm_weights import VLLMWeights
@@ -103,10 +104,9 @@ class VLLMEngine(LocalEngine):
         if manifest is not None and config.version is not None and manifest.version != config.version:
             raise EngineError(f"{config.model_dir} holds v{manifest.version}, config says v{config.version}")
         self._version = manifest.version if manifest is not None else (config.version or 0)
-        self._weights_hash = manifest.weights_hash if manifest is not None else None
-        self._host = read_weights(config.model_dir)
+        self._host = HostWeights(read_weights(config.model_dir), manifest.weights_hash if manifest is not None else None)
         self._engine = _start_vllm(config)
-        self._weights = VLLMWeights(self._engine, self._host)
+        self._weights = VLLMWeights(self._engine, self._host.weights)
         self._tokenizer = load_tokenizer(config.model_dir)
         generation_eos = self._engine.model_config.hf_config.eos_token_id
         self._eos = eos_ids(self._tokenizer.eos_token_id, generation_eos)
@@ -118,7 +118,6 @@ class VLLMEngine(LocalEngine):
         self._driver: asyncio.Task | None = None
         self._closed = False
         self._weights_lost = ""  # why vLLM's weights are unknown (a failed update could not be undone)
-        self._spare: dict[str, torch.Tensor] = {}  # the host tensors a delta changes, as they were before it
         self.metrics = EngineMetrics(self.model_id, "vllm", registry)
         self.metrics.version.set(self._version)
         log.info("%s: vLLM engine serving v%d from %s", self.model_id, self._version, config.model_dir)
@@ -166,13 +165,13 @@ class VLLMEngine(LocalEngine):
         self._check_open()
         async with self._update_lock:
             weights, manifest = await asyncio.to_thread(read_verified, Path(path), version)
-            if set(weights) != set(self._host):
+            if set(weights) != set(self._host.weights):
                 self.metrics.update_done("disk", False, 0.0)
                 raise CorruptError(f"{path}: tensors differ from the model's")
-            names = self._weights.layer_groups(self._host)
-            seconds = await self._write(lambda: self._weights.load_dir(str(path)), names, "disk", self._host)
-            self._host = weights
-            self._set_version(version, manifest.weights_hash if manifest is not None else None)
+            names = self._weights.layer_groups(self._host.weights)
+            seconds = await self._write(lambda: self._weights.load_dir(str(path)), names, "disk", self._host.weights)
+            self._host.commit(weights, manifest.weights_hash if manifest is not None else None)
+            self._set_version(version)
         log.info("%s: now serving v%d from %s (%.3f s paused)", self.model_id, version, path, seconds)
 
     async def apply_update(self, version: DecodedVersion) -> None:
@@ -184,22 +183,21 @@ class VLLMEngine(LocalEngine):
             raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
         async with self._update_lock:
             try:
-                result, changed = await asyncio.to_thread(self._apply_to_host, version)
+                # A full snapshot's every tensor goes to vLLM: its reload works by whole layers anyway.
+                result, changed = await asyncio.to_thread(self._host.apply, version, self._version, diff=False)
             except Exception:
                 self.metrics.update_done(manifest.kind, False, 0.0)
                 raise
             names = self._weights.layer_groups(changed)
             # Until vLLM has taken it, the previous version is the host copy with the delta undone.
-            before = self._host if manifest.kind == "full" else {**self._host, **{n: self._spare[n] for n in changed}}
+            before = {**self._host.weights, **self._host.previous()}
             try:
                 seconds = await self._write(lambda: self._weights.load(result, names), names, manifest.kind, before)
             except Exception:
-                if manifest.kind == "delta":  # the host copy goes back to the version served
-                    for name in changed:
-                        self._host[name].copy_(self._spare[name])
+                self._host.undo(version)  # the host copy goes back to the version served
                 raise
-            self._host = result
-            self._set_version(manifest.version, manifest.weights_hash)
+            self._host.commit(result, manifest.weights_hash)
+            self._set_version(manifest.version)
         log.info("%s: swapped in %s v%d in place (%d of %d tensors to vLLM, %.3f s paused, %.3f s in vLLM)",
                  self.model_id, manifest.kind, manifest.version, len(names), len(result), seconds,
                  self._weights.last_reload_s)
@@ -209,7 +207,7 @@ class VLLMEngine(LocalEngine):
         never while an update is under way."""
         self._check_serving()
         async with self._update_lock, self._lock:
-            digests = await asyncio.to_thread(self._weights.digests, list(names), self._host)
+            digests = await asyncio.to_thread(self._weights.digests, list(names), self._host.weights)
             return ServedDigests(self._version, digests)
 
     async def close(self) -> None:
@@ -275,33 +273,6 @@ class VLLMEngine(LocalEngine):
         gen.finish_reason = completion.finish_reason
         request.done.set_result(None)
 
-    def _apply_to_host(self, version: DecodedVersion) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """The host weights of `version` and the names it changes. A delta is written into the host copy
-        (its changed tensors saved in `_spare` first); a full snapshot leaves the host copy as it is."""
-        manifest = version.manifest
-        if manifest.kind == "delta":
-            if manifest.base_version != self._version:
-                raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} is a delta from "
-                                        f"v{manifest.base_version}, the engine serves v{self._version}")
-            if version.whole:
-                raise CorruptError(f"{manifest.model_id} v{manifest.version} adds tensors the model lacks")
-            changed = [manifest.tensors[i].name for i in version.updates]
-            for name in changed:
-                if name not in self._host:
-                    raise CorruptError(f"{manifest.model_id} v{manifest.version}: model has no tensor {name!r}")
-                spare = self._spare.get(name)
-                if spare is None or spare.shape != self._host[name].shape or spare.dtype != self._host[name].dtype:
-                    spare = self._spare[name] = torch.empty_like(self._host[name])
-                spare.copy_(self._host[name])
-            # In place: on a wrong base or result the applier restores every word it wrote.
-            result = apply_version(version, self._host, base_hash=self._weights_hash, in_place=True)
-        else:
-            result = apply_version(version)
-            changed = list(result)
-        if set(result) != set(self._host):
-            raise CorruptError(f"{manifest.model_id} v{manifest.version}: tensors differ from the model's")
-        return result, changed
-
     async def _write(self, write: Any, names: list[str], way: str, before: dict[str, torch.Tensor]) -> float:
         """Run `write` (a call into vLLM) between two engine steps; if it fails, put the tensors of
         layers `names` back from `before`, the weights served so far (or, failing that, refuse to
@@ -324,9 +295,8 @@ class VLLMEngine(LocalEngine):
         self.metrics.update_done(way, True, seconds)
         return seconds
 
-    def _set_version(self, version: int, weights_hash: str | None) -> None:
+    def _set_version(self, version: int) -> None:
         self._version = version
-        self._weights_hash = weights_hash
         self.metrics.version.set(version)
 
 

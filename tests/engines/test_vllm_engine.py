@@ -12,7 +12,6 @@ same engine to show the check of what vLLM serves (`serve_check.py`) catching in
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,12 @@ from deltamesh.delta import (
     load_manifest,
     read_weights,
     save_keypair,
-    write_weights,
 )
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
 from deltamesh.http import serving
-from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
+from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -64,13 +62,7 @@ def engine():
 @pytest.fixture(scope="module")
 def version_dirs(tmp_path_factory, weights) -> dict[str, Path]:
     """Model directories (config, tokenizer) holding v0's and v1's weights, without a manifest."""
-    root = tmp_path_factory.mktemp("vllm-versions")
-    dirs = {}
-    for name, w in weights.items():
-        dirs[name] = root / name
-        shutil.copytree(smollm2_model_dir(), dirs[name], ignore=shutil.ignore_patterns("*.safetensors*"))
-        write_weights(dirs[name], w)
-    return dirs
+    return smollm2_version_dirs(tmp_path_factory.mktemp("vllm-versions"), weights)
 
 
 def decoded(old: dict | None, new: dict, version: int, base_version: int | None = None):
