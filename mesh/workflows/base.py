@@ -12,10 +12,11 @@ the pool then hands it its one `Sandbox` through `EpisodeContext.sandbox`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -129,11 +130,61 @@ class Workflow:
         return await self.spec.episode(task, ctx, self.config)
 
 
+PromptFormat = Literal["auto", "completion", "chat"]
+"""How a workflow shows a prompt to a model: "completion" sends the text as it is (the model continues
+it: base models, and the tiny character models); "chat" sends it as one user turn through the
+tokenizer's chat template, ending with the assistant's generation prompt (instruct models, which
+answer a question rather than continue a file); "auto" is "chat" when the engine's tokenizer has a
+chat template, else "completion"."""
+
+
+def _tokenizer_of(engine: Engine) -> Any:
+    # Every shipped adapter keeps its Hugging Face tokenizer as `_tokenizer` (engines.base.TokenizedEngine).
+    return getattr(engine, "_tokenizer", None)
+
+
+def uses_chat(engine: Engine, prompt_format: str) -> bool:
+    """Whether prompts to `engine` go through its chat template (see `PromptFormat`); WorkflowError for
+    "chat" on an engine whose tokenizer has none."""
+    if prompt_format == "completion":
+        return False
+    has_template = getattr(_tokenizer_of(engine), "chat_template", None) is not None
+    if prompt_format == "chat" and not has_template:
+        raise WorkflowError(f"prompt_format 'chat': the tokenizer of {getattr(engine, 'model_id', 'this engine')!r} "
+                            "has no chat template")
+    if prompt_format not in ("auto", "chat"):
+        raise WorkflowError(f"prompt_format must be auto, completion or chat, not {prompt_format!r}")
+    return has_template
+
+
+def encode_prompt(engine: Engine, text: str, chat: bool, reply_prefix: str = "") -> list[int]:
+    """The prompt's tokens: `text` as it is, or as one user turn of the chat template with its
+    generation prompt (the template's special tokens become their ids), then `reply_prefix`: the
+    start of the assistant's reply, which the model continues."""
+    if not chat:
+        return engine.encode(text + reply_prefix)
+    rendered = _tokenizer_of(engine).apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return engine.encode(rendered + reply_prefix)
+
+
+def token_ids_containing(engine: Engine, text: str) -> tuple[int, ...]:
+    """The ids of every vocabulary entry whose text holds `text` (e.g. a closing ``` fence, as stop
+    tokens); () when the engine's tokenizer has no vocabulary to read."""
+    vocab = getattr(_tokenizer_of(engine), "get_vocab", None)
+    if vocab is None:
+        return ()
+    # Byte-level BPE writes printable ASCII as itself, so a token's text holds `text` as it is.
+    return tuple(sorted(i for token, i in vocab().items() if text in token))
+
+
 def render(template: str, **values: str) -> str:
-    """Fill `{name}` placeholders; other braces (LaTeX, JSON) in the template stay as they are."""
-    for name, value in values.items():
-        template = template.replace("{" + name + "}", value)
-    return template
+    """Fill `{name}` placeholders in one pass (a value holding `{name}` text, as code may, stays as it
+    is); other braces (LaTeX, JSON) in the template stay as they are."""
+    if not values:
+        return template
+    pattern = re.compile("|".join(re.escape("{" + name + "}") for name in values))
+    return pattern.sub(lambda m: str(values[m.group(0)[1:-1]]), template)
 
 
 @dataclass(frozen=True)

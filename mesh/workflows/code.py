@@ -14,22 +14,25 @@ import time
 from dataclasses import dataclass
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowSpec, finalize_groups, render,
+from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, finalize_groups,
                                            trajectory_from_generation)
+from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
 from deltamesh.mesh.workflows.code_reward import outcome_counts, program_from_completion, pass_reward
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 
 
 @dataclass
 class CodeConfig:
-    prompt_template: str = "{prompt}"
-    """How a problem is shown to the policy; `{prompt}` is the function's signature and docstring."""
+    prompt_template: str | None = None
+    """How a problem is shown to the policy; `{prompt}` is the function's signature and docstring
+    (unset: the prompt format's default, code_prompts.py)."""
+    prompt_format: PromptFormat = "auto"
+    """completion, chat (an instruct model's chat template) or auto (chat when the tokenizer has a template)."""
     partial_credit: bool = False
     """Reward the share of hidden tests passed instead of 1 only when all pass."""
 
     def __post_init__(self) -> None:
-        if "{prompt}" not in self.prompt_template:
-            raise ValueError("prompt_template must contain {prompt}")
+        check_template("prompt_template", self.prompt_template)
 
 
 async def code_episode(task: Task, ctx: EpisodeContext, config: CodeConfig) -> list[Trajectory]:
@@ -37,9 +40,10 @@ async def code_episode(task: Task, ctx: EpisodeContext, config: CodeConfig) -> l
     sandbox = ctx.need_sandbox("code")
     started = time.perf_counter()
     model_id, engine = ctx.engine_for("policy")
-    prompt = engine.encode(render(config.prompt_template, prompt=problem.prompt))
-    gens = await engine.generate([prompt] * task.n_samples, ctx.params)
-    completions = [engine.decode(g.tokens) for g in gens]
+    prompter = CodePrompter(engine, config.prompt_format)
+    prompt = prompter.encode("solver", config.prompt_template, prompt=problem.prompt, entry_point=problem.entry_point)
+    gens = await engine.generate([prompt] * task.n_samples, prompter.params("solver", ctx.params))
+    completions = [prompter.reply("solver", g.tokens) for g in gens]
     programs = [program_from_completion(problem.prompt, c, problem.entry_point) for c in completions]
     results = await asyncio.gather(*(sandbox.run(p, problem.tests) for p in programs))
     episode_s = time.perf_counter() - started

@@ -2,8 +2,9 @@
 
 A completion continues the problem's prompt (the HumanEval convention) and is cut at the first line
 that leaves the function (HumanEval's stop sequences: a top-level `def`, `class`, `if`, `print` or
-comment). A completion holding a fenced ```python block uses that block instead: on its own when it
-defines the entry point, else after the prompt. The reward of a program is 1.0 when every hidden
+comment). A completion holding a fenced ```python block uses a block instead: the first one that
+defines the entry point, after what the prompt holds before the entry point's `def` (its imports and
+helpers), else the first block after the prompt. The reward of a program is 1.0 when every hidden
 test passes and 0.0 otherwise (HumanEval's pass/fail), or the share of tests passed with
 `partial_credit`. Errors, timeouts and resource limits are failures of the program like a failed
 assert; faults of the sandbox itself (SandboxError) are not scored: they fail the episode.
@@ -23,18 +24,26 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
 def program_from_completion(prompt: str, completion: str, entry_point: str) -> str:
     """The program a completion stands for (see the module docstring)."""
-    fenced = _FENCE.search(completion)
-    if fenced is not None:
-        block = fenced.group(1)
-        if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", block, re.M):
-            return block
-        return prompt + block
+    blocks = [m.group(1) for m in _FENCE.finditer(completion)]
+    if blocks:
+        defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.M)
+        whole = next((b for b in blocks if defines.search(b)), None)
+        if whole is not None:
+            return _preamble(prompt, entry_point) + whole
+        return prompt + blocks[0]
     body = completion
     for stop in STOP_SEQUENCES:
         cut = body.find(stop)
         if cut >= 0:
             body = body[:cut]
     return prompt + body + "\n"
+
+
+def _preamble(prompt: str, entry_point: str) -> str:
+    """What the prompt holds before the entry point's `def` (imports, helper functions), to run before a
+    function written out whole: a model that rewrites `def f(xs: List[int])` seldom repeats the import."""
+    found = re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", prompt, re.M)
+    return prompt[:found.start()] if found else ""
 
 
 def pass_reward(result: ExecutionResult, *, partial_credit: bool = False) -> float:

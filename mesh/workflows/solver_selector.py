@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowSpec, finalize_groups, render,
+from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, finalize_groups,
                                            trajectory_from_generation)
+from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
 from deltamesh.mesh.workflows.code_reward import outcome_counts, program_from_completion, pass_reward
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 
@@ -30,22 +31,19 @@ LABELS = ("A", "B")
 
 @dataclass
 class SolverSelectorConfig:
-    solver_template: str = "{prompt}"
-    selector_template: str = (
-        "Which program implements the function correctly?\n{prompt}\n### A\n{a}\n### B\n{b}\n"
-        "Reply A or B.\nChoice:"
-    )
+    solver_template: str | None = None
+    selector_template: str | None = None
+    """Unset: the prompt format's defaults (code_prompts.py); the Selector's shows `{a}` and `{b}`."""
+    prompt_format: PromptFormat = "auto"
+    """completion, chat (an instruct model's chat template) or auto (chat when the tokenizer has a template)."""
     solver_reward: Literal["chosen", "own"] = "chosen"
     """"chosen": every candidate gets the chosen program's reward; "own": each its own tests' result."""
     partial_credit: bool = False
     """Rewards are the share of hidden tests passed instead of 1 only when all pass."""
 
     def __post_init__(self) -> None:
-        for name in ("solver_template", "selector_template"):
-            if "{prompt}" not in getattr(self, name):
-                raise ValueError(f"{name} must contain {{prompt}}")
-        if "{a}" not in self.selector_template or "{b}" not in self.selector_template:
-            raise ValueError("selector_template must contain {a} and {b}")
+        check_template("solver_template", self.solver_template)
+        check_template("selector_template", self.selector_template, "a", "b")
 
 
 def parse_choice(reply: str) -> int | None:
@@ -63,12 +61,16 @@ async def solver_selector_episode(task: Task, ctx: EpisodeContext, config: Solve
     n = task.n_samples
 
     # Candidates 2i and 2i+1 are sample i's A and B.
-    gens = await solver.generate([solver.encode(render(config.solver_template, prompt=problem.prompt))] * (2 * n),
-                                 ctx.params)
-    programs = [program_from_completion(problem.prompt, solver.decode(g.tokens), problem.entry_point) for g in gens]
+    solver_prompts = CodePrompter(solver, config.prompt_format)
+    selector_prompts = CodePrompter(selector, config.prompt_format)
+    values = dict(prompt=problem.prompt, entry_point=problem.entry_point)
+    gens = await solver.generate([solver_prompts.encode("solver", config.solver_template, **values)] * (2 * n),
+                                 solver_prompts.params("solver", ctx.params))
+    programs = [program_from_completion(problem.prompt, solver_prompts.reply("solver", g.tokens), problem.entry_point)
+                for g in gens]
     picks, results = await asyncio.gather(
-        selector.generate([selector.encode(render(config.selector_template, prompt=problem.prompt,
-                                                  a=programs[2 * i], b=programs[2 * i + 1])) for i in range(n)],
+        selector.generate([selector_prompts.encode("selector", config.selector_template, **values,
+                                                   a=programs[2 * i], b=programs[2 * i + 1]) for i in range(n)],
                           ctx.params),
         asyncio.gather(*(sandbox.run(p, problem.tests) for p in programs)))
     rewards = [pass_reward(r, partial_credit=config.partial_credit) for r in results]

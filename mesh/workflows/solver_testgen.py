@@ -25,8 +25,9 @@ from typing import Sequence
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.sandbox import ExecutionResult, Sandbox
-from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowError, WorkflowSpec, finalize_groups,
-                                           render, trajectory_from_generation)
+from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowError, WorkflowSpec,
+                                           finalize_groups, trajectory_from_generation)
+from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
 from deltamesh.mesh.workflows.code_reward import failure_report, outcome_counts, program_from_completion, pass_reward
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 from deltamesh.mesh.workflows.mutants import mutants
@@ -34,10 +35,13 @@ from deltamesh.mesh.workflows.mutants import mutants
 
 @dataclass
 class SolverTestgenConfig:
-    solver_template: str = "{prompt}"
-    testgen_template: str = "{prompt}\n# Tests of {entry_point}, one assert per line:\n"
-    retry_template: str = "# A previous attempt:\n{program}\n# failed these tests:\n{feedback}\n\n{prompt}"
-    """The Solver's second try; `{program}` and `{feedback}` are shown as comments."""
+    solver_template: str | None = None
+    testgen_template: str | None = None
+    retry_template: str | None = None
+    """The Solver's second try, showing `{program}` and `{feedback}` (as comments in completion format).
+    Unset templates: the prompt format's defaults (code_prompts.py)."""
+    prompt_format: PromptFormat = "auto"
+    """completion, chat (an instruct model's chat template) or auto (chat when the tokenizer has a template)."""
     k: int = 3
     """Mutants of the reference an assert may kill (the Test-Case Generator's reward)."""
     max_asserts: int = 8
@@ -48,8 +52,7 @@ class SolverTestgenConfig:
 
     def __post_init__(self) -> None:
         for name in ("solver_template", "testgen_template", "retry_template"):
-            if "{prompt}" not in getattr(self, name):
-                raise ValueError(f"{name} must contain {{prompt}}")
+            check_template(name, getattr(self, name))
         if min(self.k, self.max_asserts, self.max_feedback_chars) < 1:
             raise ValueError("k, max_asserts and max_feedback_chars must be >= 1")
 
@@ -95,10 +98,6 @@ async def score_tests(sandbox: Sandbox, reference: str, mutant_programs: Sequenc
     return TestgenScore(len(killing) / len(asserts), len(valid), len(killing), (ref, *muts))
 
 
-def _comment(text: str) -> str:
-    return "\n".join("# " + line for line in text.splitlines())
-
-
 async def solver_testgen_episode(task: Task, ctx: EpisodeContext, config: SolverTestgenConfig) -> list[Trajectory]:
     problem = CodeProblem.from_task(task, "solver_testgen")
     if not problem.reference:
@@ -110,21 +109,28 @@ async def solver_testgen_episode(task: Task, ctx: EpisodeContext, config: Solver
     n = task.n_samples
     mutant_programs = mutants(problem.reference, problem.entry_point, config.k)
 
+    solver_prompts = CodePrompter(solver, config.prompt_format)
+    testgen_prompts = CodePrompter(testgen, config.prompt_format)
+    values = dict(prompt=problem.prompt, entry_point=problem.entry_point)
     first, written = await asyncio.gather(
-        solver.generate([solver.encode(render(config.solver_template, prompt=problem.prompt))] * n, ctx.params),
-        testgen.generate([testgen.encode(render(config.testgen_template, prompt=problem.prompt,
-                                                entry_point=problem.entry_point))] * n, ctx.params))
-    programs = [program_from_completion(problem.prompt, solver.decode(g.tokens), problem.entry_point) for g in first]
-    test_texts = [testgen.decode(g.tokens) for g in written]
+        solver.generate([solver_prompts.encode("solver", config.solver_template, **values)] * n,
+                        solver_prompts.params("solver", ctx.params)),
+        testgen.generate([testgen_prompts.encode("testgen", config.testgen_template, **values)] * n,
+                         testgen_prompts.params("testgen", ctx.params)))
+    programs = [program_from_completion(problem.prompt, solver_prompts.reply("solver", g.tokens), problem.entry_point)
+                for g in first]
+    test_texts = [testgen_prompts.reply("testgen", g.tokens, problem.entry_point) for g in written]
     asserts = [extract_asserts(t, config.max_asserts) for t in test_texts]
     checks = await asyncio.gather(*(sandbox.run(p, a) for p, a in zip(programs, asserts)))
 
     failing = [i for i in range(n) if checks[i].tests and not checks[i].passed]
-    retry_prompts = [solver.encode(render(
-        config.retry_template, prompt=problem.prompt, program=_comment(programs[i]),
-        feedback=_comment(failure_report(checks[i], asserts[i], config.max_feedback_chars)))) for i in failing]
-    retries = dict(zip(failing, await solver.generate(retry_prompts, ctx.params) if failing else []))
-    final = [program_from_completion(problem.prompt, solver.decode(retries[i].tokens), problem.entry_point)
+    retry_prompts = [solver_prompts.encode(
+        "retry", config.retry_template, **values, program=programs[i],
+        feedback=failure_report(checks[i], asserts[i], config.max_feedback_chars)) for i in failing]
+    retries = dict(zip(failing, await solver.generate(retry_prompts, solver_prompts.params("retry", ctx.params))
+                       if failing else []))
+    final = [program_from_completion(problem.prompt, solver_prompts.reply("retry", retries[i].tokens),
+                                     problem.entry_point)
              if i in retries else programs[i] for i in range(n)]
     hidden, scores = await asyncio.gather(
         asyncio.gather(*(sandbox.run(p, problem.tests) for p in final)),

