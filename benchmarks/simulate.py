@@ -9,11 +9,14 @@ on the `long_link` scenario of benchmarks/transfer.py (window from the single st
 overhead from deltamesh's fetch), then shown beside every other measured scenario, out of sample.
 Then it predicts per-version time to all pools, origin egress and staleness for Qwen3-14B, Qwen3-235B
 and a 1T model over 8 regions, with its assumptions printed, and sets the papers' figures beside it.
+Last, the latency budget (simulate_latency.py): step end to every pool serving, stage by stage, for
+Qwen3-14B and a 1T MoE, with the stage costs measured by benchmarks/latency.py on this machine.
 
 Measurements come from ~/.cache/deltamesh/transfer/results.json when benchmarks/transfer.py has run here (or
 --measured FILE), else from the runs recorded in BENCHMARKS.md (benchmarks/transfer_recorded.json). `--json` prints
 one object: {"calibration", "emulated": [{"scenario", "method", "predicted_s", "measured_s", "ratio",
-"fitted"}], "big_models": [...], "papers": [...], "assumptions": {...}}.
+"fitted"}], "big_models": [...], "papers": [...], "latency_budget": [{"model", "delta", "stages",
+"seconds_to_all_pools", ...}], "assumptions": {...}}.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from deltamesh.cache import cache_dir
 
 from common import emit
+from simulate_latency import StageCosts, budget_rows, costs_from_latency, print_budget
 from simulate_model import Tcp
 from simulate_scenarios import (
     MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
@@ -34,6 +38,8 @@ from simulate_scenarios import (
 )
 
 RESULTS = cache_dir("transfer", "results.json")
+LATENCY = cache_dir("latency", "results.json")
+"""benchmarks/latency.py's last `--json` run here, whose stage costs the latency budget takes."""
 RECORDED = Path(__file__).resolve().with_name("transfer_recorded.json")
 """The transfer runs recorded in BENCHMARKS.md (## Transfer), for machines where the emulator has not run."""
 
@@ -54,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--measured", type=Path, help="transfer.py results file (default ~/.cache/deltamesh/transfer/results.json)")
     ap.add_argument("--check", type=Path, action="append", default=[],
                     help="another transfer.py results file of long_link runs to compare with (repeatable)")
+    ap.add_argument("--latency", type=Path,
+                    help="benchmarks/latency.py --json output (default ~/.cache/deltamesh/latency/results.json)")
     ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")
     ap.add_argument("--changed", type=float, default=Mesh.changed_fraction, help="fraction of weights changed per step")
     ap.add_argument("--encode-gbps", type=float, default=Codec.encode_gbps, help="codec encode speed per node")
@@ -75,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                 Codec(encode_gbps=args.encode_gbps, apply_gbps=args.apply_gbps))
     mesh = replace(Mesh(), wan_mbit=args.wan_mbit, changed_fraction=args.changed)
     emulated = emulated_rows(measured, tcp) + check_rows(checks, tcp)
+    costs = load_costs(args.latency)
     report = {
         "calibration": calibration,
         "emulated": [{"scenario": r.scenario, "method": r.method, "predicted_s": round(r.predicted, 3),
@@ -82,10 +91,21 @@ def main(argv: list[str] | None = None) -> int:
                       "fitted": r.fitted} for r in emulated],
         "big_models": big_model_rows(tcp, codec, mesh),
         "papers": paper_rows(tcp, codec, mesh),
-        "assumptions": assumptions(tcp, codec, mesh),
+        "latency_budget": budget_rows(tcp, codec, mesh, costs),
+        "assumptions": {**assumptions(tcp, codec, mesh), "stage_costs": asdict(costs)},
     }
     emit(report, args, print_report)
     return 0
+
+
+def load_costs(path: Path | None) -> StageCosts:
+    """Stage costs from a latency.py report (`path`, else the last run here), else the defaults."""
+    if path is not None and not path.exists():
+        raise SystemExit(f"{path}: no such file")
+    source = path or (LATENCY if LATENCY.exists() else None)
+    if source is None:
+        return StageCosts()
+    return replace(costs_from_latency(json.loads(source.read_text())), source=f"benchmarks/latency.py, {source}")
 
 
 def assumptions(tcp: Tcp, codec: Codec, mesh: Mesh) -> dict:
@@ -139,6 +159,7 @@ def print_report(r: dict) -> None:
           "   snapshot with its codec; egress/ver: with the full snapshot every 10 versions; stale: mean versions\n"
           "   a pool is behind at that step time; AstraFlow delta: every pool pulls a 10 B/changed delta from the\n"
           "   trainer node, one stream each, one pool at a time)")
+    print_budget(r["latency_budget"], StageCosts(**a["stage_costs"]))
     print("\nPaper figures beside the model")
     for p in r["papers"]:
         print(f"  {p['source']}: {p['what']}: paper {p['paper']}; model: {p['model']}")

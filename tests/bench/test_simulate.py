@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 import simulate
+from simulate_latency import budget_rows, costs_from_latency
 from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path, single_stream
 from simulate_scenarios import Codec, Mesh, big_model_rows, calibrate, emulated_rows
 
@@ -120,7 +121,40 @@ def test_command_prints_predictions_beside_a_results_file(tmp_path, capsys):
 
 def test_recorded_figures_are_used_without_a_results_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(simulate, "RESULTS", tmp_path / "absent.json")
+    monkeypatch.setattr(simulate, "LATENCY", tmp_path / "absent-latency.json")
     assert simulate.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["calibration"]["source"] == "figures recorded in BENCHMARKS.md"
     assert len(report["big_models"]) == 3
+    assert report["assumptions"]["stage_costs"]["source"].startswith("defaults")
+
+
+def test_the_latency_budget_takes_its_stage_costs_from_a_latency_run(tmp_path, capsys):
+    # Two versions of a 1 GB model; stages in seconds after the step's end, two pools each.
+    version = {"version": 1, "bytes": 10**6, "all_pools_seconds": 2.0, "stages": {
+        "step_end": 0.0, "cast": 0.25, "encoded": 0.6, "signed": 0.75, "upload_start": 0.76, "origin_stored": 0.8,
+        "relay_stored:eu-west": 0.9, "pool:a:fetched": 1.0, "pool:a:verified": 1.1, "pool:a:applied": 1.5,
+        "pool:a:serving": 2.0, "pool:b:fetched": 1.0, "pool:b:verified": 1.1, "pool:b:applied": 1.5,
+        "pool:b:serving": 2.0}}
+    report = {"versions": [version, {**version, "version": 2}], "hop_overhead_s": 0.05, "model_bytes": 1e9}
+    costs = costs_from_latency(report)
+    assert costs.cast_gbps == pytest.approx(4.0) and costs.encode_gbps == pytest.approx(2.0)
+    assert costs.apply_gbps == pytest.approx(2.0) and costs.swap_gbps == pytest.approx(2.0)
+    assert costs.hop_overhead_s == pytest.approx(0.05)
+
+    rows = budget_rows(Tcp(), Codec(), Mesh(), costs)
+    slower = budget_rows(Tcp(), Codec(), Mesh(), replace(costs, swap_gbps=1.0))
+    for row, slow in zip(rows, slower):
+        assert row["seconds_to_all_pools"] == pytest.approx(sum(row["stages"].values()))
+        assert slow["stages"]["engine swap + check"] == pytest.approx(2 * row["stages"]["engine swap + check"])
+    assert {r["model"] for r in rows} == {"Qwen3-14B", "1T MoE"}
+
+    path = tmp_path / "latency.json"
+    path.write_text(json.dumps(report))
+    assert simulate.main(["--latency", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["assumptions"]["stage_costs"]["swap_gbps"] == pytest.approx(2.0)
+    # The command's network stages use the calibrated TCP; the stages over the weights are the same.
+    for printed, row in zip(out["latency_budget"], rows):
+        for stage in ("cast", "encode + sign", "verify + apply", "engine swap + check"):
+            assert printed["stages"][stage] == pytest.approx(row["stages"][stage])
