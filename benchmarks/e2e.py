@@ -33,7 +33,7 @@ from rich.table import Table
 
 from deltamesh.logs import setup_logging
 from deltamesh.mesh.demo.config import DemoConfig
-from deltamesh.mesh.demo.run import run_demo
+from deltamesh.mesh.demo.run import DemoResult, run_demo
 from deltamesh.mesh.demo.view import human_bytes
 
 
@@ -116,18 +116,23 @@ def print_table(console: Console, out: dict[str, Any], title: str) -> None:
                   f"{out['machine']['cpus']} CPUs (start, end)")
 
 
-def main() -> int:
-    args = parse_args()
-    setup_logging("WARNING" if args.json else "INFO")
-    console = Console(stderr=args.json)
+def run_mesh(args: argparse.Namespace, console: Console) -> tuple[DemoResult, dict[str, Any]]:
+    """Run the demo mesh as `args` say (--model, --steps, --lr, --run-dir); its result, and how busy
+    the machine was (every figure is wall time on a machine shared with other work)."""
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="deltamesh-e2e-") as tmp:
         run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "run"
         config = DemoConfig(model=args.model, steps=args.steps, lr=args.lr, run_dir=str(run_dir))
         result = asyncio.run(run_demo(config, console=console, live=False))
-        out = figures(result.report)
-    # Every figure here is wall time on a machine shared with other work: say how busy it was.
-    out["machine"] = {"cpus": os.cpu_count(), "load_average": [round(load_start, 1), round(os.getloadavg()[0], 1)]}
+    return result, {"cpus": os.cpu_count(), "load_average": [round(load_start, 1), round(os.getloadavg()[0], 1)]}
+
+
+def main() -> int:
+    args = parse_args()
+    setup_logging("WARNING" if args.json else "INFO")
+    result, machine = run_mesh(args, Console(stderr=args.json))
+    out = figures(result.report)
+    out["machine"] = machine
     if args.json:
         print(json.dumps(out))
     else:

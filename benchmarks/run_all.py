@@ -17,7 +17,8 @@ BENCHMARKS: tuple[str, ...] = (
     "gateway",
     "startup",
     "transfer",
-    "simulate",
+    "latency",
+    "simulate",  # after latency: it takes its stage costs from latency's last run
     "broker",
     "swap",
     "e2e",

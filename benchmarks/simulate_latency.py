@@ -2,15 +2,15 @@
 models far larger than this machine holds.
 
 Stage costs are taken from a measured run of benchmarks/latency.py (the stages that pass over the
-weights, per model byte: the bf16 cast, encode with signing, the pool's verify and apply, the engine's
-swap with its after-swap check; and the software time each relay hop adds beyond its link), or from
+weights, per model byte: the bf16 cast, encode with signing, the pool's verify and apply into its
+engine, the after-swap check; and the software time each relay hop adds beyond its link), or from
 the defaults below when it has not run here. The network is simulate_model.py's propagation model,
 with the TCP behaviour calibrated on the emulated runs (simulate.py). A big model is cut across
 nodes, one per `Mesh.node_bytes` of weights (an FSDP trainer's shards, a tensor-parallel pool's
-ranks): cast, encode, apply and swap run on every node at once on its own shard, and the shards'
-deltas travel together. What is not modelled: a GPU engine's swap speed (it is taken from the CPU
-engine measured here, which is slow beside GPU memory), and the trainer's upload competing with
-other traffic on its uplink.
+ranks): cast, encode, apply and check run on every node at once on its own shard, and the shards'
+deltas travel together. What is not modelled: a GPU engine's apply speed (it is taken from the CPU
+engine measured here, slow beside GPU memory), and the trainer's upload competing with other traffic
+on its uplink.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ class StageCosts:
     encode_gbps: float = Codec.encode_gbps
     """Compare with the base, hash, encode and sign (BENCHMARKS.md, ## Codec)."""
     apply_gbps: float = Codec.apply_gbps
-    """The pool's verify and apply in place with every check."""
-    swap_gbps: float = 0.75
-    """The engine taking the changed tensors and the check of what it serves (vLLM on CPU here: every
-    tensor of SmolLM2 in ~0.36 s)."""
+    """The pool's verify and apply into its engine in place, with every hash checked."""
+    check_gbps: float = 9.0
+    """The check of what the engine serves after the swap (~30 ms for SmolLM2 here: BENCHMARKS.md)."""
     hop_overhead_s: float = 0.0
     """Software time a relay hop adds beyond its link's round trips and bytes."""
     source: str = "defaults (benchmarks/latency.py has not run here)"
@@ -72,7 +71,7 @@ def costs_from_latency(report: dict[str, Any]) -> StageCosts:
     versions = [v for v in report.get("versions", []) if v.get("stages")]
     costs = StageCosts(source="benchmarks/latency.py run")
     speeds = {"cast_gbps": ("step_end", "cast"), "encode_gbps": ("cast", "signed"),
-              "apply_gbps": ("fetched", "applied"), "swap_gbps": ("applied", "serving")}
+              "apply_gbps": ("fetched", "applied"), "check_gbps": ("applied", "serving")}
     found = {}
     for field_name, (start, end) in speeds.items():
         seconds = _durations(versions, start, end)
@@ -99,7 +98,7 @@ def budget_rows(tcp: Tcp, codec: Codec, mesh: Mesh, costs: StageCosts) -> list[d
             "upload to origin": upload.seconds + mesh.lan.rtt,
             "origin to every pool": tree_seconds(delta, mesh, tcp) + depth * costs.hop_overhead_s,
             "verify + apply": shard / (costs.apply_gbps * GB),
-            "engine swap + check": shard / (costs.swap_gbps * GB),
+            "serve check": shard / (costs.check_gbps * GB),
         }
         total = sum(stages.values())
         rows.append({"model": name, "delta": what, "model_bytes": model_bytes, "delta_bytes": delta,
@@ -114,7 +113,7 @@ def budget_assumptions(costs: StageCosts) -> dict[str, Any]:
 
 def print_budget(rows: list[dict[str, Any]], costs: StageCosts) -> None:
     print(f"\nLatency budget at scale (stage costs: {costs.source}; cast {costs.cast_gbps:.2f}, encode "
-          f"{costs.encode_gbps:.2f}, verify+apply {costs.apply_gbps:.2f}, swap+check {costs.swap_gbps:.2f} GB/s "
+          f"{costs.encode_gbps:.2f}, verify+apply {costs.apply_gbps:.2f}, serve check {costs.check_gbps:.2f} GB/s "
           f"per node; {costs.hop_overhead_s * 1000:.0f} ms software per relay hop)")
     names = list(rows[0]["stages"]) if rows else []
     print(f"  {'model':<10} {'delta':<34} {'GB':>6} " + " ".join(f"{n:>20}" for n in names) + f" {'total':>9}")

@@ -53,15 +53,16 @@ def print_training(s: dict) -> None:
     print(f"\nreal_training: {s['model']} lr {s['lr']:g}, {len(s['versions'])} versions, one every "
           f"{s['step_seconds']:g}s, to {s['pools']} pools over the fan-out mesh")
     print(f"  {'version':>7} {'kind':>10} {'delta MB':>9} {'full MB':>8} {'changed':>8} {'publish s':>10} "
-          f"{'regions s':>10} {'pool apply s':>13} {'first pool s':>13} {'all pools s':>12}")
+          f"{'regions s':>10} {'after pub s':>12} {'pool apply s':>13} {'first pool s':>13} {'all pools s':>12}")
     for v in s["versions"]:
         delta = "-" if v["delta_bytes"] is None else f"{v['delta_bytes'] / MB:.2f}"
         changed = "-" if v["changed_fraction"] is None else f"{v['changed_fraction']:.2%}"
         all_s = "-" if v["all_pools_seconds"] is None else f"{v['all_pools_seconds']:.2f}"
         first = "-" if v["first_pool_seconds"] is None else f"{v['first_pool_seconds']:.2f}"
-        regions, apply = (_opt(v.get(k)) for k in ("to_regions_seconds", "pool_fetch_apply_seconds"))
+        regions, after, apply = (_opt(v.get(k)) for k in ("to_regions_seconds", "to_regions_after_publish_seconds",
+                                                           "pool_fetch_apply_seconds"))
         print(f"  {v['version']:>7} {v['published']:>10} {delta:>9} {v['full_bytes'] / MB:>8.1f} {changed:>8} "
-              f"{v['publish_seconds']:>10.2f} {regions:>10} {apply:>13} {first:>13} {all_s:>12}")
+              f"{v['publish_seconds']:>10.2f} {regions:>10} {after:>12} {apply:>13} {first:>13} {all_s:>12}")
     st = s["staleness"]
     print(f"  staleness (versions behind the head, every pool every {st['sample_s']:g}s): mean {st['mean']:.2f}, "
           f"p95 {st['p95']:.0f}, max {st['max']:.0f}; deltas median {s['median_delta_seconds']:.2f}s to all pools")

@@ -56,7 +56,9 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
             run.mesh.spawn_logged(pool, f"sync-{pool.name}", [
                 DELTAMESH, "pool", "sync", "--gateway", relays[f"region{pool.name[4]}"], "--token", POOL_TOKEN,
                 "--name", pool.name, "--dir", str(dirs[pool.name]), "--trusted-key", str(run.mesh.public_key),
-                "--model", MODEL_ID, "--connections", "4", "--heartbeat-s", "1"])
+                "--model", MODEL_ID, "--connections", "4", "--heartbeat-s", "1",
+                # The emulated WAN is plain http between namespaces: the pools' token may travel in clear.
+                "--insecure"])
         batch = run.mesh.batch()
         batch.add(origin, "publish", "publish-steps", "--gateway", gateway, "--steps-dir", str(folder),
                   "--count", str(steps + 1), "--model", MODEL_ID, "--key", str(run.mesh.private_key),
@@ -114,16 +116,20 @@ def _log_time(text: str) -> float:
 
 def stage_times(work: Path, published: list[dict], pools: list[str]) -> dict[int, dict]:
     """Where each version's time went, from the gateways' and pool agents' logs (medians over hosts):
-    seconds from its publish until a region gateway holds it, and a pool's fetch-and-apply seconds
-    (from its plan to the version landing in its directory)."""
+    seconds from its publish until a region gateway holds it, the same from the end of its publish
+    (the origin holds it: `after_publish`, also the slowest region's), and a pool's fetch-and-apply
+    seconds (from its plan to the version landing in its directory)."""
     starts = {p["version"]: p["t_start"] for p in published}
+    ends = {p["version"]: p["t_done"] for p in published}
     relayed: dict[int, list[float]] = {}
+    after: dict[int, list[float]] = {}
     for region in REGIONS:
         for line in _read(work / f"gateway-{region}.log"):
             m = RELAYED.match(line)
             if m and m.group(3) == "delta" or (m and int(m.group(2)) == 0):
                 v = int(m.group(2))
                 relayed.setdefault(v, []).append(_log_time(m.group(1)) - starts.get(v, 0.0))
+                after.setdefault(v, []).append(_log_time(m.group(1)) - ends.get(v, 0.0))
     applying: dict[int, list[float]] = {}
     for pool in pools:
         planned: dict[int, float] = {}
@@ -133,6 +139,8 @@ def stage_times(work: Path, published: list[dict], pools: list[str]) -> dict[int
             elif (m := APPLIED.match(line)) and int(m.group(2)) in planned:
                 applying.setdefault(int(m.group(2)), []).append(_log_time(m.group(1)) - planned[int(m.group(2))])
     return {v: {"to_regions_seconds": round(statistics.median(relayed[v]), 3) if v in relayed else None,
+                "to_regions_after_publish_seconds": round(statistics.median(after[v]), 3) if v in after else None,
+                "to_last_region_after_publish_seconds": round(max(after[v]), 3) if v in after else None,
                 "pool_fetch_apply_seconds": round(statistics.median(applying[v]), 3) if v in applying else None}
             for v in starts}
 

@@ -34,17 +34,23 @@ CheckBase = Literal["first", "last"]
 
 def apply_version(
     version: DecodedVersion, base: Mapping[str, torch.Tensor] | None = None, *, base_hash: str | None = None,
-    in_place: bool = False, check_base: CheckBase = "last", torch_ops: bool = False,
+    base_digests: Mapping[str, str] | None = None, in_place: bool = False, check_base: CheckBase = "last",
+    torch_ops: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The weights of `version`, applied onto `base` (a delta's; a full snapshot needs none).
 
     `base_hash`: the `weights_hash` of `base` when the caller knows it (it came with a manifest), so
-    the base is not hashed at all. Otherwise `check_base` says when it is hashed: "first" before any
-    write, "last" in the same pass that applies the changes (cheaper). `torch_ops` patches CPU tensors
-    with torch ops too (the path every other device takes). A wrong base raises `BaseMismatchError`,
-    a wrong result `CorruptError`; either way `base` is as it was.
+    the base is not hashed at all. `base_digests`, better: the digest of every base tensor by name, as
+    the verified manifest of the version `base` holds lists them (`{e.name: e.hash for e in
+    m.tensors}`); their `weights_hash` (with the base's names, dtypes and shapes) is the base check,
+    and a tensor the delta leaves alone is then neither copied nor hashed (digests that do not cover
+    every base tensor are not used). Otherwise `check_base` says when the base is hashed: "first"
+    before any write, "last" in the same pass that applies the changes (cheaper). `torch_ops` patches
+    CPU tensors with torch ops too (the path every other device takes). A wrong base raises
+    `BaseMismatchError`, a wrong result `CorruptError`; either way `base` is as it was.
     """
-    target = _Target(version.manifest, base, base_hash=base_hash, in_place=in_place, check_base=check_base)
+    target = _Target(version.manifest, base, base_hash=base_hash, base_digests=base_digests, in_place=in_place,
+                     check_base=check_base)
     return target.apply(version, torch_ops=torch_ops)
 
 
@@ -52,7 +58,7 @@ class _Target:
     """The weights one manifest applies to, what is known of their hash, and the writes into them."""
 
     def __init__(self, manifest: Manifest, base: Mapping[str, torch.Tensor] | None, *, base_hash: str | None,
-                 in_place: bool, check_base: CheckBase) -> None:
+                 in_place: bool, check_base: CheckBase, base_digests: Mapping[str, str] | None = None) -> None:
         if check_base not in ("first", "last"):
             raise ValueError(f"check_base must be 'first' or 'last', not {check_base!r}")
         self.manifest = manifest
@@ -65,8 +71,14 @@ class _Target:
         if base is None:
             raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} is a delta and needs its base")
         self.tensors = {name: _usable(name, t, in_place) for name, t in base.items()}
+        if base_digests is not None and self.tensors.keys() <= base_digests.keys():
+            # Known digests are only taken once they hash to the delta's base: the check costs no read.
+            self.check(table_hash([tensor_entry(n, t, base_digests[n]) for n, t in self.tensors.items()]))
+            self.digests = {name: base_digests[name] for name in self.tensors}
         if base_hash is not None:
             self.check(base_hash)
+        elif self.digests:
+            pass  # checked against the known digests above
         elif check_base == "first":
             self.check(self.hash())
         else:
@@ -177,11 +189,13 @@ class Applier:
 
     def __init__(
         self, manifest: Manifest, base: Mapping[str, torch.Tensor] | None = None, *,
-        base_hash: str | None = None, in_place: bool = False, check_base: CheckBase = "first",
+        base_hash: str | None = None, base_digests: Mapping[str, str] | None = None, in_place: bool = False,
+        check_base: CheckBase = "first",
     ) -> None:
         self.manifest = manifest
         self._decoder = VersionDecoder(manifest)
-        self._target = _Target(manifest, base, base_hash=base_hash, in_place=in_place, check_base=check_base)
+        self._target = _Target(manifest, base, base_hash=base_hash, base_digests=base_digests, in_place=in_place,
+                               check_base=check_base)
         self._closed = False
 
     @property

@@ -68,7 +68,7 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
         _recover_original(path)
         _remove_leftovers(parent, name, keep=_current_target(path))
         current = path.resolve() if path.exists() else None
-        weights, base_hash, layout = None, None, None
+        weights, recorded, layout = None, None, None
         if current is not None:
             layout = shard_layout(current)
         if manifest_of(steps[0]).kind == "delta":
@@ -76,8 +76,7 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
                 raise BaseMismatchError(f"{path}: holds no weights to apply a delta to")
             weights = read_weights(current)
             recorded = dir_manifest(current)
-            base_hash = recorded.weights_hash if recorded else None
-        weights, shipped = _apply_steps(weights, steps, base_hash)
+        weights, shipped = _apply_steps(weights, steps, recorded)
         final = manifest_of(steps[-1])
         token = secrets.token_hex(4)
         partial = parent / f".{name}.partial-{token}"
@@ -101,16 +100,19 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
 
 
 def _apply_steps(weights: dict[str, torch.Tensor] | None, steps: list[DecodedVersion | Step],
-                 base_hash: str | None) -> tuple[Mapping[str, torch.Tensor], dict[str, bytes]]:
+                 recorded: Manifest | None) -> tuple[Mapping[str, torch.Tensor], dict[str, bytes]]:
     """The chain applied in place, each step decoded only when it comes, and the side files its steps
-    shipped (a later step's over an earlier one's). Tensors a step writes whole belong to its
-    `DecodedVersion`: a later step that would patch them in place gets a copy."""
+    shipped (a later step's over an earlier one's). The tensor digests of the manifest the weights
+    were verified against (`recorded`, then each step's) check the next step's base and spare hashing
+    the tensors it leaves alone. Tensors a step writes whole belong to its `DecodedVersion`: a later
+    step that would patch them in place gets a copy."""
     shipped: dict[str, bytes] = {}
     for k, step in enumerate(steps):
         version = as_decoded(step)
         shipped.update(version.files)
-        weights = apply_version(version, weights, base_hash=base_hash, in_place=True)
-        base_hash = version.manifest.weights_hash
+        digests = None if recorded is None else {e.name: e.hash for e in recorded.tensors}
+        weights = apply_version(version, weights, base_digests=digests, in_place=True)
+        recorded = version.manifest
         if k + 1 < len(steps) and version.whole:
             shared = {id(t) for t in version.whole.values()}
             weights = {name: t.clone() if id(t) in shared else t for name, t in weights.items()}

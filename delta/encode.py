@@ -12,7 +12,7 @@ is a pure function of the inputs (plus the manifest's creation time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -38,31 +38,42 @@ SCAN_AHEAD_LARGEST = 3  # ... or this many times the largest tensor, so it never
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded version: the manifest, its signed envelope (as sent and stored), and its pieces."""
+    """One encoded version: the manifest, its signed envelope (as sent and stored), and its pieces.
+    Encoded without a key, the envelope is empty until `signed` makes it."""
 
     manifest: Manifest
     manifest_bytes: bytes
     pieces: list[bytes]
 
+    def signed(self, key: Ed25519PrivateKey) -> "Encoded":
+        """This version with its manifest signed by `key` (a publisher times signing on its own)."""
+        return replace(self, manifest_bytes=self.manifest.signed(key))
+
 
 def encode_full(
-    weights: Mapping[str, torch.Tensor], *, model_id: str, version: int, key: Ed25519PrivateKey,
+    weights: Mapping[str, torch.Tensor], *, model_id: str, version: int, key: Ed25519PrivateKey | None,
     piece_bytes: int = PIECE_BYTES, files: Mapping[str, bytes] | None = None,
+    hashes: Mapping[str, str] | None = None,
 ) -> Encoded:
     """A full snapshot of `weights`: every tensor, byte planes entropy-coded, and every side file
-    (`files`, name -> bytes)."""
+    (`files`, name -> bytes).
+
+    `hashes` (name -> tensor digest: the table of a delta to the same weights, say) spares hashing
+    those tensors again. Without `key` the manifest is left unsigned (`Encoded.signed`).
+    """
     _check_piece_bytes(piece_bytes)
     tensors = {name: cpu_tensor(weights[name]) for name in sorted(weights)}
-    entries = thread_map(lambda item: tensor_entry(*item), list(tensors.items()))
+    known = hashes or {}
+    entries = thread_map(lambda item: tensor_entry(*item, known.get(item[0])), list(tensors.items()))
     words = [np_words(t) for t in tensors.values()]
     pieces = full_pieces(words, list(range(len(entries))), piece_bytes)
     manifest = _manifest(model_id, version, None, "full", entries, pieces, None, files or {}, {})
-    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces] + _shipped(manifest, files or {}))
+    return _encoded(manifest, [p.data for p in pieces] + _shipped(manifest, files or {}), key)
 
 
 def encode_delta(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, model_id: str, version: int,
-    base_version: int, key: Ed25519PrivateKey, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
+    base_version: int, key: Ed25519PrivateKey | None, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
     files: Mapping[str, bytes] | None = None, base_files: Mapping[str, str] | None = None,
 ) -> Encoded:
     """The delta that turns `old` (version `base_version`) into `new` (version `version`).
@@ -70,7 +81,8 @@ def encode_delta(
     `base_hash` is `weights_hash(old)` when the caller knows it (e.g. from old's manifest), which
     saves hashing `old` again. `files` are the new version's side files (name -> bytes); those whose
     digest `base_files` (name -> digest: the base version's, from its manifest) already lists are not
-    shipped again. Without `base_files` every side file is shipped.
+    shipped again. Without `base_files` every side file is shipped. Without `key` the manifest is
+    left unsigned (`Encoded.signed`).
     """
     _check_piece_bytes(piece_bytes)
     names = sorted(new)
@@ -102,7 +114,7 @@ def encode_delta(
     pieces = cutter.finish() + full_pieces(words, full, piece_bytes)
     manifest = _manifest(model_id, version, base_version, "delta", entries, pieces, base_hash, files or {},
                          base_files or {})
-    return Encoded(manifest, manifest.signed(key), [p.data for p in pieces] + _shipped(manifest, files or {}))
+    return _encoded(manifest, [p.data for p in pieces] + _shipped(manifest, files or {}), key)
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,11 @@ def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_ba
         changes = TensorChanges.of(i, np_words(base), positions, old_words, new_words, floating, sample)
     base_entry = tensor_entry(name, base, hash_old.hexdigest()) if hash_old is not None else None
     return _Scan(tensor_entry(name, t, hash_new.hexdigest()), w, False, changes, base_entry)
+
+
+def _encoded(manifest: Manifest, pieces: list[bytes], key: Ed25519PrivateKey | None) -> Encoded:
+    unsigned = Encoded(manifest, b"", pieces)
+    return unsigned if key is None else unsigned.signed(key)
 
 
 def _check_piece_bytes(piece_bytes: int) -> None:

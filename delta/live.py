@@ -62,11 +62,13 @@ def live_hash(live: Mapping[str, torch.Tensor], manifest: Manifest) -> str:
 
 
 def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, base_hash: str | None = None,
-                  torch_ops: bool = False) -> SwapStats:
+                  base_digests: Mapping[str, str] | None = None, torch_ops: bool = False) -> SwapStats:
     """Move the live tensors to `version`; on any failure leave them bit-identical to before and raise.
 
     `base_hash` is the `weights_hash` of what the live tensors hold (`live_hash`), which a delta's
-    base must match; None hashes them first. `torch_ops` as in `apply_version`.
+    base must match; None hashes them first. `base_digests` (the tensor digests of the manifest the live
+    tensors were verified against) make that check free and spare hashing the tensors a delta leaves
+    alone. `torch_ops` as in `apply_version`.
     """
     start = time.perf_counter()
     manifest = version.manifest
@@ -79,7 +81,8 @@ def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, 
         # A tensor the delta adds has no live storage to go to: the model would not serve it.
         raise CorruptError(f"{manifest.model_id} v{manifest.version} adds tensors the live model lacks")
     targets = {e.name: live[e.name] for e in manifest.tensors}
-    apply_version(version, targets, base_hash=base_hash, in_place=True, check_base="first", torch_ops=torch_ops)
+    apply_version(version, targets, base_hash=base_hash, base_digests=base_digests, in_place=True,
+                  check_base="first", torch_ops=torch_ops)
     return SwapStats(len(version.updates), version.changed_words, time.perf_counter() - start)
 
 

@@ -14,7 +14,8 @@ the version with one FetchError naming the piece and what each source did
 
 The manifest request can carry the first wave of piece requests with it (`prefetch`), so data flows
 one round trip after the version is known instead of two; those pieces are held unverified until
-the manifest is, then checked like any other."""
+the manifest is, then checked like any other. A manifest that came inline in a head answer
+(`inline`) needs no request at all: the pieces are asked for at once."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ MIN_RATE_FRACTION = 0.05
 """Default share of a source's own measured rate below which it is dropped when an alternate exists."""
 SOURCE_TRIES = 3
 """Default number of served-something-wrong failures after which a source is not asked for a piece again."""
+
+
+Inline = tuple[Source, bytes]
+"""A manifest envelope that came inline in a source's head answer, and that source."""
 
 
 class NotAnnounced(FetchError):
@@ -113,8 +118,12 @@ class Fetcher:
 
     # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
-                             *, prefetch: int = 0, wait_s: float = 0.0):
+                             *, prefetch: int = 0, wait_s: float = 0.0, inline: Inline | None = None):
         """Fetch a manifest envelope and pass it to `accept` (which verifies it); try each source in turn.
+
+        With `inline` (the envelope a source's head answer carried), that one is tried first, with
+        no request; a source whose inline envelope `accept` refuses is booked as for a served one
+        (`on_rejected`) and the manifest is fetched as usual, from the others first.
 
         With `prefetch`, pieces 0 .. prefetch-1 are requested at the same time from the preferred
         source; the next `pieces()` call of this version takes them (after checking them). With
@@ -123,11 +132,19 @@ class Fetcher:
         when it was not within `wait_s`, or when a newer version came first.
         """
         key = (model, version, kind)
+        if inline is not None:
+            try:
+                return await accept(inline[1])
+            except CodecError as e:
+                self._rejected(inline[0], key, e)
         self._discard_prefetch(key)
         if prefetch > 0:
             self._early[key] = {i: asyncio.create_task(self._prefetch(key, i, wait_s)) for i in range(prefetch)}
             for task in self._early[key].values():
                 task.add_done_callback(_retrieved)  # one discarded after it failed must not log a warning
+            # Let the piece requests take their connections first: from a session that reuses the
+            # newest idle connection first, the first piece gets the one the last version's warmed.
+            await asyncio.sleep(0)
         try:
             if wait_s > 0:
                 return await self._next_manifest(key, accept, wait_s)

@@ -3,15 +3,22 @@
 `Publisher.publish(weights)` makes version v a delta against the last version it published (and
 also a full snapshot every `full_every` versions; the first version it publishes is a full
 snapshot), signs the manifests with the trainer key and streams them to the origin gateway with
-`deltamesh.gateway.upload`. The delta is uploaded first, so pools that follow the chain can start at
-once. Once a version is up, a signed head statement naming it (`deltamesh.delta.statement`) follows,
-and `publish_statement` signs a fresh one for the same version between versions, so pools that
-require fresh statements see the trainer is alive (its failure is logged, never fatal: the version is
-published). A publisher that starts without a base (a new process) asks the gateway for its head and
-continues the numbering with a full snapshot, which is always a valid plan for every pool. It
-speaks to the gateway as the trainer: with its `token` (role trainer) on every request, and over TLS
-as `tls` says (its certificate, common name trainer/NAME, serves as the credential on an mTLS
-gateway). The origin refuses a version below its head or one it accepted before (409).
+`deltamesh.gateway.upload`. The delta is encoded, signed and uploaded before the periodic full is
+even encoded, so pools that follow the chain can start at once; the full follows, its tensor hashes
+taken from the delta's table rather than computed again. Uploads ride one client session kept open
+across versions (warm connections, no new TLS handshakes), opened on first use, dropped after a
+connection failure (the next publish opens a fresh one), closed by `aclose` or when the event loop
+that opened it ends. `Published.stages` holds the wall-clock time (time.time()) each stage ended:
+"encoded", "signed", "upload_start", "uploaded" (the origin holds the version), and for a periodic
+full also "full_encoded" and "full_uploaded". Once a version is up, a signed head statement naming
+it (`deltamesh.delta.statement`) follows, and `publish_statement` signs a fresh one for the same
+version between versions, so pools that require fresh statements see the trainer is alive (its
+failure is logged, never fatal: the version is published). A publisher that starts without a base
+(a new process) asks the gateway for its head and continues the numbering with a full snapshot,
+which is always a valid plan for every pool. It speaks to the gateway as the trainer: with its
+`token` (role trainer) on every request, and over TLS as `tls` says (its certificate, common name
+trainer/NAME, serves as the credential on an mTLS gateway). The origin refuses a version below its
+head or one it accepted before (409).
 
 Each version carries the model directory's side files (`side_files`: config, tokenizer, generation
 settings; `deltamesh.delta.side_files`), hashed and signed in its manifest, so a fresh pool's directory
@@ -28,6 +35,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -61,6 +69,8 @@ class Published:
     version: int
     manifests: list[Manifest]
     bytes_sent: int
+    stages: dict[str, float] = field(default_factory=dict)
+    """Wall-clock time (time.time()) each stage ended: see the module's docstring."""
 
 
 @dataclass(eq=False, repr=False)  # one publisher is one stream of versions; a repr would print the base weights
@@ -83,6 +93,9 @@ class Publisher:
     _base_hash: str | None = field(default=None, init=False)
     _base_files: dict[str, str] | None = field(default=None, init=False)
     """name -> digest of the base version's side files, when known: a delta does not re-ship those."""
+    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+    _holder: asyncio.Task | None = field(default=None, init=False)
+    """The task that closes `_session` when cancelled (by `aclose`, or by the end of its event loop)."""
 
     def __post_init__(self) -> None:
         if self.full_every < 0:
@@ -103,6 +116,34 @@ class Publisher:
         """A session to the gateway: TLS as configured, the trainer's token on every request."""
         return client_session(tls=self.tls, headers=bearer(self.token) if self.token else None, **kw)
 
+    async def connection(self) -> aiohttp.ClientSession:
+        """The session kept open to the origin across versions, opened on first use (again after
+        `aclose`, a connection failure, or in another event loop than the one that opened it)."""
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed and self._holder is not None \
+                and not self._holder.done() and self._holder.get_loop() is loop:
+            return self._session
+        await self.aclose()
+        self._session = self.session(connections=max(4, self.connections), timeout_s=None)
+        self._holder = loop.create_task(_hold(self._session), name=f"publisher-{self.model_id}-session")
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close the kept session (the next publish opens a fresh one)."""
+        holder, self._holder, self._session = self._holder, None, None
+        if holder is None or holder.done():
+            return
+        if holder.get_loop() is not asyncio.get_running_loop():
+            return  # its loop ended (and closed it) or is not ours to run it on
+        holder.cancel()
+        await asyncio.wait([holder])
+
+    async def __aenter__(self) -> "Publisher":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def gateway_head(self) -> int | None:
         async with self.session(timeout_s=30.0) as s:
             return await GatewayClient(self.gateway, s, peer=f"trainer/{self.model_id}").head(self.model_id)
@@ -111,7 +152,8 @@ class Publisher:
         """Publish `weights` as `version` (default: one after the base, or after the gateway's head).
 
         `weights` become the base of the next delta, so they must not be changed in place afterwards
-        (a trainer passes its bf16 copy, not its live parameters).
+        (a trainer passes its bf16 copy, not its live parameters). Once the delta is at the origin the
+        version is published and the base moves to it, even if the periodic full then fails.
         """
         if version is None:
             if self.base is not None:
@@ -121,38 +163,57 @@ class Publisher:
                 version = 0 if head is None else head + 1
         if self.base is not None and version <= self.base[0]:
             raise ValueError(f"version {version} is not after the last published {self.base[0]}")
-        encodings = []
-        if self.base is not None:
-            encodings.append(await asyncio.to_thread(
-                encode_delta, self.base[1], weights, model_id=self.model_id, version=version,
-                base_version=self.base[0], key=self.key, base_hash=self._base_hash, piece_bytes=self.piece_bytes,
-                files=self.side_files, base_files=self._base_files))
-        if self.base is None or (self.full_every and version % self.full_every == 0):
-            encodings.append(await asyncio.to_thread(
-                encode_full, weights, model_id=self.model_id, version=version, key=self.key,
-                piece_bytes=self.piece_bytes, files=self.side_files))
-        sent = 0
-        async with self.session(connections=max(4, self.connections), timeout_s=None) as s:
-            for enc in encodings:
-                if self.on_encoded is not None:
-                    self.on_encoded(enc)
-                sent += await upload_version(s, self.gateway, enc.manifest, enc.manifest_bytes, enc.pieces,
-                                             connections=self.connections, on_progress=self.on_progress)
-                log.info("published %s v%d %s: %d pieces, %d bytes", self.model_id, version, enc.manifest.kind,
-                         len(enc.pieces), enc.manifest.payload_bytes)
+        stages: dict[str, float] = {}
+        full_too = self.base is not None and bool(self.full_every) and version % self.full_every == 0
+        try:
+            session = await self.connection()
+            if self.base is not None:
+                first = await asyncio.to_thread(
+                    encode_delta, self.base[1], weights, model_id=self.model_id, version=version,
+                    base_version=self.base[0], key=None, base_hash=self._base_hash,
+                    piece_bytes=self.piece_bytes, files=self.side_files, base_files=self._base_files)
+            else:
+                first = await asyncio.to_thread(encode_full, weights, model_id=self.model_id, version=version,
+                                                key=None, piece_bytes=self.piece_bytes, files=self.side_files)
+            stages["encoded"] = time.time()
+            first = first.signed(self.key)
+            stages["signed"] = stages["upload_start"] = time.time()
+            sent = await self._upload(session, first)
+            stages["uploaded"] = time.time()
             # Remembering the hashes spares hashing the base again, and re-shipping its side files.
-            first = encodings[0].manifest
-            self.set_base(version, weights, first.weights_hash, {f.name: f.hash for f in first.files})
-            await self._put_statement(s)
-        return Published(version, [e.manifest for e in encodings], sent)
+            self.set_base(version, weights, first.manifest.weights_hash, {f.name: f.hash for f in first.manifest.files})
+            await self._put_statement(session)
+            manifests = [first.manifest]
+            if full_too:
+                full = await asyncio.to_thread(
+                    encode_full, weights, model_id=self.model_id, version=version, key=self.key,
+                    piece_bytes=self.piece_bytes, files=self.side_files,
+                    hashes={t.name: t.hash for t in first.manifest.tensors})
+                stages["full_encoded"] = time.time()
+                sent += await self._upload(session, full)
+                stages["full_uploaded"] = time.time()
+                manifests.append(full.manifest)
+        except HttpError as e:
+            if e.status == 0:
+                await self.aclose()  # a dropped connection: the next publish connects afresh
+            raise
+        return Published(version, manifests, sent, stages)
+
+    async def _upload(self, session: aiohttp.ClientSession, enc: Encoded) -> int:
+        if self.on_encoded is not None:
+            self.on_encoded(enc)
+        sent = await upload_version(session, self.gateway, enc.manifest, enc.manifest_bytes, enc.pieces,
+                                    connections=self.connections, on_progress=self.on_progress)
+        log.info("published %s v%d %s: %d pieces, %d bytes", self.model_id, enc.manifest.version, enc.manifest.kind,
+                 len(enc.pieces), enc.manifest.payload_bytes)
+        return sent
 
     async def publish_statement(self) -> bool:
         """Sign and upload a fresh head statement for the last published version (none yet: nothing to
         say, False). A trainer calls this every so often between versions; True once the origin has it."""
         if self.base is None:
             return False
-        async with self.session(connections=2, timeout_s=30.0) as s:
-            return await self._put_statement(s)
+        return await self._put_statement(await self.connection())
 
     async def _put_statement(self, session: aiohttp.ClientSession) -> bool:
         version, weights = self.base
@@ -166,8 +227,19 @@ class Publisher:
             # The version is published whatever happens here; pools that require statements will report
             # the gateway stale until one gets through.
             log.warning("head statement of %s v%d not accepted by %s: %s", self.model_id, version, self.gateway, e)
+            if e.status == 0:
+                await self.aclose()
             return False
         return True
+
+
+async def _hold(session: aiohttp.ClientSession) -> None:
+    """Keep `session` until cancelled, then close it. asyncio.run cancels the tasks left when its main
+    coroutine ends, so a one-shot caller that never calls `aclose` still has the session closed."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await session.close()
 
 
 class PublishState:

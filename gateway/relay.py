@@ -1,19 +1,19 @@
 """The relay: how a gateway with upstreams mirrors their versions, cut-through, and fetches what it is asked for.
 
 Each upstream is followed with a long poll of `GET /v1/heads`, so a new version upstream starts a
-sync pass at once. A pass lists what the upstream can serve (what it holds, and what it could fetch
+sync pass at once; a new head delta whose signed manifest the answer carries inline is mirrored
+from it at once. A pass lists what the upstream can serve (what it holds, and what it could fetch
 from its own upstreams: `reachable`) and mirrors the kinds `deltamesh.gateway.relay_kinds` chooses:
 the newest deltas, and a full snapshot only to keep an anchor for first pulls. Anything else this
 gateway is asked for that its upstream can serve (a full a plan named, a manifest or piece a pool or
 downstream gateway requests) is fetched on demand (`demand`) the same way. A fetch takes the signed
 manifest (verified against the trusted keys, then stored, which announces the version to this
 gateway's own pools and downstream gateways) and then the missing pieces with several parallel
-connections. Every piece is verified before it is stored, and is served onwards from the moment it
-is stored, while the rest is still arriving. Pieces are fetched from the first healthy upstream and
-continue from another (with the bytes already received) when one dies or stalls. A piece found
-corrupted on this gateway's disk is dropped by the store and fetched again by the next pass.
-Requests for the version after the upstream's head wait there for it (`?wait=`), so a new version
-flows the moment it is announced. Every model is followed at once: the listings of a pass run
+connections. Every piece is verified before it is stored and served onwards from then on. Pieces
+come from the first healthy upstream and continue from another (with the bytes already received)
+when one dies or stalls; one found corrupted on disk is dropped by the store and fetched again.
+Once a version is in, requests for the next wait upstream for it (`?wait=`) on the connections the
+last one warmed, so it flows the moment it is announced. Every model is followed at once: the listings of a pass run
 concurrently (`relay_parallel` at a time), each version is mirrored by a task of its own, and the
 long polls wait on connections apart from the transfers'. A version whose mirror fails (no upstream
 serves a piece intact, a full disk) is tried again after a backoff (`deltamesh.gateway.relay_retry`)
@@ -29,12 +29,16 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import aiohttp
 
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.disk import DiskFullError
-from deltamesh.gateway.fetch import Fetcher, FetchError, NotAnnounced
+from deltamesh.delta.errors import CorruptError
+from deltamesh.delta.manifest import load_manifest
+from deltamesh.gateway.fetch import Fetcher, FetchError, Inline, NotAnnounced
+from deltamesh.gateway.fetch_judge import name
 from deltamesh.gateway.links import LinkMonitor
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.metrics import GatewayMetrics
@@ -101,6 +105,7 @@ class Relay:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         self._wait_session: aiohttp.ClientSession | None = None
+        self._follow_session: aiohttp.ClientSession | None = None
         self._fetcher: Fetcher | None = None
         self._retry = RetrySchedule()
         """Versions whose mirror failed, and when each is tried again (see relay_retry)."""
@@ -112,7 +117,11 @@ class Relay:
         # Long polls (heads, and each model's next version) wait on connections of their own: in one
         # pool they took every connection once a few models were followed, and a new version's pieces
         # then queued behind 30-second polls. That pool has no limit; ANTICIPATE_BUDGET bounds them.
-        self._wait_session = upstream_session(self.config, connections=0, timeout_s=None)
+        # Newest first: the next version's first pieces, asked for once this one is in (`_anticipate`),
+        # ride the connection that just carried this one's, with the congestion window it grew. The
+        # heads long polls have a session of their own, so that they never take that connection.
+        self._wait_session = upstream_session(self.config, connections=0, timeout_s=None, newest_first=True)
+        self._follow_session = upstream_session(self.config, connections=0, timeout_s=None)
         self._fetcher = Fetcher(
             self._session, self.sources, self.peer, self.monitor,
             stall_timeout_s=self.config.stall_timeout_s, give_up_s=max(60.0, 6 * self.config.stall_timeout_s),
@@ -130,7 +139,7 @@ class Relay:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for session in (self._session, self._wait_session):
+        for session in (self._session, self._wait_session, self._follow_session):
             if session is not None:
                 await session.close()
 
@@ -180,11 +189,11 @@ class Relay:
         since, instance = -1, ""
         backoff = 0.2
         while True:
-            params = {"since": since, "instance": instance, "wait": FOLLOW_WAIT_S}
+            params = {"since": since, "instance": instance, "wait": FOLLOW_WAIT_S, "manifests": 1}
             if source.delay_s:
                 await asyncio.sleep(source.delay_s)
             try:
-                answer = await request_json(self._wait_session, "GET", f"{source.url}/v1/heads", params=params,
+                answer = await request_json(self._follow_session, "GET", f"{source.url}/v1/heads", params=params,
                                             headers={PEER_HEADER: self.peer},
                                             timeout_s=FOLLOW_WAIT_S + self.config.stall_timeout_s)
                 epoch, heads = int(answer["epoch"]), {str(m): int(v) for m, v in answer["heads"].items()}
@@ -205,8 +214,21 @@ class Relay:
             since, instance = epoch, str(answer.get("instance", ""))
             new_models = set(heads) - self._known_models
             self._known_models |= new_models
+            self._inline(source, heads, answer.get("manifests"))
             if changed or new_models or any(self._behind(m, v) for m, v in heads.items()):
                 self.wake()
+
+    def _inline(self, source: Source, heads: dict[str, int], carried: object) -> None:
+        """Start mirroring each new head delta whose signed manifest the heads answer carried (an
+        upstream of an earlier release carries none): its pieces are asked for at once, without the
+        listing and manifest round trips. A version already on its way (asked for ahead) is left be."""
+        if not isinstance(carried, dict):
+            return
+        for model, kinds in carried.items():
+            raw = kinds.get("delta") if isinstance(kinds, dict) and model in heads else None
+            key = (model, heads.get(model), "delta")
+            if isinstance(raw, str) and self.store.get(*key) is None:
+                self._start(key, "follow", inline=(source, raw.encode()))
 
     def _behind(self, model: str, head: int) -> bool:
         mine = self.store.head(model)
@@ -263,13 +285,13 @@ class Relay:
         self._retry.forget_unless(lambda k: k in keys or k in self._active)
         self.metrics.relay_retrying.set(len(self._retry))
 
-    def _start(self, key: Key, why: str, lease: bool = False) -> None:
+    def _start(self, key: Key, why: str, lease: bool = False, inline: Inline | None = None) -> None:
         if key in self._active or not self._retry.ready(key):
             return  # on its way, or failed a moment ago: its retry comes after a backoff
         if why != "resume":
             self.metrics.relay_fetches.labels(key[2], why).inc()
         self._retry.started(key)
-        task = asyncio.create_task(self._mirror(*key, lease=lease))
+        task = asyncio.create_task(self._mirror(*key, lease=lease, inline=inline))
         self._active[key] = task
         task.add_done_callback(lambda t: self._finished(key, t))
 
@@ -278,7 +300,11 @@ class Relay:
         `_mirror` handles the expected ones, anything else is logged and the version tried again later."""
         if self._active.get(key) is task:
             del self._active[key]
-        if task.cancelled() or task.exception() is None:
+        if task.cancelled():
+            return
+        if task.exception() is None:
+            if task.result() is True:
+                self.wake()  # a version is in: ask for the next one ahead (`_anticipate`)
             return
         e = task.exception()
         log.error("relay: %s v%d %s failed unexpectedly", *key, exc_info=e)
@@ -305,19 +331,25 @@ class Relay:
         key = (model, version, kind)
         if key in self._active or self.store.get(*key) is not None or not self._retry.ready(key):
             return
+        if (model, version - 1, kind) in self._active:
+            return  # asked for once the version before is in, on the connections it warmed (`_finished`)
         models = len(self._known_models | set(self.store.models()))
         prefetch = max(0, min(self.config.relay_connections, ANTICIPATE_BUDGET // max(1, models) - 1))
 
-        async def wait_for_it() -> None:
+        async def wait_for_it() -> bool | None:
             while True:
                 asked = time.monotonic()
                 try:
-                    await self._mirror(model, version, kind, wait_s=ANTICIPATE_WAIT_S, prefetch=prefetch)
+                    # A wait of its own length each time: one ending as the version lands upstream
+                    # re-asks a round trip late, and a fixed length would do so version after version
+                    # for a trainer whose step takes about as long.
+                    wait_s = ANTICIPATE_WAIT_S * random.uniform(0.75, 1.25)
+                    done = await self._mirror(model, version, kind, wait_s=wait_s, prefetch=prefetch)
                     self.metrics.relay_fetches.labels(kind, "follow").inc()
-                    return
+                    return done
                 except NotAnnounced:
                     if time.monotonic() - asked < ANTICIPATE_WAIT_S / 2:
-                        return  # answered at once: a newer version came first, this one is not coming
+                        return None  # answered at once: a newer version came first, this one is not coming
 
         self._retry.started(key)
         task = asyncio.create_task(wait_for_it())
@@ -345,7 +377,7 @@ class Relay:
         return None
 
     async def _mirror(self, model: str, version: int, kind: str, wait_s: float = 0.0, lease: bool = False,
-                      prefetch: int | None = None) -> bool:
+                      prefetch: int | None = None, inline: Inline | None = None) -> bool:
         """Bring one version here: manifest first (which announces it), then the missing pieces; True
         once it is complete, False when it failed (it is tried again after a backoff: relay_retry).
         With `wait_s` the version may not be announced upstream yet (NotAnnounced if it was not)."""
@@ -355,8 +387,9 @@ class Relay:
         try:
             entry = self.store.get(model, version, kind)
             if entry is None:
+                accept = self._accept_manifest if inline is None else self._accepting(key)
                 entry = await fetcher.manifest_bytes(
-                    model, version, kind, self._accept_manifest, wait_s=wait_s,
+                    model, version, kind, accept, wait_s=wait_s, inline=inline,
                     prefetch=self.config.relay_connections if prefetch is None else prefetch)
                 t0 = time.monotonic()
             if lease:
@@ -384,6 +417,15 @@ class Relay:
             return self._mirror_failed(key, f"disk full: {e}")
         except OSError as e:
             return self._mirror_failed(key, f"{type(e).__name__}: {e}")
+
+    def _accepting(self, key: Key) -> Callable[[bytes], Awaitable[StoredVersion]]:
+        """`_accept_manifest`, for an envelope that must be of `key` (one a heads answer carried)."""
+        async def accept(raw: bytes) -> StoredVersion:
+            m = load_manifest(raw, self.store.trusted_keys)
+            if (m.model_id, m.version, m.kind) != key:
+                raise CorruptError(f"an inline manifest of {m.model_id} v{m.version} {m.kind} for {name(key)}")
+            return await self._accept_manifest(raw)
+        return accept
 
     async def _accept_manifest(self, raw: bytes) -> StoredVersion:
         entry, _ = await self.store.put_manifest(raw)

@@ -31,6 +31,9 @@ from deltamesh.gateway.validators import not_modified, not_modified_response, pi
 from deltamesh.peer_json import parse_json
 
 _INT_RE = re.compile(r"^[0-9]{1,12}$")
+INLINE_MANIFEST_BYTES = 256 * 1024
+"""Largest signed envelope a head answer carries inline (`?manifests=1`): a small version's (a delta's)
+manifest is a few KiB, and with it inline a follower starts on its pieces without asking for it."""
 _HEX_SIG = re.compile(r"^[0-9a-f]{128}$")
 
 
@@ -116,6 +119,21 @@ def _peer_role(request: web.Request) -> tuple[str, str]:
     return "anonymous", ""
 
 
+def _wants_manifests(request: web.Request) -> bool:
+    return request.query.get("manifests") in ("1", "true")
+
+
+def inline_manifests(gw: Gateway, model: str, version: int) -> dict[str, str]:
+    """The signed envelopes of `version` (per kind, byte for byte) small enough to ride a head answer.
+    They are as untrusted as any relay's answer: the receiver verifies the trainer's signature."""
+    out = {}
+    for kind in KINDS:
+        entry = gw.store.get(model, version, kind)
+        if entry is not None and len(entry.manifest_bytes) <= INLINE_MANIFEST_BYTES:
+            out[kind] = entry.manifest_bytes.decode()
+    return out
+
+
 def add_version_routes(app: web.Application, gw: Gateway) -> None:
     cfg = gw.config
     routes = web.RouteTableDef()
@@ -147,8 +165,12 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         if request.query.get("instance") != gw.instance:
             since = -1  # a follower of an earlier life of this gateway: answer at once
         epoch = await gw.store.wait_change(since, wait)
-        return web.json_response({"region": cfg.region, "instance": gw.instance, "epoch": epoch,
-                                  "heads": gw.store.heads()})
+        heads = gw.store.heads()
+        answer = {"region": cfg.region, "instance": gw.instance, "epoch": epoch, "heads": heads}
+        if _wants_manifests(request):
+            inline = {m: inline_manifests(gw, m, v) for m, v in heads.items()}
+            answer["manifests"] = {m: kinds for m, kinds in inline.items() if kinds}
+        return web.json_response(answer)
 
     @routes.get("/v1/models")
     @guarded
@@ -162,7 +184,10 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         after = _int_param(request, "after")
         wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
         h = await gw.store.wait_head(model, after, wait)
-        return web.json_response({"model": model, "head": h, "region": cfg.region})
+        answer = {"model": model, "head": h, "region": cfg.region}
+        if h is not None and _wants_manifests(request):
+            answer["manifests"] = inline_manifests(gw, model, h)
+        return web.json_response(answer)
 
     def reachable(model: str) -> list[PlanStep]:
         """What this gateway does not hold but can fetch from its upstreams on demand."""

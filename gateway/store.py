@@ -10,6 +10,8 @@ soon as its manifest is durable and its pieces' space reserved, and each piece b
 moment it has been written and verified, which is what lets relays forward a version while the rest
 of it is still arriving. Pieces are hashed again on every read, so a piece corrupted on disk is
 detected, dropped and reported instead of served.
+Each entry notes the wall time at which its last piece was stored (`stored_at`, in version listings:
+when the origin, or a relay, held the whole version; after a restart, the newest piece file's time).
 Retention keeps the newest deltas and full snapshots (and always the newest complete full); garbage
 collection skips anything that is being read, written, or promised to a transfer by a lease.
 """
@@ -101,8 +103,14 @@ class VersionStore:
                 f.unlink(missing_ok=True)  # a temp file from an interrupted write
                 continue
             i = int(f.name)
-            if i < len(manifest.pieces) and f.stat().st_size == manifest.pieces[i].length:
+            stat = f.stat()
+            if i < len(manifest.pieces) and stat.st_size == manifest.pieces[i].length:
                 entry.present.add(i)
+                entry.stored_at = max(entry.stored_at or 0.0, stat.st_mtime)
+        if entry.complete and not manifest.pieces:
+            entry.stored_at = (path / "manifest.json").stat().st_mtime
+        elif not entry.complete:
+            entry.stored_at = None
         return entry
 
     # -- queries ---------------------------------------------------------------------------------
@@ -256,6 +264,7 @@ class VersionStore:
         return True
 
     def _completed(self, entry: StoredVersion) -> None:
+        entry.stored_at = time.time()
         for callback in self.on_version_complete:
             callback(entry)
 

@@ -30,6 +30,8 @@ class StoredVersion(NamedByManifest):
     readers: int = 0
     lease_until: float = 0.0
     created: float = field(default_factory=time.monotonic)
+    stored_at: float | None = None
+    """Wall time (`time.time()`) at which the last piece was stored: this gateway holds the whole version."""
     _arrivals: dict[int, asyncio.Event] = field(default_factory=dict, repr=False)
 
     @property
@@ -53,5 +55,5 @@ class StoredVersion(NamedByManifest):
         return {
             "version": m.version, "kind": m.kind, "base_version": m.base_version,
             "payload_bytes": m.payload_bytes, "pieces": len(m.pieces), "present": len(self.present),
-            "complete": self.complete, "weights_hash": m.weights_hash,
+            "complete": self.complete, "weights_hash": m.weights_hash, "stored_at": self.stored_at,
         }

@@ -15,17 +15,19 @@ from typing import Callable, Sequence
 
 from deltamesh.delta import CorruptError, Manifest, load_manifest
 from deltamesh.delta.keys import Ed25519PublicKey
-from deltamesh.gateway.fetch import Fetcher
+from deltamesh.gateway.fetch import Fetcher, Inline
 from deltamesh.gateway.plan import PlanStep
+from deltamesh.gateway.sources import Source
 
 Step = tuple[Manifest, list[bytes]]
 
 
 async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
                          connections: int, on_piece: Callable[[int], None] | None = None,
-                         check: Callable[[Manifest], None] | None = None) -> Step:
+                         check: Callable[[Manifest], None] | None = None, inline: Inline | None = None) -> Step:
     """The verified manifest and pieces of `step`; raises FetchError or CodecError (CorruptError).
-    `check` may refuse a validly signed manifest by raising a CodecError."""
+    `check` may refuse a validly signed manifest by raising a CodecError. `inline`: the step's envelope
+    as a head answer carried it, checked the same way (and fetched as usual if it is refused)."""
 
     async def accept(raw: bytes) -> Manifest:
         m = load_manifest(raw, trusted_keys)
@@ -35,7 +37,8 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
             check(m)
         return m
 
-    manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=connections)
+    manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=connections,
+                                            inline=inline)
     pieces: list[bytes] = [b""] * len(manifest.pieces)
 
     async def keep(index: int, data: bytes) -> None:
@@ -45,3 +48,12 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
 
     await fetcher.pieces(manifest, range(len(pieces)), connections, keep)
     return manifest, pieces
+
+
+def inline_envelopes(source: Source, head: int | None, carried: object) -> dict[tuple[int, str], Inline]:
+    """The envelopes a head answer carried (`{kind: envelope}`), by (version, kind); anything malformed
+    is ignored (the manifest is then fetched as usual)."""
+    if head is None or not isinstance(carried, dict):
+        return {}
+    return {(head, kind): (source, raw.encode()) for kind, raw in carried.items()
+            if isinstance(kind, str) and isinstance(raw, str)}

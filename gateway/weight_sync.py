@@ -42,7 +42,7 @@ from deltamesh.delta import (
     load_public_key,
 )
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
@@ -52,7 +52,7 @@ from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, 
 from deltamesh.http import HttpError, bearer, client_session, request_json
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
-from deltamesh.gateway.verified import Step, fetch_verified
+from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class WeightSync:
         """The gateway whose head this round follows: its plan is asked for first."""
         self._checking: asyncio.Future | None = None
         """The freshness checks of the round's head answer, while they overlap the plan request."""
+        self._inline: dict[tuple[int, str], Inline] = {}
+        """The head's signed envelopes, per (version, kind), that the last head answer carried (a gateway
+        of an earlier release sends none): verified like fetched ones, they spare a manifest request."""
         self.presence = Presence(config, self.sources)
         """The pool's entry in a gateway's registry."""
         self._session: aiohttp.ClientSession | None = None
@@ -97,6 +100,9 @@ class WeightSync:
         """Told `transfer` as it starts, as each verified piece arrives and, with `applied` set to the
         version, once the directory holds it: the terminal progress of `deltamesh pool sync` and `pool
         run` (`deltamesh.mesh.cli.progress`)."""
+        self.on_stage: Callable[[int, str], None] | None = None
+        """Told (version, "fetched") once every piece of a plan step is in and checked, and (version,
+        "verified") once it is decoded: a rollout pool's version timeline (mesh/pool/timeline.py)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
@@ -169,11 +175,12 @@ class WeightSync:
             self.model = await self._pick_model()
         await self._checked()  # a round whose plan was never asked for
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
-                                         params={"after": self.version, "wait": wait_s}, timeout=wait_s)
+                                         params={"after": self.version, "wait": wait_s, "manifests": 1}, timeout=wait_s)
         head = answer.get("head", "?") if isinstance(answer, dict) else "?"
         if not valid_head(head):
             raise SyncError(f"gateway {source.url} answered a malformed head {head!r:.40}")
         self._round = source
+        self._inline = inline_envelopes(source, head, answer.get("manifests"))
         self.book.saw_head(source, head)
         # With a new head, the checks run beside the plan request (no round trip added to a version's
         # way); `fetch_plan` takes their verdict before it accepts the plan.
@@ -234,7 +241,9 @@ class WeightSync:
         versions = []
         for i, step in enumerate(plan.steps):
             manifest, pieces = await self.fetch_step(step, final=i == len(plan.steps) - 1)
+            self._staged(step.version, "fetched")
             versions.append(await asyncio.to_thread(decode_version, manifest, pieces))
+            self._staged(step.version, "verified")
         self.state = "applying"
         return versions
 
@@ -250,7 +259,8 @@ class WeightSync:
             # (`on_rejected`) and asks another gateway for the same step.
             return await fetch_verified(self._fetcher(), self.model, step, self.trusted_keys,
                                         self.config.connections, progress,
-                                        check=self.guard.check_manifest if final else None)
+                                        check=self.guard.check_manifest if final else None,
+                                        inline=self._inline.get((step.version, step.kind)))
         except FetchError as e:
             raise SyncError(str(e)) from e
 
@@ -269,6 +279,10 @@ class WeightSync:
         self._beat_now.set()
         log.info("pool %s: now at %s v%d", self.config.name, final.model_id, final.version)
         return final
+
+    def _staged(self, version: int, stage: str) -> None:
+        if self.on_stage is not None:
+            self.on_stage(version, stage)
 
     def _progressed(self, **extra: Any) -> None:
         if self.on_progress is not None and self.transfer:

@@ -213,15 +213,17 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
             if reference is not None:
                 inputs = dataclasses.replace(inputs, ref_logprobs=batch_logprobs(reference, inputs, cfg, ctx))
             metrics = train_step(state, inputs, cfg, ctx)
+            step_end = time.time()  # wall clock: the publish stages it starts are compared across processes
             if batch is not None:
                 trained.append(batch.batch_id)
             new_weights = published_weights(model, ctx)
+            cast_end = time.time()
             train_s = time.monotonic() - poll_start - wait_s
             steps += 1
             stall_s = 0.0
             if client is not None:
                 assert new_weights is not None
-                stall_s = client.publish(new_weights, state.version)
+                stall_s = client.publish(new_weights, state.version, {"step_end": step_end, "cast": cast_end})
             if ckpt.dir is not None and state.version % ckpt.every == 0:
                 if client is not None:
                     client.wait_published()  # a checkpoint must not get ahead of the gateway

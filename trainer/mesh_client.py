@@ -44,7 +44,9 @@ RETRY_S = 1.0
 
 @dataclass
 class PublishOutcome:
-    """How one version's publish went: `ok`, seconds from its start to its end, bytes and kinds sent."""
+    """How one version's publish went: `ok`, seconds from its start to its end, bytes and kinds sent, and
+    the wall-clock time (time.time()) each stage ended: "step_end" (the optimizer step) and "cast" (the
+    bf16 copy ready) as the trainer passed them, then the publisher's stages (`Published.stages`)."""
 
     version: int
     ok: bool
@@ -52,6 +54,7 @@ class PublishOutcome:
     bytes_sent: int = 0
     kinds: list[str] = field(default_factory=list)
     error: str = ""
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 class _LoopThread:
@@ -132,6 +135,7 @@ class MeshClient:
         finally:
             if self._statements is not None:
                 self._statements.cancel()
+            self._thread.call(self.publisher.aclose())  # the connections kept open to the origin
             self._thread.call(self._served.aclose())
             self._thread.call(self._batches.close())
             self._thread.close()
@@ -157,13 +161,15 @@ class MeshClient:
         self._thread.call(self._report_version(start.version))
         return start
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                stages: Mapping[str, float] | None = None) -> float:
         """Start publishing `weights` as `version` in the background, once the previous publish has ended.
+        `stages` are the trainer's own stage times ("step_end", "cast"), carried into the outcome.
 
         Returns how many seconds this call waited for the previous publish (0 when it had ended).
         """
         stalled = self.wait_published()
-        self._publishing = self._thread.submit(self._publish(weights, version))
+        self._publishing = self._thread.submit(self._publish(weights, version, dict(stages or {})))
         return stalled
 
     def wait_published(self) -> float:
@@ -175,7 +181,8 @@ class MeshClient:
         self._publishing = None
         return time.monotonic() - start
 
-    async def _publish(self, weights: Mapping[str, torch.Tensor], version: int) -> PublishOutcome:
+    async def _publish(self, weights: Mapping[str, torch.Tensor], version: int,
+                       stages: dict[str, float]) -> PublishOutcome:
         start = time.monotonic()
         try:
             published = await self.publisher.publish(weights, version)
@@ -183,10 +190,10 @@ class MeshClient:
             base = self.publisher.base[0] if self.publisher.base is not None else None
             log.error("%s: publishing v%d failed (%s); the next version is encoded against v%s",
                       self.model_id, version, e, base)
-            outcome = PublishOutcome(version, False, time.monotonic() - start, error=str(e))
+            outcome = PublishOutcome(version, False, time.monotonic() - start, error=str(e), stages=stages)
         else:
             outcome = PublishOutcome(version, True, time.monotonic() - start, published.bytes_sent,
-                                     [m.kind for m in published.manifests])
+                                     [m.kind for m in published.manifests], stages={**stages, **published.stages})
         if self.on_published is not None:
             self.on_published(outcome)
         if outcome.ok:

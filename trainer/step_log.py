@@ -6,7 +6,10 @@ and writes it the moment both are in. The fields are what the demo and the end-t
 step, version, reward mean, the loss terms, how many samples came from each rollout pool, and where
 the step's time went (waiting for the batch, training, stalled on the previous publish, the publish
 itself) with the wait fraction, and each pool's trainer-side mismatch on the tokens of the version
-trained on (`mismatch`: {"version", "pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}).
+trained on (`mismatch`: {"version", "pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}),
+and the wall-clock times (`time.time()` on the trainer's host) at which the version passed each stage
+of its publish (`stages`: step_end, cast, encoded, signed, upload_start, uploaded; the trainer's part
+of the latency budget that `benchmarks/latency.py` follows through gateways and pools).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class StepLog:
                 return
             record = self._records.pop(version)
             record.update(published=outcome.ok, publish_seconds=outcome.seconds, publish_bytes=outcome.bytes_sent,
-                          publish_kinds=outcome.kinds)
+                          publish_kinds=outcome.kinds, stages=dict(outcome.stages))
             self._write(record)
 
     def _write(self, r: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """Polling the running mesh: every service's JSON endpoints and the trainers' step files, into `MeshState`.
 
-One `poll` reads, concurrently: each model's version listing at the origin (payload sizes and
-weights hashes), each relay gateway's per-version traffic (what came over its upstream link for each
-version), every gateway's link monitor (RTT of its upstream link, bytes served to each of its pools),
+One `poll` reads, concurrently: each model's version listing at every gateway (at the origin: payload
+sizes and weights hashes; at each: when it held each version whole), each relay gateway's per-version
+traffic (what came over its upstream link for each version), every gateway's link monitor (RTT of its upstream link, bytes served to each of its pools),
 every pool's own status, the broker's status and balance report, and the new lines of each trainer's
 metrics file. A service
 that does not answer is skipped for this round (it may be busy or still starting); the view shows
@@ -53,7 +53,7 @@ class Monitor:
         self.plan = plan
         self.session = session
         cfg = plan.config
-        self.state = MeshState(cfg.model_ids)
+        self.state = MeshState(cfg.model_ids, upstreams={g.region: g.upstream for g in cfg.topology.gateways})
         self.upload_link = f"trainer->{cfg.topology.origin.region}"
         for spec in cfg.topology.relays():
             self.state.links[spec.link] = LinkReading(spec.link, spec.bandwidth_mbps, spec.delay_ms)
@@ -75,7 +75,7 @@ class Monitor:
         for spec in topo.gateways:
             gw = plan.gateways[spec.region].url
             for model_id in plan.config.model_ids:
-                jobs.append(self._version_facts(gw, model_id, spec.link))
+                jobs.append(self._version_facts(gw, model_id, spec.region, spec.link))
             jobs.append(self._links(gw, spec.region, spec.link))
         for name, service in plan.pools.items():
             jobs.append(self._pool(name, service.url))
@@ -91,15 +91,18 @@ class Monitor:
             for record in steps.new_records():
                 self.state.trainer_step(model_id, record, self.upload_link)
 
-    async def _version_facts(self, gateway: str, model_id: str, link: str) -> None:
+    async def _version_facts(self, gateway: str, model_id: str, region: str, link: str) -> None:
+        listing = self._get(f"{gateway}/v1/models/{model_id}/versions")
         if link:
-            answer = await self._get(f"{gateway}/v1/models/{model_id}/traffic")
+            answer, listed = await asyncio.gather(self._get(f"{gateway}/v1/models/{model_id}/traffic"), listing)
             if answer is not None:
                 self.state.relay_traffic(model_id, link, answer["versions"])
-            return
-        answer = await self._get(f"{gateway}/v1/models/{model_id}/versions")
-        if answer is not None:
-            self.state.origin_listing(model_id, answer["versions"])
+        else:
+            listed = await listing
+            if listed is not None:
+                self.state.origin_listing(model_id, listed["versions"])
+        if listed is not None:
+            self.state.gateway_listing(model_id, region, listed["versions"])
 
     async def _links(self, gateway: str, region: str, link: str) -> None:
         answer = await self._get(f"{gateway}/v1/links")

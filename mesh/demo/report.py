@@ -7,7 +7,9 @@ each pool's trainer-side mismatch on the tokens it generated at the version trai
 absolute difference of trainer and behaviour logprobs, the k3 KL estimate, and whether the trainer
 flagged the pool as jumped; `deltamesh.trainer.mismatch`). Per policy, `mismatch` sums that up per
 pool (token-weighted means, the versions it was flagged at); the summary names the flagged pools.
-Per pool, for the code workflows, the outcome counts of its sandbox's tests (passed, failed, error,
+Per policy, `latency` follows each version from the trainer's step end through the gateways to every
+pool serving it, stage by stage, with the medians and the recorded wall-clock times
+(mesh/demo/latency.py). Per pool, for the code workflows, the outcome counts of its sandbox's tests (passed, failed, error,
 timeout, resource_limit), and their sum in the summary.
 The chart (matplotlib, Agg backend, no display needed) shows reward per step, on a log scale the
 bytes per version on each link with the full-sync size as a dashed line, and each pool's mismatch
@@ -26,6 +28,7 @@ from typing import Any
 
 from deltamesh.config import to_dict
 from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.latency import latency
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.sandbox import Outcome
 
@@ -114,7 +117,7 @@ def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome
             "steps": rows, "final_version": final,
             "final_weights_hash": run.versions[final].weights_hash if final in run.versions else "",
             "reward_first_third": first, "reward_last_third": last, "trained_samples_by_pool": dict(trained),
-            "mismatch": mismatch_by_pool(rows),
+            "mismatch": mismatch_by_pool(rows), "latency": latency(state, model_id),
         }
     pools = {}
     for name, p in state.pools.items():

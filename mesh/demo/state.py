@@ -6,8 +6,11 @@ the piece bytes the downstream gateway received from its upstream for that versi
 `/v1/models/{model}/traffic` counts them: a delta, and a full only when a pool or the relay's anchor
 needed one), the size a full snapshot would have cost, the trainer's step record, and when each
 pool's engine first served it (the step record also carries each pool's trainer-side mismatch,
-`pool_mismatch` finds a pool's latest). Per pool it keeps the latest status and the bytes it pulled from
-its gateway each time its engine moved to a newer version.
+`pool_mismatch` finds a pool's latest). For the latency budget (mesh/demo/latency.py) it also keeps
+when each gateway held the whole version (`stored_at` of its version listing) and when the version
+reached each stage in each pool (the `timeline` of the pool's status), each a wall-clock time of the
+host that saw it. Per pool it keeps the latest status and the bytes it pulled from its gateway each
+time its engine moved to a newer version.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ class VersionFacts:
     """link name -> bytes that link carried for this version."""
     served_at: dict[str, float] = field(default_factory=dict)
     """pool -> wall time its engine first served this version (or a newer one)."""
+    stored_at: dict[str, float] = field(default_factory=dict)
+    """region -> wall time its gateway first held every piece of this version (of either kind)."""
+    pool_stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    """pool -> stage (mesh/pool/timeline.py) -> wall time this version reached it there."""
 
 
 @dataclass
@@ -96,6 +103,8 @@ class PoolReading:
 @dataclass
 class MeshState:
     model_ids: tuple[str, ...]
+    upstreams: dict[str, str] = field(default_factory=dict)
+    """region -> the region its gateway relays from ("" for the origin)."""
     started_at: float = field(default_factory=time.time)
     models: dict[str, ModelRun] = field(default_factory=dict)
     pools: dict[str, PoolReading] = field(default_factory=dict)
@@ -120,6 +129,16 @@ class MeshState:
             if e["kind"] == "full":
                 run.full_bytes = int(e["payload_bytes"])
 
+    def gateway_listing(self, model_id: str, region: str, listing: list[dict[str, Any]]) -> None:
+        """Any gateway's version listing: when it held each version whole."""
+        run = self.models[model_id]
+        for e in listing:
+            at = e.get("stored_at")
+            if at is None:
+                continue
+            stored = run.version(int(e["version"])).stored_at
+            stored[region] = min(float(at), stored.get(region, float(at)))
+
     def relay_traffic(self, model_id: str, link: str, versions: list[dict[str, Any]]) -> None:
         """A relay gateway's per-version traffic: what it received came over its upstream link."""
         run = self.models[model_id]
@@ -139,8 +158,12 @@ class MeshState:
         reading = self.pools[name]
         reading.status = status
         for model_id, entry in status.get("models", {}).items():
+            if model_id not in self.models:
+                continue
+            for u, stages in (entry.get("timeline") or {}).items():
+                self.models[model_id].version(int(u)).pool_stages.setdefault(name, {}).update(stages)
             v = entry.get("engine_version")
-            if v is None or model_id not in self.models:
+            if v is None:
                 continue
             moves = reading.moves.setdefault(model_id, [])
             if moves and moves[-1][0] >= v:

@@ -107,6 +107,7 @@ class TransformersEngine(LocalEngine):
             raise EngineError(f"{config.model_dir} holds v{manifest.version}, config says v{config.version}")
         self._version = manifest.version if manifest is not None else (config.version or 0)
         self._weights_hash = manifest.weights_hash if manifest is not None else None
+        self._verified_digests = _digests_of(manifest)
         self.metrics = EngineMetrics(self.model_id, "transformers", registry)
         self.metrics.version.set(self._version)
         log.info("%s: transformers engine on %s serving v%d from %s", self.model_id, self._device,
@@ -134,7 +135,7 @@ class TransformersEngine(LocalEngine):
             async with self._lock:
                 paused = time.perf_counter()
                 await asyncio.to_thread(copy_in, self._live, weights)
-                self._set_version(version, manifest.weights_hash if manifest is not None else None)
+                self._set_version(version, manifest)
         except Exception:
             self.metrics.update_done("disk", False, 0.0)
             raise
@@ -152,8 +153,9 @@ class TransformersEngine(LocalEngine):
             async with self._lock:
                 paused = time.perf_counter()
                 base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
-                stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash)
-                self._set_version(manifest.version, manifest.weights_hash)
+                stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash,
+                                                base_digests=self._verified_digests)
+                self._set_version(manifest.version, manifest)
         except Exception:
             self.metrics.update_done(manifest.kind, False, 0.0)
             raise
@@ -197,9 +199,10 @@ class TransformersEngine(LocalEngine):
                                     f"weights {manifest.base_hash}, the engine serves {self._weights_hash}")
         return self._weights_hash
 
-    def _set_version(self, version: int, weights_hash: str | None) -> None:
+    def _set_version(self, version: int, manifest: Manifest | None) -> None:
         self._version = version
-        self._weights_hash = weights_hash
+        self._weights_hash = manifest.weights_hash if manifest is not None else None
+        self._verified_digests = _digests_of(manifest)
         self.metrics.version.set(version)
 
     def _digests(self, names: list[str]) -> dict[str, str | None]:
@@ -269,3 +272,9 @@ def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _D
         mask[i, width - len(p):] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts))
+
+
+def _digests_of(manifest: Manifest | None) -> dict[str, str] | None:
+    """The tensor digests of the manifest the live weights were verified against: the next delta's
+    base check, and the digests of the tensors it leaves alone, without hashing them."""
+    return None if manifest is None else {e.name: e.hash for e in manifest.tensors}

@@ -1,7 +1,8 @@
 """Prometheus metrics of a rollout pool, in the one registry its status server exposes at `/metrics`.
 
 The pool's own counters (leases, episodes, submitted trajectories, weight transfers, refusals and
-stale gateways, checks of what the engine serves and drift, whether it may lease) live in a per-pool `CollectorRegistry`. Each engine keeps its
+stale gateways, checks of what the engine serves and drift, whether it may lease, how long each
+version spent in each stage of its way in) live in a per-pool `CollectorRegistry`. Each engine keeps its
 metrics in a registry of its own (two engines of one process would otherwise register the same
 metric names twice); `EngineMetricsCollector` merges their families into the pool's registry, one
 family per name.
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
 _CHECK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _EPISODE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -35,6 +37,11 @@ class PoolMetrics:
         self.transfers = Counter("deltamesh_pool_transfer_steps_total", "Plan steps fetched, by kind",
                                  ["model", "kind"], registry=r)
         self.transfer_bytes = Counter("deltamesh_pool_transfer_bytes_total", "Payload bytes fetched", ["model"], registry=r)
+        self.version_stage_seconds = Histogram(
+            "deltamesh_pool_version_stage_seconds",
+            "Seconds a version took to reach each stage of its way into the pool from its previous stage "
+            "(fetched, verified, applied, serving, persisted; mesh/pool/timeline.py)", ["model", "stage"],
+            buckets=_STAGE_BUCKETS, registry=r)
         self.swaps = Counter("deltamesh_pool_weight_swaps_total", "Versions brought into an engine, by way",
                              ["model", "way"], registry=r)
         self.checks = Counter("deltamesh_pool_serve_checks_total",

@@ -119,6 +119,7 @@ class RolloutPool:
                 "last_swap_at": w.status.last_swap_at, "last_error": w.status.last_error,
                 "drifted": w.status.drifted, "checks": w.status.checks, "last_check": w.status.last_check,
                 "refusals": dict(w.sync.book.refusals), "gateways": w.sync.book.describe(),
+                "timeline": w.timeline.describe(),
             }
         worker = dataclasses.asdict(self.worker.counts) if self.worker is not None else {}
         verdict = self.gate.last if self.gate is not None else None

@@ -7,7 +7,8 @@
 2. fetch and decode: each step's signed manifest and pieces, verified, then decoded once;
 3. engine: an engine that swaps in place (the transformers engine) takes the decoded versions into
    its live weights (`apply_update`: a delta chain step by step, a full snapshot copied in whole),
-   so generation moves on without waiting for the disk. A failed update leaves the engine
+   so generation moves on without waiting for the disk, and is checked at once (step 6), so the
+   version is proven served before the directory is written. A failed update leaves the engine
    bit-identical on what it served, and is logged;
 4. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
    and for engines that load from disk;
@@ -20,7 +21,9 @@
    version is reloaded in full from the directory and checked again; a reload that fails or does not
    pass is retried at the start of each round;
 7. report: `status` and the pool metrics (steps fetched, swaps by way, checks and drift, offers
-   refused from gateways and gateways found stale: `deltamesh.gateway.head_check`).
+   refused from gateways and gateways found stale: `deltamesh.gateway.head_check`), and `timeline`,
+   when each version reached each of these steps (`timeline.py`: head, fetched, verified, applied,
+   serving, persisted).
 
 A delta that does not verify, or does not fit what the directory holds, sends the round back to
 step 2 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
@@ -56,6 +59,7 @@ from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.config import ServeCheckConfig
 from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
+from deltamesh.mesh.pool.timeline import VersionTimeline
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,9 @@ class PolicyWeights:
         self.metrics = metrics
         self.sync = WeightSync(sync_config, on_refusal=self._refused)
         self.status = WeightsStatus()
+        self.timeline = VersionTimeline(on_stage=self._stage_reached)
+        """When each recent version reached each step of its way in (the latency budget's pool side)."""
+        self.sync.on_stage = lambda version, stage: self.timeline.mark(version, stage)
         self._engine_synced = False  # the engine serves a version of the gateway's lineage
         self._started = False  # the first sync round after start-up is done
         self.check = ServeCheck(check)
@@ -156,24 +163,38 @@ class PolicyWeights:
             await self._prove()
             if self._engine_behind():
                 wait_s = min(wait_s, RETRY_S)
+            elif self.version is not None and "serving" not in self.timeline.get(self.version):
+                self._serving([self.version])
         head = await self.sync.wait_for_head(wait_s)
         if head is None:
             return False
+        seen = time.time()
         plan = await self.sync.fetch_plan(head)
+        self.timeline.mark([s.version for s in plan.steps], "head", seen)
         while True:
             try:
                 versions = await self.sync.fetch_decoded(plan)  # verified, decoded once for both below
                 self._count_fetched(versions)
                 if self.hot_swap:
                     await self._update_engine(versions)
+                    if self._engine_synced and self.engine.version == versions[-1].version:
+                        await self._check()  # a failure is drift, reloaded below once the directory has it
+                        self._serving([v.version for v in versions])
                 await self.sync.persist(versions)
+                self.timeline.mark([v.version for v in versions], "persisted")
                 break
             except CodecError as e:
                 plan = await self.sync.fallback_plan(plan, e)  # a full snapshot; raises if that was one
         if self._engine_behind():
             await self._reload_from_dir()
         await self._prove()
+        self._serving([v.version for v in versions if "serving" not in self.timeline.get(v.version)])
         return True
+
+    def _serving(self, versions: Sequence[int]) -> None:
+        """Mark the versions the engine now serves (itself or a newer one), if it may lease on them."""
+        if self._engine_synced and not self.status.drifted:
+            self.timeline.mark([v for v in versions if v <= self.engine.version], "serving")
 
     async def _update_engine(self, versions: Sequence[DecodedVersion]) -> None:
         """Hot-swap the versions into the engine, in order; stop at the first that cannot go in (the
@@ -192,6 +213,7 @@ class PolicyWeights:
                                  f"v{self.engine.version} and will load from the directory: {e}")
                 return
             self._swapped("in_place")
+            self.timeline.mark(version.version, "applied")
             self._put_in(version.manifest, [version.manifest.tensors[i].name
                                             for i in (*version.updates, *version.whole)]
                          if version.kind == "delta" else None)
@@ -206,6 +228,7 @@ class PolicyWeights:
             self._note_error(f"loading v{held} from {self.dir} failed, the next round tries again: {e}")
             return
         self._swapped("reload")
+        self.timeline.mark(held, "applied")
         self._put_in(await asyncio.to_thread(dir_manifest, self.dir), None)
 
     def _engine_behind(self) -> bool:
@@ -219,17 +242,21 @@ class PolicyWeights:
         self._touched = None if touched is None or self._touched is None else self._touched | set(touched)
         self._check_due = True
 
-    async def _prove(self) -> None:
-        """Check the engine after the round's swaps; on a mismatch, drift: reload in full and check again."""
+    async def _check(self) -> bool:
+        """Check the engine if a swap since the last check is due one; False only when a check failed."""
         if not self._check_due or self._served is None:
-            return
+            return True
         if not self.check.checkable(self.engine):  # switched off, or an engine without read-back
             self._check_due = False
             self.status.last_check = "not checked: off, or the engine cannot read its weights back"
-            return
+            return True
         result = await self.check.run(self.engine, self._served, self._touched)
         self._checked(result)
-        if result.ok:
+        return result.ok
+
+    async def _prove(self) -> None:
+        """Check the engine after the round's swaps; on a mismatch, drift: reload in full and check again."""
+        if await self._check():
             return
         await self._reload_from_dir()
         if self._check_due and self._served is not None:
@@ -294,6 +321,10 @@ class PolicyWeights:
             if self.metrics is not None:
                 self.metrics.transfers.labels(self.model_id, version.kind).inc()
                 self.metrics.transfer_bytes.labels(self.model_id).inc(version.manifest.payload_bytes)
+
+    def _stage_reached(self, stage: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.version_stage_seconds.labels(self.model_id, stage).observe(seconds)
 
     def _refused(self, refusal: Refusal) -> None:
         self.status.last_error = str(refusal)

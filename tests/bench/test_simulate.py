@@ -139,22 +139,22 @@ def test_the_latency_budget_takes_its_stage_costs_from_a_latency_run(tmp_path, c
     report = {"versions": [version, {**version, "version": 2}], "hop_overhead_s": 0.05, "model_bytes": 1e9}
     costs = costs_from_latency(report)
     assert costs.cast_gbps == pytest.approx(4.0) and costs.encode_gbps == pytest.approx(2.0)
-    assert costs.apply_gbps == pytest.approx(2.0) and costs.swap_gbps == pytest.approx(2.0)
+    assert costs.apply_gbps == pytest.approx(2.0) and costs.check_gbps == pytest.approx(2.0)
     assert costs.hop_overhead_s == pytest.approx(0.05)
 
     rows = budget_rows(Tcp(), Codec(), Mesh(), costs)
-    slower = budget_rows(Tcp(), Codec(), Mesh(), replace(costs, swap_gbps=1.0))
+    slower = budget_rows(Tcp(), Codec(), Mesh(), replace(costs, check_gbps=1.0))
     for row, slow in zip(rows, slower):
         assert row["seconds_to_all_pools"] == pytest.approx(sum(row["stages"].values()))
-        assert slow["stages"]["engine swap + check"] == pytest.approx(2 * row["stages"]["engine swap + check"])
+        assert slow["stages"]["serve check"] == pytest.approx(2 * row["stages"]["serve check"])
     assert {r["model"] for r in rows} == {"Qwen3-14B", "1T MoE"}
 
     path = tmp_path / "latency.json"
     path.write_text(json.dumps(report))
     assert simulate.main(["--latency", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["assumptions"]["stage_costs"]["swap_gbps"] == pytest.approx(2.0)
+    assert out["assumptions"]["stage_costs"]["check_gbps"] == pytest.approx(2.0)
     # The command's network stages use the calibrated TCP; the stages over the weights are the same.
     for printed, row in zip(out["latency_budget"], rows):
-        for stage in ("cast", "encode + sign", "verify + apply", "engine swap + check"):
+        for stage in ("cast", "encode + sign", "verify + apply", "serve check"):
             assert printed["stages"][stage] == pytest.approx(row["stages"][stage])

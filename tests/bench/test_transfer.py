@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from transfer_mesh import metric_sum
 from transfer_report import print_report
 from transfer_scenarios import Sample, steady_mbit, summarize, tls_gap
 from transfer_tls import RunPki
-from transfer_training import staleness, training_json
+from transfer_training import stage_times, staleness, training_json
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -118,6 +119,19 @@ def test_training_json_times_each_version_to_every_pool_holding_it_or_newer():
     assert v1["all_pools_seconds"] == 15.0  # b had it only when it reached v2 at 25 s
     assert v2["all_pools_seconds"] == 5.0 and v2["published"] == "delta"
     assert out["median_delta_seconds"] == 10.0
+
+
+def test_stage_times_time_each_region_from_the_start_and_the_end_of_the_publish(tmp_path):
+    base = 1_780_000_000  # log lines carry local time, as logging writes them
+    for region, after_s in (("regionA", 0.2), ("regionB", 0.3), ("regionC", 0.9)):
+        when = datetime.fromtimestamp(base + 2 + after_s).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        (tmp_path / f"gateway-{region}.log").write_text(
+            f"{when} I deltamesh.gateway.relay: relay: m v1 delta complete (1 pieces in 0.10s)\n")
+    published = [{"version": 1, "t_start": base + 0.0, "t_done": base + 2.0}]
+    stages = stage_times(tmp_path, published, [])[1]
+    assert stages["to_regions_seconds"] == 2.3
+    assert stages["to_regions_after_publish_seconds"] == 0.3
+    assert stages["to_last_region_after_publish_seconds"] == 0.9
 
 
 def test_results_are_merged_by_scenario_and_printed(tmp_path, capsys):

@@ -10,6 +10,7 @@ result does not hash right.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -221,3 +222,32 @@ def test_full_snapshot_is_decoded_aside_then_copied_in(key, rl_step):
     # Weights that do not cover the live model are refused before any write.
     with pytest.raises(CorruptError, match="lack"):
         swap_in_place({**live, "extra": torch.zeros(3)}, decoded)
+
+
+def test_known_digests_check_the_base_and_spare_untouched_tensors(key, rl_step, monkeypatch):
+    """With the tensor digests of the manifest the base was verified against, the base check reads no
+    tensor and a tensor the delta leaves alone is never hashed; digests of other weights are refused."""
+    apply_module = importlib.import_module("deltamesh.delta.apply")  # the package exports `apply`, a function
+
+    old, new = _model_pair(rl_step)
+    old["norm"] = torch.ones(64, dtype=torch.bfloat16)
+    new["norm"] = old["norm"].clone()  # untouched by the delta
+    base = encode_full(old, model_id="m", version=0, key=key).manifest
+    enc = encode_delta(old, new, model_id="m", version=1, base_version=0, key=key, piece_bytes=1024)
+    digests = {e.name: e.hash for e in base.tensors}
+    hashed: list[int] = []
+    real = apply_module.tensor_digest
+    monkeypatch.setattr(apply_module, "tensor_digest", lambda t: hashed.append(t.data_ptr()) or real(t))
+
+    live = _numpy_backed(old)
+    before = _bits(live)
+    wrong = {**digests, "embed": "0" * 32}
+    with pytest.raises(BaseMismatchError, match="applies to v0"):
+        swap_in_place(live, decode_version(enc.manifest, enc.pieces), base_digests=wrong)
+    assert _bits(live) == before and not hashed
+    result = apply_version(decode_version(enc.manifest, enc.pieces), live, base_digests=digests, in_place=True)
+    assert _bits(result) == _bits(new)
+    assert live["norm"].data_ptr() not in hashed and not hashed  # nothing hashed outside the patched tensors
+    # Without the digests, the untouched tensor is hashed to check the base.
+    apply_version(decode_version(enc.manifest, enc.pieces), _numpy_backed(old))
+    assert len(hashed) == 1

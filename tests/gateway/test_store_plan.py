@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -155,3 +156,31 @@ def test_plan_picks_the_cheapest_route(kit):
     # To a version before the newest full: the older full plus its deltas.
     p = make_plan(MODEL, ms, None, 3)
     assert [(s.version, s.kind) for s in p.steps] == [(0, "full"), (1, "delta"), (2, "delta"), (3, "delta")]
+
+
+def test_store_notes_when_a_version_became_whole(kit, tmp_path):
+    """`stored_at` (in the listing's entries): the wall time of the last piece, none while one is missing;
+    after a restart, the time the newest piece was written."""
+    async def main():
+        store = VersionStore(tmp_path, [kit.key.key.public_key()])
+        store.load()
+        m, raw, pieces = kit.version(MODEL, 1, "delta")
+        entry, _ = await store.put_manifest(raw)
+        for i, p in enumerate(pieces[:-1]):
+            await store.put_piece(entry, i, p)
+        assert entry.stored_at is None and entry.describe()["stored_at"] is None
+        before = time.time()
+        await store.put_piece(entry, len(pieces) - 1, pieces[-1])
+        assert before <= entry.stored_at <= time.time()
+        assert entry.describe()["stored_at"] == entry.stored_at
+        _, raw2, pieces2 = kit.version(MODEL, 2, "delta")
+        half, _ = await store.put_manifest(raw2)
+        await store.put_piece(half, 0, pieces2[0])
+
+        again = VersionStore(tmp_path, [kit.key.key.public_key()])
+        again.load()
+        # File times come from the kernel's coarse clock: equal to the write's time within a tick.
+        assert again.get(MODEL, 1, "delta").stored_at == pytest.approx(entry.stored_at, abs=0.5)
+        assert again.get(MODEL, 2, "delta").stored_at is None
+
+    asyncio.run(main())

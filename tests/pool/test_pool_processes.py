@@ -69,6 +69,13 @@ def test_two_regions_generate_and_a_new_version_reaches_both(kit):
     _publish(pub, kit.next_version(v1, 2))
     kit.wait_until(lambda: all(_model_status(p, kit.model)["engine_version"] == 2 for p in pools.values()), 60,
                    "v2 to reach both regions", procs=procs)
+    # The status shows when v2 reached each stage in each pool (mesh/pool/timeline.py), in order.
+    kit.wait_until(lambda: all("persisted" in _model_status(p, kit.model)["timeline"].get("2", {})
+                               for p in pools.values()), 60, "v2's directory write", procs=procs)
+    for p in pools.values():
+        stages = _model_status(p, kit.model)["timeline"]["2"]
+        assert list(stages) == ["head", "fetched", "verified", "applied", "serving", "persisted"], stages
+        assert list(stages.values()) == sorted(stages.values())
     after_swap = {name: _submitted(p) for name, p in pools.items()}
     kit.wait_until(lambda: all(_submitted(p) >= after_swap[n] + 6 for n, p in pools.items()), 60,
                    "trajectories generated with v2", procs=procs)

@@ -101,7 +101,7 @@ def test_an_update_that_changes_nothing_is_caught_and_drift_stops_leasing_until_
     async def main():
         async with _pool(kit, weights) as (engine, w, pub, metrics):
             async def stale(version):  # "succeeds", claims the version, keeps serving the old weights
-                engine._set_version(version.manifest.version, version.manifest.weights_hash)
+                engine._set_version(version.manifest.version, version.manifest)
 
             engine.apply_update = stale
             load_version = engine.load_version
@@ -130,8 +130,8 @@ def test_an_update_that_changes_nothing_is_caught_and_drift_stops_leasing_until_
 def test_with_a_rotation_of_one_every_tensor_is_read_back_after_every_swap(kit):
     """A tensor the delta does not touch, gone bad inside the engine right after the swap: with
     `rotation=1` the check reads every tensor and catches it in the same version. (With a longer
-    rotation the transformers engine's next in-place apply would catch it too, as its result hashes
-    cover every tensor; vLLM's apply checks only its host copy: tests/engines/test_vllm_engine.py.)"""
+    rotation the rotation catches it within that many versions: an in-place apply takes the digests
+    of tensors a delta does not touch from the last verified manifest, without reading them.)"""
     untouched = "model.norm.weight"
     weights = kit.next_version(kit.base_weights(), 1)
 

@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import time
 
+import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import dir_manifest, live_tensors, read_weights
 from deltamesh.delta import decode as decode_module
@@ -15,6 +17,9 @@ from deltamesh.delta import decoded as decoded_module
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.http import client_session, request_json
+from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.mesh.pool.weights import PolicyWeights
 
 
@@ -257,3 +262,61 @@ def test_a_failed_reload_is_retried_by_the_next_round(kit):
             assert w.status.swaps == {"in_place": 0, "reload": 1}
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("hot_swap", [True, False], ids=["in_place", "reload"])
+def test_each_synced_version_reports_its_stages_in_order(kit, hot_swap):
+    """A round that brings a chain of two deltas notes, for each version, when it reached each stage on
+    the pool's clock, in the order of the way in (an engine updated in place serves the version, checked,
+    before the directory is written; one that loads from disk takes it after); the gateway's listing says when it held each version whole, before any pool
+    had it; each stage's time feeds the pool's histogram."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+    v3 = kit.next_version(v2, 3)
+    way = (("head", "fetched", "verified", "applied", "serving", "persisted") if hot_swap else
+           ("head", "fetched", "verified", "persisted", "applied", "serving"))
+
+    async def main():
+        metrics = PoolMetrics(CollectorRegistry())
+        async with _gateway(kit, v1) as (url, pub):
+            engine = _engine(kit)
+            try:
+                async with PolicyWeights(engine, _sync_config(kit, url), hot_swap=hot_swap, metrics=metrics) as w:
+                    assert await w.sync_round() and w.timeline.get(1).keys() == set(way)
+                    await pub.publish(v2)
+                    await pub.publish(v3)
+                    assert await w.sync_round() is True and engine.version == 3
+                    async with client_session() as session:
+                        listing = await request_json(session, "GET", f"{url}/v1/models/{kit.model}/versions")
+            finally:
+                await engine.close()
+        stored = {e["version"]: e["stored_at"] for e in listing["versions"] if e["kind"] == "delta"}
+        described = w.timeline.describe()
+        assert list(described) == ["1", "2", "3"]
+        for version in (2, 3):
+            stages = described[str(version)]
+            if not hot_swap and version == 2:
+                # Loading from disk, the engine went straight to v3: v2 was never applied on its own.
+                assert list(stages) == [s for s in way if s != "applied"]
+            else:
+                assert list(stages) == list(way), f"v{version}: {stages}"
+            times = list(stages.values())
+            assert times == sorted(times), f"v{version}: {stages}"
+            assert stored[version] <= stages["fetched"], "the origin held the version before the pool did"
+        assert described["2"]["fetched"] <= described["3"]["fetched"]
+        counted = {sample.labels["stage"]: sample.value for family in metrics.registry.collect()
+                   for sample in family.samples if sample.name == "deltamesh_pool_version_stage_seconds_count"}
+        assert counted["serving"] == 3 and counted["fetched"] == 3
+
+    asyncio.run(main())
+
+
+def test_the_timeline_keeps_the_newest_versions():
+    timeline = VersionTimeline(keep=3)
+    for version in range(1, 6):
+        timeline.mark(version, "fetched", at=100.0 + version)
+    timeline.mark(5, "fetched", at=200.0)  # reached again: the later time
+    assert timeline.describe() == {"3": {"fetched": 103.0}, "4": {"fetched": 104.0}, "5": {"fetched": 200.0}}
+    assert timeline.get(1) == {}
+    with pytest.raises(ValueError):
+        timeline.mark(6, "downloaded")

@@ -268,6 +268,32 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
         assert_same(rebuilt, weights_at(3))
 
 
+def test_the_mesh_client_reports_when_each_stage_of_a_publish_ended(tmp_path, key_files, free_port):
+    """The trainer's stage times ("step_end", "cast") and the publisher's reach the outcome, in order;
+    with a periodic full, the delta is at the origin before the full is."""
+    key, _, public = key_files
+    outcomes = []
+    dead = f"http://127.0.0.1:{free_port}"
+    with gateway_in_thread(tmp_path / "store", public) as url:
+        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=2, piece_bytes=1 << 20,
+                            connections=2, on_published=outcomes.append, broker_failover_s=0)
+        try:
+            client.start(0, weights_at(0), threading.Event())
+            for v in (1, 2):
+                step_end = time.time()
+                weights = weights_at(v)
+                client.publish(weights, v, {"step_end": step_end, "cast": time.time()})
+                client.wait_published()
+        finally:
+            client.close()
+    order = ["step_end", "cast", "encoded", "signed", "upload_start", "uploaded"]
+    assert [(o.version, o.ok, o.kinds) for o in outcomes] == [(1, True, ["delta"]), (2, True, ["delta", "full"])]
+    for o in outcomes:
+        stamps = [o.stages[k] for k in order]
+        assert stamps == sorted(stamps), o.stages
+    assert outcomes[1].stages["uploaded"] <= outcomes[1].stages["full_encoded"] <= outcomes[1].stages["full_uploaded"]
+
+
 def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_files, free_port):
     """With `statement_every_s`, the origin's head statement keeps getting fresher while no version
     comes, so pools that require fresh statements can tell a frozen gateway from a trainer between steps."""
