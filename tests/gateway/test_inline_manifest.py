@@ -26,6 +26,7 @@ from deltamesh.gateway.sync_errors import SyncError
 from deltamesh.gateway.upload import upload_version
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import client_session, serving
+from deltamesh.tokens import TokenSpec, add_token
 from deltamesh_test_passthrough import pass_through
 
 MODEL = "tiny"
@@ -254,3 +255,35 @@ async def _until_complete(s: aiohttp.ClientSession, url: str, version: int, kind
                     return
         await asyncio.sleep(0.1)
     raise AssertionError(f"{url} did not complete v{version} {kind} within {timeout}s")
+
+
+def test_head_answers_carry_manifests_only_for_callers_with_a_read_credential(kit, tmp_path):
+    """`?manifests=1` is a read of the head routes: a caller without a token, or with a wrong one, is
+    refused (401) and gets no envelope, and so is a pool's token on the relays' `/v1/heads` (403); a
+    downstream gateway's token gets the signed envelope there, a pool's on its model's head."""
+    tokens = tmp_path / "tokens.toml"
+    trainer, pool = add_token(tokens, TokenSpec("t", "trainer")), add_token(tokens, TokenSpec("p1", "pool"))
+    relay = add_token(tokens, TokenSpec("eu", "gateway"))
+
+    async def main():
+        async with kit.running_gateway(kit.config(tmp_path, tokens_file=str(tokens))) as url:
+            pub = Publisher(url, kit.key.key, MODEL, piece_bytes=PIECE, token=trainer)
+            w0 = kit.tiny_weights()
+            await pub.publish(w0)
+            await pub.publish(kit.next_step(w0, 1))
+            routes = {f"{url}/v1/heads?manifests=1": relay, f"{url}/v1/models/{MODEL}/head?manifests=1": pool}
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url}/v1/heads?manifests=1", headers={"Authorization": f"Bearer {pool}"}) as r:
+                    assert r.status == 403 and b"manifests" not in await r.read()
+                for route, token in routes.items():
+                    for headers in ({}, {"Authorization": "Bearer dm_" + "x" * 43}):
+                        async with s.get(route, headers=headers) as r:
+                            assert r.status == 401, (route, headers, r.status)
+                            assert b"manifests" not in await r.read()
+                    async with s.get(route, headers={"Authorization": f"Bearer {token}"}) as r:
+                        assert r.status == 200
+                        carried = (await r.json())["manifests"]
+                    delta = carried[MODEL]["delta"] if MODEL in carried else carried["delta"]
+                    assert json.loads(delta)["signature"]
+
+    asyncio.run(main())
