@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shlex
@@ -33,6 +34,18 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 from postgres_cluster import PostgresCluster, PostgresMissing  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Any:
+    """A command's main() run in-process sets up logging on the stream pytest captures for that
+    test, which is closed afterwards; later log records would then hit a closed file. Put the root
+    logger back as it was after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

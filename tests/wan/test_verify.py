@@ -3,7 +3,7 @@ functions: the measurements themselves are tested on real links in test_links.py
 
 from __future__ import annotations
 
-from wan.verify import RTT_SLACK_MS, default_seconds, format_table, judge
+from wan.verify import LATE_WAKEUP_MS, RTT_SLACK_MS, default_seconds, format_table, judge
 
 
 def test_on_target_link_is_ok():
@@ -20,8 +20,14 @@ def test_off_target_rtt_and_rate_are_both_reported():
 
 
 def test_short_links_get_an_absolute_rtt_allowance():
-    assert judge("a", "b", 2, 2 + RTT_SLACK_MS * 0.9, 100, None, 0.10).ok
-    assert not judge("a", "b", 2, 2 + RTT_SLACK_MS * 1.5, 100, None, 0.10).ok
+    assert judge("a", "b", 2, 2 - RTT_SLACK_MS * 0.9, 100, None, 0.10).ok
+    assert not judge("a", "b", 2, 2 - RTT_SLACK_MS * 1.5, 100, None, 0.10).ok
+
+
+def test_a_late_round_trip_gets_room_for_wake_ups_a_short_one_does_not():
+    assert judge("a", "b", 10, 10 + 1.0 + LATE_WAKEUP_MS * 0.9, 100, None, 0.10).ok
+    assert not judge("a", "b", 10, 10 + 1.0 + LATE_WAKEUP_MS * 1.1, 100, None, 0.10).ok
+    assert not judge("a", "b", 10, 10 - 1.0 - LATE_WAKEUP_MS * 0.5, 100, None, 0.10).ok
 
 
 def test_a_failed_measurement_is_a_failed_check():
