@@ -235,12 +235,14 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                     await trainer.back_to_old()
                     for each in pools.values():
                         await each.sync_round()
+                        await each.writer.flush()
                     engine = weights.engine
                     async with Generating(engine) as generating:
                         version, nbytes = await trainer.publish_new(kind)
                         available = time.time()
-                        await weights.sync_round()  # returns once the directory is written too
+                        await weights.sync_round()  # an engine updated in place: its directory is written behind
                         over = time.time() - available
+                        await weights.writer.flush()  # off the clock, before the next version
                         if engine.version != version or weights.status.last_error:
                             raise RuntimeError(f"{model.name} {kind} {mode}: engine at v{engine.version}, "
                                                f"wanted v{version}; {weights.status.last_error}")

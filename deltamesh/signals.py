@@ -4,15 +4,17 @@ The first signal logs one "stopping" line and starts the process's own shutdown 
 rolls back its apply and deregisters; a server stops taking requests). The process then exits with
 the shell's status for that signal, 130 or 143, so that a shell and a service manager see it was
 stopped rather than that it finished (docs/CLI.md). A second signal while stopping ends it at once.
+`sleep_or_stop` and `until_stopped` cut a pause or a long poll short when the stop comes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
-from typing import Callable
+from typing import Awaitable, Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -60,3 +62,26 @@ def stop_on_signals(what: str) -> Stop:
 
     on_stop_signals(asyncio.get_running_loop(), on_stop, what)
     return stop
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if `stop` is set first."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def until_stopped(coro: Awaitable, stop: asyncio.Event) -> None:
+    """Run `coro`, cancelling it if `stop` is set first (a long poll must not delay a shutdown)."""
+    work = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.done() and not work.cancelled():
+        work.result()
+

@@ -1,7 +1,7 @@
 """Where pieces come from: the gateways a fetch may use, each with its health (a penalty after
 failures, see `deltamesh.gateway.scoring`), the rate its transfers reach, an optional bandwidth cap
 (`RateLimiter`, shared by every transfer over the link) and an optional emulated latency, and the
-order they are tried in.
+order they are tried in (`ask_first`: a JSON call to the first gateway that answers it).
 """
 
 from __future__ import annotations
@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import Any, Collection, Sequence
+
+import aiohttp
 
 from deltamesh.gateway.links import Link
+from deltamesh.gateway.sync_errors import SyncError, credentials_refused, unreachable
+from deltamesh.http import HttpError, request_json
 
 
 class RateLimiter:
@@ -70,3 +74,32 @@ def order_sources(sources: Sequence[Source], avoid: Collection[Source] = ()) -> 
     rank = {id(s): i for i, s in enumerate(sources)}
     return sorted(sources, key=lambda s: (s in avoid, not s.healthy(now), s.bad_until if not s.healthy(now) else 0.0,
                                           rank[id(s)]))
+
+
+async def ask_first(session: aiohttp.ClientSession, sources: Sequence[Source], method: str, path: str, *,
+                    params: dict | None = None, body: Any = None, headers: dict[str, str] | None = None,
+                    timeout_s: float = 0.0, stall_timeout_s: float, prefer: Source | None = None,
+                    pool: str) -> tuple[Source, Any]:
+    """A pool's JSON call to the first gateway that answers it (`prefer` first, then `order_sources`);
+    the gateway and its answer. A gateway that cannot be reached or fails (5xx) is asked last
+    for a while; CredentialsError when every gateway refused the pool's credentials."""
+    errors, denied, failures = [], [], []
+    ordered = order_sources(sources)
+    if prefer is not None:
+        ordered = [prefer] + [s for s in ordered if s is not prefer]
+    for source in ordered:
+        try:
+            return source, await request_json(session, method, f"{source.url}{path}", params=params, body=body,
+                                              headers=headers, timeout_s=timeout_s + stall_timeout_s)
+        except HttpError as e:
+            errors.append(str(e))
+            failures.append(e)
+            if e.status in (401, 403):  # perhaps only this gateway has not learned of the pool's token
+                denied.append(str(e))
+            elif e.status == 0 or e.status >= 500:
+                source.bad_until = time.monotonic() + min(stall_timeout_s, 5.0)
+            elif e.status != 404:
+                raise
+    if denied and len(denied) == len(errors):
+        raise credentials_refused(pool, denied)
+    raise SyncError("no gateway answered: " + "; ".join(errors)) from unreachable(failures)

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -47,9 +47,10 @@ from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, Version
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
 from deltamesh.gateway.pool_presence import Presence
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError, credentials_refused, unreachable
-from deltamesh.http import HttpError, bearer, client_session, request_json
+from deltamesh.gateway.sources import Source, ask_first
+from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError
+from deltamesh.http import HttpError, bearer, client_session
+from deltamesh.signals import sleep_or_stop, until_stopped
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
@@ -71,6 +72,7 @@ class WeightSync:
         """The newest version a gateway has announced for the model (None before the first answer)."""
         self.state = "idle"
         self.transfer: dict = {}
+        self._fetched: dict[int, dict] = {}  # the transfers of fetched versions not yet persisted, by version
         self.since_full = 0
         self.last_error = ""
         self.sources = [Source(url) for url in config.gateways]
@@ -167,15 +169,17 @@ class WeightSync:
             await self.persist(await self.fetch_decoded(plan))
         return True
 
-    async def wait_for_head(self, wait_s: float = 0.0) -> int | None:
-        """Wait (up to `wait_s`) until a gateway announces a version newer than the directory's; that
-        version, or None if none came. Checks the answering gateway's head statement and freshness on
-        the way (Refused for a forged statement; a stale gateway is flagged, and asked last next time)."""
+    async def wait_for_head(self, wait_s: float = 0.0, *, after: int | None = None) -> int | None:
+        """Wait (up to `wait_s`) until a gateway announces a version newer than `after` (by default the
+        directory's); that version, or None if none came. Checks the answering gateway's head statement
+        and freshness on the way (Refused for a forged statement; a stale gateway is flagged, and asked
+        last next time)."""
+        after = self.version if after is None else after
         if not self.model:
             self.model = await self._pick_model()
         await self._checked()  # a round whose plan was never asked for
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
-                                         params={"after": self.version, "wait": wait_s, "manifests": 1}, timeout=wait_s)
+                                         params={"after": after, "wait": wait_s, "manifests": 1}, timeout=wait_s)
         head = answer.get("head", "?") if isinstance(answer, dict) else "?"
         if not valid_head(head):
             raise SyncError(f"gateway {source.url} answered a malformed head {head!r:.40}")
@@ -188,7 +192,7 @@ class WeightSync:
             self.watch.check(self._session, source, self.model, head, self.version, self._peer))
         if head is not None:
             self.head = max(head, self.head if self.head is not None else head)
-        if head is None or (self.version is not None and head <= self.version):
+        if head is None or (after is not None and head <= after):
             await self._checked()
             return None
         return head
@@ -203,11 +207,12 @@ class WeightSync:
         except Rejected as e:
             raise Refused(str(self._refuse(self._round, e))) from None
 
-    async def fetch_plan(self, to: int | None = None, *, full: bool = False) -> Plan:
-        """A transfer plan from the gateway this round follows (another if it does not answer); Refused
-        when it would leave the pool below the version it holds."""
+    async def fetch_plan(self, to: int | None = None, *, full: bool = False, base: int | None = None) -> Plan:
+        """A transfer plan from the gateway this round follows (another if it does not answer), from
+        `base` (by default the version the directory holds); Refused when it would leave the pool below
+        the version it holds."""
         self.state = "planning"
-        params = {"from": None if full else self.version, "to": to}
+        params = {"from": None if full else (self.version if base is None else base), "to": to}
         if self.config.full_every:
             params.update(since_full=self.since_full, full_every=self.config.full_every)
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/plan", params=params, prefer=self._round)
@@ -245,6 +250,7 @@ class WeightSync:
             versions.append(await asyncio.to_thread(decode_version, manifest, pieces))
             self._staged(step.version, "verified")
         self.state = "applying"
+        self._fetched[plan.to_version] = self.transfer
         return versions
 
     async def fetch_step(self, step: PlanStep, *, final: bool = True) -> Step:
@@ -274,8 +280,15 @@ class WeightSync:
         self.since_full = len(versions) - 1 if versions[0].kind == "full" else self.since_full + len(versions)
         self.version = final.version
         self.guard.hold(final.version, final.weights_hash)
-        self._progressed(applied=final.version)
-        self.state, self.transfer, self.last_error = "idle", {}, ""
+        # A pool writes its directory behind its engine (mesh/pool/dir_writer.py): the next version's
+        # transfer may be under way, and is left as it is.
+        done = self._fetched.pop(final.version, None)
+        self._fetched = {v: t for v, t in self._fetched.items() if v > final.version}
+        if done and self.on_progress is not None:
+            self.on_progress({**done, "applied": final.version})
+        if self.transfer.get("to", final.version) <= final.version:  # no newer transfer under way
+            self.state, self.transfer = "idle", {}
+        self.last_error = ""
         self._beat_now.set()
         log.info("pool %s: now at %s v%d", self.config.name, final.model_id, final.version)
         return final
@@ -305,30 +318,9 @@ class WeightSync:
 
     async def _ask(self, method: str, path: str, *, params: dict | None = None, body=None,
                    timeout: float = 0.0, prefer: Source | None = None) -> tuple[Source, Any]:
-        """A JSON call to the first gateway that answers it (`prefer` first, then in order of
-        preference); the gateway and its answer."""
-        errors, denied, failures = [], [], []
-        now = time.monotonic()
-        ordered = [s for s in self.sources if s.healthy(now)] + [s for s in self.sources if not s.healthy(now)]
-        if prefer is not None:
-            ordered = [prefer] + [s for s in ordered if s is not prefer]
-        for source in ordered:
-            try:
-                return source, await request_json(self._session, method, f"{source.url}{path}", params=params,
-                                                  body=body, headers=self._peer,
-                                                  timeout_s=timeout + self.config.stall_timeout_s)
-            except HttpError as e:
-                errors.append(str(e))
-                failures.append(e)
-                if e.status in (401, 403):  # perhaps only this gateway has not learned of the pool's token
-                    denied.append(str(e))
-                elif e.status == 0 or e.status >= 500:
-                    source.bad_until = time.monotonic() + min(self.config.stall_timeout_s, 5.0)
-                elif e.status != 404:
-                    raise
-        if denied and len(denied) == len(errors):
-            raise credentials_refused(self.config.name, denied)
-        raise SyncError("no gateway answered: " + "; ".join(errors)) from unreachable(failures)
+        return await ask_first(self._session, self.sources, method, path, params=params, body=body,
+                               headers=self._peer, timeout_s=timeout, stall_timeout_s=self.config.stall_timeout_s,
+                               prefer=prefer, pool=self.config.name)
 
     async def _pick_model(self) -> str:
         _, answer = await self._ask("GET", "/v1/models")
@@ -386,25 +378,4 @@ class WeightSync:
         is written already); returns the backoff before the next round. `outage.succeeded()` ends it."""
         self.state, self.last_error = "error", reason
         return self.outage.failed(reason, quiet=logged)
-
-
-async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-async def until_stopped(coro: Awaitable, stop: asyncio.Event) -> None:
-    """Run `coro`, cancelling it if `stop` is set first (a long poll must not delay a shutdown)."""
-    work = asyncio.ensure_future(coro)
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.done() and not work.cancelled():
-        work.result()
 

@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from deltamesh.gateway.config import PoolSyncConfig
-    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync, until_stopped
+    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync
+    from deltamesh.signals import until_stopped
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.cli.exits import describe, exit_code

@@ -11,7 +11,10 @@
    version is proven served before the directory is written. A failed update leaves the engine
    bit-identical on what it served, and is logged;
 4. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
-   and for engines that load from disk;
+   and for engines that load from disk. Behind an engine that took them in place and passed its
+   check, the write is queued (`dir_writer.py`) and the round ends: the next round plans from the
+   version the directory will hold, so the next version is fetched and served while the disk is
+   written;
 5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
    delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
    fails too, the next round retries it first and polls the head only briefly until it succeeds;
@@ -51,15 +54,15 @@ from deltamesh.gateway.weight_sync import (
     Refused,
     SyncError,
     WeightSync,
-    sleep_or_stop,
-    until_stopped,
 )
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
-from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.dir_writer import DirectoryWriter
+from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
 from deltamesh.mesh.pool.timeline import VersionTimeline
+from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,10 @@ class PolicyWeights:
         self._served: Manifest | None = None  # manifest of the version last put into the engine
         self._touched: set[str] | None = set()  # tensors written since the last check (None: all)
         self._check_due = False
+        self.writer = DirectoryWriter(
+            self.sync, on_written=lambda versions: self.timeline.mark(versions, "persisted"),
+            on_error=self._note_error)
+        """The synced directory's writes, queued behind the engine's swaps (`dir_writer.py`)."""
 
     @property
     def dir(self) -> str:
@@ -136,7 +143,10 @@ class PolicyWeights:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.sync.__aexit__(*exc)
+        try:
+            await self.writer.flush()  # a clean stop leaves the directory at the version served
+        finally:
+            await self.sync.__aexit__(*exc)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Resume from the directory, register, sync to the head, then follow the head until `stop`
@@ -159,17 +169,19 @@ class PolicyWeights:
         Raises SyncError/HttpError/CodecError/OSError when the transfer fails (the directory is then
         where it was)."""
         if self._engine_behind():
+            await self.writer.flush()  # the reload reads the directory
             await self._reload_from_dir()  # a reload that failed (or a drift) in an earlier round
             await self._prove()
             if self._engine_behind():
                 wait_s = min(wait_s, RETRY_S)
             elif self.version is not None and "serving" not in self.timeline.get(self.version):
                 self._serving([self.version])
-        head = await self.sync.wait_for_head(wait_s)
+        base = self.writer.held
+        head = await self.sync.wait_for_head(wait_s, after=base)
         if head is None:
             return False
         seen = time.time()
-        plan = await self.sync.fetch_plan(head)
+        plan = await self.sync.fetch_plan(head, base=base)
         self.timeline.mark([s.version for s in plan.steps], "head", seen)
         while True:
             try:
@@ -178,8 +190,13 @@ class PolicyWeights:
                 if self.hot_swap:
                     await self._update_engine(versions)
                     if self._engine_synced and self.engine.version == versions[-1].version:
-                        await self._check()  # a failure is drift, reloaded below once the directory has it
-                        self._serving([v.version for v in versions])
+                        if await self._check():  # a failure is drift, reloaded below once the directory has it
+                            self._serving([v.version for v in versions])
+                            # Served and proven: the directory is written while the next version comes.
+                            self.writer.write_behind(None if versions[0].kind == "full" else plan.from_version,
+                                                     versions)
+                            return True
+                await self.writer.flush()
                 await self.sync.persist(versions)
                 self.timeline.mark([v.version for v in versions], "persisted")
                 break

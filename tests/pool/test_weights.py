@@ -193,9 +193,79 @@ def test_each_piece_is_decoded_once_per_round_for_engine_and_directory(kit, monk
             assert len(decoded) == pieces and len(set(decoded)) == pieces, "every piece decoded exactly once"
             assert engine.version == 3 and _same(engine, v3)
             assert w.status.swaps == {"in_place": 3, "reload": 0} and w.status.fetched == {"full": 1, "delta": 2}
+            await w.writer.flush()  # the directory is written behind the engine
             on_disk = read_weights(w.dir)
             assert dir_manifest(w.dir).version == 3 and on_disk.keys() == v3.keys()
             assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v3.items())
+
+    asyncio.run(main())
+
+
+def test_the_next_version_is_served_while_the_directory_is_still_being_written(kit):
+    """An engine updated in place serves v1 and then v2 while the directory's writes wait (held at a
+    gate): neither round waits for the disk, the writes land in order once let go, and the directory
+    ends bit-exact on v2."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+
+    async def main():
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
+            gate, written = asyncio.Event(), []
+            persist = w.sync.persist
+
+            async def gated(versions):
+                await gate.wait()
+                written.append([v.version for v in versions])
+                return await persist(versions)
+
+            w.sync.persist = gated
+            try:
+                assert await w.sync_round() and engine.version == 1
+                assert dir_manifest(w.dir) is None and w.writer.writing and w.writer.held == 1
+                await pub.publish(v2)
+                assert await w.sync_round() is True and engine.version == 2 and _same(engine, v2)
+                assert dir_manifest(w.dir) is None and written == [], "both rounds ended before any write"
+                assert "serving" in w.timeline.get(2) and "persisted" not in w.timeline.get(1)
+            finally:
+                gate.set()  # else leaving the pool would wait for the writes for ever
+            await w.writer.flush()
+            assert written == [[1], [2]] and dir_manifest(w.dir).version == 2 and w.sync.version == 2
+            on_disk = read_weights(w.dir)
+            assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v2.items())
+            assert "persisted" in w.timeline.get(1) and "persisted" in w.timeline.get(2)
+
+    asyncio.run(main())
+
+
+def test_a_failed_write_behind_is_written_again_by_the_next_round(kit):
+    """The directory write of v2 fails (a full disk) after the engine served v2: the pool keeps serving
+    v2, says why, and its next round brings the directory from v1 to v2 without swapping v2 in again."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+
+    async def main():
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
+            assert await w.sync_round()
+            await w.writer.flush()
+            persist, failures = w.sync.persist, []
+
+            async def full_once(versions):
+                if not failures:
+                    failures.append(versions[-1].version)
+                    raise OSError(28, "No space left on device")
+                return await persist(versions)
+
+            w.sync.persist = full_once
+            await pub.publish(v2)
+            assert await w.sync_round() is True and engine.version == 2
+            await w.writer.flush()
+            assert failures == [2] and dir_manifest(w.dir).version == 1 and w.writer.held == 1
+            assert "writing v2" in w.status.last_error and "No space left" in w.status.last_error
+            assert w.version == 2 and not w.status.drifted, "the engine keeps serving what it proved"
+            assert await w.sync_round() is True
+            await w.writer.flush()
+            assert dir_manifest(w.dir).version == 2 and w.writer.held == 2
+            assert w.status.swaps == {"in_place": 2, "reload": 0} and _same(engine, v2)
 
     asyncio.run(main())
 
@@ -282,10 +352,13 @@ def test_each_synced_version_reports_its_stages_in_order(kit, hot_swap):
             engine = _engine(kit)
             try:
                 async with PolicyWeights(engine, _sync_config(kit, url), hot_swap=hot_swap, metrics=metrics) as w:
-                    assert await w.sync_round() and w.timeline.get(1).keys() == set(way)
+                    assert await w.sync_round()
+                    await w.writer.flush()  # an engine updated in place has its directory written behind it
+                    assert w.timeline.get(1).keys() == set(way)
                     await pub.publish(v2)
                     await pub.publish(v3)
                     assert await w.sync_round() is True and engine.version == 3
+                    await w.writer.flush()
                     async with client_session() as session:
                         listing = await request_json(session, "GET", f"{url}/v1/models/{kit.model}/versions")
             finally:
