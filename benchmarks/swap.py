@@ -8,7 +8,10 @@ the swap is done and every later decode step, starting with the next, uses the n
 until the engine has actually returned its first token from the new version is reported too
 (`*_first_token_seconds`): it adds the decode step that was running and any slowdown of generation
 while the synced directory is being written; `*_round_seconds` runs until the pool's round is over
-(the synced directory written too). Two ways side by side, in one run, on the same versions:
+(the synced directory written too, which an engine updated in place may do behind it). For the
+in-place delta, `in_place_next_seconds` times a version published the moment the one before is
+served, as a trainer faster than the pool's round would: it waits for whatever of the previous
+round still holds the pool up. Two ways side by side, in one run, on the same versions:
 
 - in place: the plan's verified pieces are decoded once and written into the live model (a delta
   changes only its changed words; a full snapshot is decoded off to the side and copied in); the
@@ -51,7 +54,7 @@ import torch
 from common import bench_parser, emit, parse_bench_args
 from inputs import qwen3_shapes, synthetic_case
 
-from deltamesh.delta import generate_key, read_weights, save_keypair, write_weights
+from deltamesh.delta import dir_manifest, generate_key, read_weights, save_keypair, write_weights
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.server import create_app
@@ -233,16 +236,14 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
             for kind in kinds:
                 for mode, weights in pools.items():
                     await trainer.back_to_old()
-                    for each in pools.values():
-                        await each.sync_round()
-                        await each.writer.flush()
+                    await catch_up(pools.values())
                     engine = weights.engine
                     async with Generating(engine) as generating:
                         version, nbytes = await trainer.publish_new(kind)
                         available = time.time()
-                        await weights.sync_round()  # an engine updated in place: its directory is written behind
-                        over = time.time() - available
-                        await weights.writer.flush()  # off the clock, before the next version
+                        await weights.sync_round()
+                        # An engine updated in place may have its directory written behind it.
+                        over = await directory_holds(weights, version) - available
                         if engine.version != version or weights.status.last_error:
                             raise RuntimeError(f"{model.name} {kind} {mode}: engine at v{engine.version}, "
                                                f"wanted v{version}; {weights.status.last_error}")
@@ -256,11 +257,21 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                     payload[kind].append(nbytes)
                     log.info("%s %s %s: v%d served after %.3f s, first token after %.3f s, round over after "
                              "%.3f s (%d payload bytes)", model.name, kind, mode, version, served, first, over, nbytes)
+        next_served = []
+        if "in_place" in pools and "delta" in kinds:
+            for rep in range(repeats):
+                await trainer.back_to_old()
+                await catch_up(pools.values())
+                async with Generating(pools["in_place"].engine):
+                    next_served.append(await next_version_served(pools["in_place"], trainer))
+                log.info("%s delta in_place, next version: served after %.3f s", model.name, next_served[-1])
     gc.collect()
     cases = []
     for kind in kinds:
         case = {"model": model.name, "engine": engine_name, "kind": kind, "model_bytes": model.model_bytes,
                 "payload_bytes": int(statistics.median(payload[kind])), "runs": repeats, "note": model.note}
+        if kind == "delta" and next_served:
+            case.update(in_place_next_seconds=statistics.median(next_served), in_place_next_runs=next_served)
         for mode in ways:
             case.update({
                 f"{mode}_seconds": statistics.median(served_after[(kind, mode)]),
@@ -272,6 +283,45 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                 case[f"{mode}_vllm_seconds"] = statistics.median(in_engine[(kind, mode)])
         cases.append(case)
     return cases
+
+
+async def catch_up(pools) -> None:
+    """Bring every pool to the head, its directory written too (off the clock)."""
+    for each in pools:
+        await each.sync_round()
+        await directory_holds(each, each.engine.version)
+
+
+async def directory_holds(weights: PolicyWeights, version: int) -> float:
+    """When (wall clock) the pool's synced directory holds `version` (polled: this harness also runs
+    older code, whose round ended only once the directory was written)."""
+    while True:
+        held = await asyncio.to_thread(dir_manifest, weights.dir)
+        if held is not None and held.version >= version:
+            return time.time()
+        await asyncio.sleep(0.01)
+
+
+async def next_version_served(weights: PolicyWeights, trainer: Trainer) -> float:
+    """A trainer faster than the pool's round: the next version is published the moment the one before
+    is served. Seconds from the next one available at the gateway to the engine serving it."""
+    engine = weights.engine
+    version, _ = await trainer.publish_new("delta")
+
+    async def publish_when_served() -> float:
+        while engine.version != version:
+            await asyncio.sleep(0.005)
+        await trainer.back_to_old()
+        return time.time()
+
+    publishing = asyncio.create_task(publish_when_served())
+    await weights.sync_round()
+    available = await publishing
+    while engine.version == version:
+        await weights.sync_round(wait_s=30)
+    if weights.status.last_error:
+        raise RuntimeError(f"{engine.model_id}: next version: {weights.status.last_error}")
+    return weights.status.last_swap_at - available
 
 
 # -- report --------------------------------------------------------------------------------------------
@@ -286,7 +336,7 @@ def print_table(result: dict) -> None:
     table = Table(title="version available at the gateway -> engine serving it (median s)")
     for col in ("model", "engine", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
                 "first token: in place s", "reload s", "round over: in place s", "reload s",
-                "inside vLLM: in place s", "reload s"):
+                "next version: in place s", "inside vLLM: in place s", "reload s"):
         table.add_column(col, justify="left" if col in ("model", "engine", "kind") else "right")
     for c in result["cases"]:
         ratio = (f"{c['reload_seconds'] / c['in_place_seconds']:.1f}x"
@@ -295,7 +345,7 @@ def print_table(result: dict) -> None:
                       f"{c['payload_bytes'] / 1e6:.1f}", cell(c, "in_place_seconds"), cell(c, "reload_seconds"), ratio,
                       cell(c, "in_place_first_token_seconds"), cell(c, "reload_first_token_seconds"),
                       cell(c, "in_place_round_seconds"), cell(c, "reload_round_seconds"),
-                      cell(c, "in_place_vllm_seconds"), cell(c, "reload_vllm_seconds"))
+                      cell(c, "in_place_next_seconds"), cell(c, "in_place_vllm_seconds"), cell(c, "reload_vllm_seconds"))
     console = Console(width=160)
     console.print(table)
     console.print(f"{result['repeats']} runs per cell; {result['threads']} torch threads; "
