@@ -90,6 +90,26 @@ def client_session(
     )
 
 
+async def open_connections(session: aiohttp.ClientSession, url: str, count: int, *,
+                           headers: Mapping[str, str] | None = None, timeout_s: float = 30.0) -> int:
+    """Have `count` connections to `url`'s server in `session`'s pool, opened ahead of the requests that
+    will need them: `count` concurrent GETs of `url` (a small answer), each taking an idle connection
+    or opening one, which then stays open (`KEEPALIVE_S`) for the next requests. Started alongside a
+    first request (a head poll, a plan), it overlaps the TCP (and TLS) handshakes of a transfer's
+    parallel connections with that request's round trip, instead of paying them after it. Returns how
+    many got an answer (any status); it never raises for an unreachable server."""
+
+    async def one() -> bool:
+        try:
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    return sum(await asyncio.gather(*(one() for _ in range(max(0, count)))))
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 

@@ -15,7 +15,8 @@ the version with one FetchError naming the piece and what each source did
 The manifest request can carry the first wave of piece requests with it (`prefetch`), so data flows
 one round trip after the version is known instead of two; those pieces are held unverified until
 the manifest is, then checked like any other. A manifest that came inline in a head answer
-(`inline`) needs no request at all: the pieces are asked for at once."""
+(`inline`) needs no request at all. A cold fetcher opens its connections beside its first request
+(`open_connections`), so the pieces leave one round trip sooner."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, g
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
 from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.sources import Source, order_sources
 from deltamesh.gateway_client import PEER_HEADER, version_url
-from deltamesh.http import JSON_LIMIT, HttpError
+from deltamesh.http import JSON_LIMIT, HttpError, open_connections
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,15 @@ class Fetcher:
         self._judge.note(source, f"{name(key)} manifest rejected: {error}")
         if self.on_rejected is not None:
             self.on_rejected(source, key, error)
+
+    async def open_connections(self, count: int) -> int:
+        """Open `count` connections to the preferred source in each session piece requests use, beside
+        a cold fetcher's first request (`deltamesh.http.open_connections`); the fewest that answered."""
+        url = f"{order_sources(self.sources)[0].url.rstrip('/')}/healthz" if self.sources else ""
+        sessions = {id(s): s for s in (self.session, self.wait_session) if s is not None and url}
+        return min(await asyncio.gather(*(open_connections(s, url, count, headers={PEER_HEADER: self.peer},
+                                                           timeout_s=self.stall_timeout_s)
+                                          for s in sessions.values())), default=0)
 
     # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
@@ -341,13 +351,8 @@ class Fetcher:
             source.served(result.received, result.seconds)
         return result
 
-    async def pieces(
-        self,
-        manifest: Manifest,
-        indices: Iterable[int],
-        connections: int,
-        on_piece: Callable[[int, bytearray], Awaitable[None]],
-    ) -> None:
+    async def pieces(self, manifest: Manifest, indices: Iterable[int], connections: int,
+                     on_piece: Callable[[int, bytearray], Awaitable[None]]) -> None:
         """Fetch `indices` with `connections` parallel requests (spread as `deltamesh.gateway.fetch_lanes`
         says), handing each verified piece to `on_piece`. Pieces prefetched with the manifest
         (`manifest_bytes(prefetch=...)`) are taken first, checked like any other; a bad one is fetched

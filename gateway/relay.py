@@ -1,7 +1,7 @@
 """The relay: how a gateway with upstreams mirrors their versions, cut-through, and fetches what it is asked for.
 
-Each upstream is followed with a long poll of `GET /v1/heads`, so a new version upstream starts a
-sync pass at once; a new head delta whose signed manifest the answer carries inline is mirrored
+Each upstream is followed with a long poll of `GET /v1/heads` (`relay_listing.follow_heads`), so a
+new version upstream starts a sync pass at once; a new head delta whose signed manifest the answer carries inline is mirrored
 from it at once. A pass lists what the upstream can serve (what it holds, and what it could fetch
 from its own upstreams: `reachable`) and mirrors the kinds `deltamesh.gateway.relay_kinds` chooses:
 the newest deltas, and a full snapshot only to keep an anchor for first pulls. Anything else this
@@ -28,7 +28,6 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import aiohttp
@@ -40,24 +39,22 @@ from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.fetch import Fetcher, FetchError, Inline, NotAnnounced
 from deltamesh.gateway.fetch_judge import name
 from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
+from deltamesh.gateway.relay_listing import UpstreamListing, follow_heads, list_upstream
 from deltamesh.gateway.relay_retry import RetrySchedule
-from deltamesh.gateway.sources import RateLimiter, Source, order_sources
+from deltamesh.gateway.sources import RateLimiter, Source
 from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.store import VersionStore
 from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
 from deltamesh.gateway.upstreams import upstream_session
-from deltamesh.http import HttpError, request_json
 
 log = logging.getLogger(__name__)
 
 RESYNC_S = 10.0
 """A pass also runs this often without a trigger, to pick up anything a missed wake-up left behind."""
-FOLLOW_WAIT_S = 30.0
 ANTICIPATE_WAIT_S = 30.0
 """How long one request for the next version waits upstream before it is asked again."""
 ANTICIPATE_BUDGET = 64
@@ -67,20 +64,6 @@ and as many of its first pieces (up to relay_connections) as the rest of the bud
 
 Key = tuple[str, int, str]
 """(model, version, kind)"""
-
-
-@dataclass(frozen=True)
-class UpstreamListing:
-    """What the upstream can serve of one model, from the last pass's listing."""
-
-    held: tuple[PlanStep, ...]
-    """What the upstream holds."""
-    reachable: tuple[PlanStep, ...]
-    """What it does not hold but can fetch from its own upstreams."""
-
-    @property
-    def all(self) -> tuple[PlanStep, ...]:
-        return self.held + self.reachable
 
 
 class Relay:
@@ -132,6 +115,9 @@ class Relay:
         self.store.on_piece_corrupt.append(self._on_corrupt)
         self._tasks = [asyncio.create_task(self._follow(s)) for s in self.sources]
         self._tasks.append(asyncio.create_task(self._sync_loop()))
+        # Cold: the first version's parallel requests find their connections up (handshakes done
+        # during the first listing's round trip), not opening them one round trip later.
+        self._tasks.append(asyncio.create_task(self._fetcher.open_connections(self.config.relay_connections)))
         self.wake()
 
     async def stop(self) -> None:
@@ -185,38 +171,17 @@ class Relay:
 
     # -- following upstreams -------------------------------------------------------------------------
     async def _follow(self, source: Source) -> None:
-        """Long-poll one upstream's heads and wake the sync loop on every change."""
-        since, instance = -1, ""
-        backoff = 0.2
-        while True:
-            params = {"since": since, "instance": instance, "wait": FOLLOW_WAIT_S, "manifests": 1}
-            if source.delay_s:
-                await asyncio.sleep(source.delay_s)
-            try:
-                answer = await request_json(self._follow_session, "GET", f"{source.url}/v1/heads", params=params,
-                                            headers={PEER_HEADER: self.peer},
-                                            timeout_s=FOLLOW_WAIT_S + self.config.stall_timeout_s)
-                epoch, heads = int(answer["epoch"]), {str(m): int(v) for m, v in answer["heads"].items()}
-            except (HttpError, KeyError, TypeError, ValueError, AttributeError) as e:
-                if source.link is not None:
-                    self.monitor.record_error(source.link, f"follow: {e}")
-                source.bad_until = max(source.bad_until, time.monotonic() + min(self.config.stall_timeout_s, 5.0))
-                await asyncio.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, 5.0)
-                since = -1  # after an outage, take the whole picture again
-                continue
-            backoff = 0.2
-            if source.strikes == 0:  # reachable again; a penalty for bad or slow data stays (scoring.py)
-                source.bad_until = 0.0
-            # Any change upstream (a new version, a new kind of one, or what it can fetch) is listed
-            # again: the listing is what this relay's plans and anchor choice work from.
-            changed = epoch != since
-            since, instance = epoch, str(answer.get("instance", ""))
-            new_models = set(heads) - self._known_models
-            self._known_models |= new_models
-            self._inline(source, heads, answer.get("manifests"))
-            if changed or new_models or any(self._behind(m, v) for m, v in heads.items()):
-                self.wake()
+        await follow_heads(self._follow_session, source, self.peer, self.config.stall_timeout_s, self.monitor,
+                           self._heads_changed)
+
+    def _heads_changed(self, source: Source, changed: bool, heads: dict[str, int], carried: object) -> None:
+        # Any change upstream (a new version, a new kind of one, or what it can fetch) is listed
+        # again: the listing is what this relay's plans and anchor choice work from.
+        new_models = set(heads) - self._known_models
+        self._known_models |= new_models
+        self._inline(source, heads, carried)
+        if changed or new_models or any(self._behind(m, v) for m, v in heads.items()):
+            self.wake()
 
     def _inline(self, source: Source, heads: dict[str, int], carried: object) -> None:
         """Start mirroring each new head delta whose signed manifest the heads answer carried (an
@@ -357,24 +322,7 @@ class Relay:
         task.add_done_callback(lambda t: self._finished(key, t))
 
     async def _upstream_versions(self, model: str) -> UpstreamListing | None:
-        # Penalised upstreams are asked too (last): one that served bad bytes of one version must not
-        # keep this relay from learning of the next.
-        for source in order_sources(self.sources):
-            if source.delay_s:
-                await asyncio.sleep(source.delay_s)
-            try:
-                answer = await request_json(self._session, "GET", f"{source.url}/v1/models/{model}/versions",
-                                            headers={PEER_HEADER: self.peer}, timeout_s=self.config.stall_timeout_s)
-                # An upstream of an earlier release lists no `reachable`: it can serve what it holds.
-                return UpstreamListing(tuple(PlanStep.from_json(v) for v in answer["versions"]),
-                                       tuple(PlanStep.from_json(v) for v in answer.get("reachable", [])))
-            except HttpError as e:
-                if e.status == 404:
-                    continue
-                source.bad_until = max(source.bad_until, time.monotonic() + min(self.config.stall_timeout_s, 5.0))
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                log.warning("relay: %s lists %s in a malformed answer: %s", source.url, model, e)
-        return None
+        return await list_upstream(self._session, self.sources, model, self.peer, self.config.stall_timeout_s)
 
     async def _mirror(self, model: str, version: int, kind: str, wait_s: float = 0.0, lease: bool = False,
                       prefetch: int | None = None, inline: Inline | None = None) -> bool:

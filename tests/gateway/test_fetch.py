@@ -1,6 +1,6 @@
 """The fetcher against a real HTTP server on loopback: pieces prefetched with the manifest, a bad
-prefetched piece, prefetches past the last piece, the last pieces split into ranges; and against a
-real gateway, a version asked for before it is published.
+prefetched piece, prefetches past the last piece, the last pieces split into ranges, connections
+opened ahead; and against a real gateway, a version asked for before it is published.
 
 The server is a small aiohttp app (not a gateway) so a test can delay the manifest or corrupt a
 piece once, and see every request it got, in order.
@@ -33,6 +33,8 @@ class Behaviour:
     """Answer every request 404 after its `wait` (a version asked for ahead that never comes)."""
     peers: set = field(default_factory=set)
     """The client ends (address, port) of every request: one per connection used."""
+    opened: set = field(default_factory=set)
+    """The client ends of the `/healthz` requests (connections opened ahead)."""
     log: list[tuple[float, str, str | None]] = field(default_factory=list)
     """(time, what, Range header) of every request; 'manifest-sent' when a manifest answer goes out."""
 
@@ -68,7 +70,12 @@ async def piece_server(envelope: bytes, pieces: list[bytes], b: Behaviour):
         start, end = parse_range(header, len(data)) or (0, len(data))
         return web.Response(body=data[start:end], status=206 if header else 200)
 
+    async def healthz(request: web.Request) -> web.Response:
+        b.opened.add(request.transport.get_extra_info("peername"))
+        return web.json_response({"ok": True})
+
     app = web.Application()
+    app.router.add_get("/healthz", healthz)
     app.router.add_get(f"/v1/models/{MODEL}/versions/{{v}}/{{kind}}/manifest", manifest)
     app.router.add_get(f"/v1/models/{MODEL}/versions/{{v}}/{{kind}}/pieces/{{i}}", piece)
     async with serving(app, "127.0.0.1:0") as url:
@@ -215,3 +222,41 @@ def test_asking_again_after_a_wait_ran_out_reuses_the_connections(kit):
 
     asyncio.run(main())
     assert len(b.peers) <= 5, f"{len(b.peers)} connections for 3 rounds of 5 requests"
+
+
+def test_connections_opened_ahead_carry_the_manifest_and_first_pieces(kit):
+    """A cold fetcher opens its connections while its first request is on its way: the manifest and
+    the prefetched pieces then go out over those, and no connection is opened for them."""
+    _, envelope, pieces = kit.version(MODEL, 1, "full", pieces=4, piece_size=1000)
+    b = Behaviour()
+    got: dict[int, bytes] = {}
+
+    async def accept(raw: bytes):
+        return load_manifest(raw, [kit.key.key.public_key()])
+
+    async def keep(i: int, data: bytearray) -> None:
+        got[i] = bytes(data)
+
+    async def main() -> set:
+        async with piece_server(envelope, pieces, b) as url, client_session(connections=16) as s:
+            fetcher = Fetcher(s, [Source(url)], "test", stall_timeout_s=5, give_up_s=30)
+            assert await fetcher.open_connections(5) == 5
+            opened = set(b.opened)
+            m = await fetcher.manifest_bytes(MODEL, 1, "full", accept, prefetch=4)
+            await fetcher.pieces(m, range(len(m.pieces)), 4, keep)
+            return opened
+
+    opened = asyncio.run(main())
+    assert got == dict(enumerate(pieces))
+    assert len(opened) == 5, f"{len(opened)} connections opened for 5"
+    assert b.peers <= opened, f"{len(b.peers - opened)} requests needed a connection of their own"
+
+
+def test_opening_connections_to_a_source_that_is_down_does_not_raise():
+    async def main() -> int:
+        async with serving(web.Application(), "127.0.0.1:0") as url:
+            pass  # the port is free again: nothing listens there
+        async with client_session(connections=4) as s:
+            return await Fetcher(s, [Source(url)], "test", stall_timeout_s=2).open_connections(3)
+
+    assert asyncio.run(main()) == 0
