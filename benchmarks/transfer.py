@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
     ap.add_argument("--congestion", choices=("cubic", "bbr"), default="cubic",
                     help="hosts' TCP congestion control (default: Linux's own default, cubic)")
+    ap.add_argument("--initcwnd", type=int, default=0,
+                    help="initial congestion and receive windows (segments) on every host's routes, as an operator "
+                         "would set them for long links (default: Linux's own, 10)")
     ap.add_argument("--steps", type=int, help="training versions after the first (default 10; 4 with --quick)")
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds between two published training versions")
     ap.add_argument("--save", type=Path, help="results file to merge into (default ~/.cache/deltamesh/transfer/results.json, "
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         repeats=args.repeats or (1 if args.quick else 3),
                         rtt_scale=args.rtt_scale or (0.2 if args.quick else 1.0),
                         connections=args.connections, tcp_buffers=args.tcp_buffers,
-                        congestion=args.congestion, verify=not args.no_verify,
+                        congestion=args.congestion, initcwnd=args.initcwnd, verify=not args.no_verify,
                         methods=frozenset(args.methods.split(",")) if args.methods else None,
                         pool_rtt_ms=args.pool_rtt_ms)
     started = time.time()

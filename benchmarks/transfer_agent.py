@@ -3,18 +3,17 @@
 `benchmarks/transfer.py` starts one of these per role with `Host.spawn`: a publisher that uploads a
 prepared version to the origin gateway, deltamesh pullers that fetch a version's pieces from a
 gateway (parallel, verified, as a relay or pool agent does), a plain HTTP file server and single-stream
-clients for the baselines, and small probes (`--ca` verifies an https:// gateway, see transfer_tls.py).
+clients for the baselines (transfer_agent_baselines.py), and small probes (`--ca` verifies an https:// gateway, see transfer_tls.py).
 Every timed agent follows the same protocol so that all agents of a run start at the same instant: it
 does its set-up (imports, reading its input), creates its `--ready` file, waits for the `--go` file to
 appear, does its work and writes one JSON object of wall-clock times (`time.time()`, one clock for
-every namespace of the machine) to `--out`.
+every namespace of the machine) to `--out` (transfer_protocol.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -22,46 +21,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from transfer_agent_baselines import add_baseline_commands
+from transfer_protocol import GO_POLL_S, Progress, add_sync_args, ready_then_wait, write_json
 from transfer_tls import add_ca_arg, client_tls, url_context
 
-GO_POLL_S = 0.002
 AHEAD_WAIT_S = 60.0
 ARM_S = 1.0
 """How long a puller asking ahead gives its requests to reach the gateway before the publish starts."""
-
-
-def write_json(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
-def ready_then_wait(args: argparse.Namespace) -> float:
-    """Signal ready, then block until the go file exists; returns the time work starts."""
-    Path(args.ready).touch()
-    while not os.path.exists(args.go):
-        time.sleep(GO_POLL_S)
-    return time.time()
-
-
-class Progress:
-    """(time, bytes) marks each time another tenth of a transfer has arrived: its ramp, for the report.
-    The total may be set after bytes have started arriving (pieces prefetched with the manifest)."""
-
-    def __init__(self, total: int | None = None):
-        self.total, self.done, self.marks = total, 0, []
-
-    def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        while self.total and self.done >= (len(self.marks) + 1) * self.total / 10 and len(self.marks) < 10:
-            self.marks.append((round(time.time(), 4), self.done))
-
-
-def add_sync_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ready", required=True, help="file created once set up")
-    p.add_argument("--go", required=True, help="file whose appearance starts the work")
-    p.add_argument("--out", required=True, help="where the JSON result is written")
 
 
 # --- probes -------------------------------------------------------------------------------------
@@ -166,6 +132,12 @@ def pull(args: argparse.Namespace) -> int:
                 "progress": progress.marks}
 
     async def pull_one(session, version: int, t_go: float) -> dict:
+        # A cold puller opens its parallel connections while its first request (the head poll) is on
+        # its way, as a relay does when it starts (`Fetcher.open_connections`).
+        opening = None
+        if args.open_ahead:
+            opener = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30)
+            opening = asyncio.ensure_future(opener.open_connections(args.connections))
         while True:  # long-poll until the version is announced
             answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
                                         params={"after": version - 1, "wait": 30}, timeout_s=60)
@@ -175,6 +147,8 @@ def pull(args: argparse.Namespace) -> int:
         if args.after_complete:
             while not await _complete_at(session, base, model, version, args.kind):
                 await asyncio.sleep(0.02)
+        if opening is not None:
+            await opening  # answered with the head poll, or moments after
         t_fetch = time.time()
         return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, **await fetch_version(session, version)}
 
@@ -248,84 +222,6 @@ async def _complete_at(session, base: str, model: str, version: int, kind: str) 
     return any(v["version"] == version and v["kind"] == kind and v["complete"] for v in listing["versions"])
 
 
-# --- baselines: one plain file server, single-stream clients -----------------------------------------
-
-def serve(args: argparse.Namespace) -> int:
-    """A plain aiohttp file server of one file (sendfile), optionally one transfer at a time.
-
-    `--serial` makes the server send to one client at a time, in arrival order, as AstraFlow's weight
-    sender does; `/stats` tells how many body bytes it has served.
-    """
-    from aiohttp import web
-
-    from deltamesh.http import serve as serve_app
-
-    path = Path(args.file)
-    size = path.stat().st_size
-    lock = asyncio.Lock() if args.serial else None
-    stats = {"bytes_served": 0, "requests": 0}
-
-    async def send(request: web.Request) -> web.StreamResponse:
-        resp = web.FileResponse(path, chunk_size=1024 * 1024)
-        await resp.prepare(request)
-        await resp.write_eof()
-        stats["bytes_served"] += size
-        stats["requests"] += 1
-        return resp
-
-    async def version(request: web.Request) -> web.StreamResponse:
-        if lock is None:
-            return await send(request)
-        async with lock:
-            return await send(request)
-
-    async def show_stats(request: web.Request) -> web.Response:
-        return web.json_response(stats)
-
-    app = web.Application()
-    app.router.add_get("/version.bin", version)
-    app.router.add_get("/stats", show_stats)
-    serve_app(app, "0.0.0.0", args.port)
-    return 0
-
-
-def get(args: argparse.Namespace) -> int:
-    """One HTTP GET of the whole version over one TCP connection, hashed as it arrives."""
-    import aiohttp
-    import xxhash
-
-    async def fetch_once(session, t_go: float) -> dict:
-        h, received, t_first = xxhash.xxh3_128(), 0, None
-        async with session.get(args.url) as resp:
-            resp.raise_for_status()
-            progress = Progress(resp.content_length or 0)
-            async for chunk in resp.content.iter_chunked(1024 * 1024):
-                if t_first is None:
-                    t_first = time.time()
-                h.update(chunk)
-                received += len(chunk)
-                progress.add(len(chunk))
-        return {"t_go": t_go, "t_first_byte": t_first, "t_done": time.time(), "bytes": received,
-                "hash": h.hexdigest(), "progress": progress.marks}
-
-    async def main() -> dict:
-        # One connection, kept open between requests (as a client following versions would).
-        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=600)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            t_go = ready_then_wait(args)
-            if not args.warm:
-                return await fetch_once(session, t_go)
-            warm = await fetch_once(session, t_go)  # untimed; then idle, then the timed fetch
-            await asyncio.sleep(args.idle_s)
-            result = await fetch_once(session, time.time())
-            result["t_start"] = result["t_go"]
-            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
-            return result
-
-    write_json(args.out, asyncio.run(main()))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -376,22 +272,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="first fetch this version over the same connections (untimed), idle, then ask ahead")
     p.add_argument("--armed", help="with --warm-version: created once the requests for --version wait at the gateway")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
+    p.add_argument("--no-open-ahead", dest="open_ahead", action="store_false",
+                   help="open the parallel connections only when the pieces are asked for (the old cold path)")
     add_ca_arg(p)
     add_sync_args(p)
     p.set_defaults(run=pull)
 
-    p = sub.add_parser("serve", help="serve one file over plain HTTP")
-    p.add_argument("--file", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--serial", action="store_true", help="one transfer at a time")
-    p.set_defaults(run=serve)
-
-    p = sub.add_parser("get", help="download a URL over one TCP connection")
-    p.add_argument("--url", required=True)
-    p.add_argument("--warm", action="store_true", help="download it once untimed first, then idle")
-    p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
-    add_sync_args(p)
-    p.set_defaults(run=get)
+    add_baseline_commands(sub)
 
     args = ap.parse_args(argv)
     from deltamesh.logs import setup_logging

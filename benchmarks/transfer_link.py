@@ -40,7 +40,7 @@ def your_link(settings: Settings, mbit: float, rtt_ms: float) -> dict:
         lan = wan.link(relay, pool, mbit=pool_link_mbit(mbit), rtt_ms=settings.pool_rtt_ms or 0.0)
         run = Scenario(wan, settings, work)
         link = check_link(wan, origin, relay, settings)
-        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
         route_through(pool, relay, origin)
         gateway = run.mesh.gateway(origin, "origin")
         relayed = run.mesh.gateway(relay, "regionA", [gateway], relay_connections=settings.connections)

@@ -208,12 +208,40 @@ HOST_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": "0"}
 _ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
-def set_tcp_buffers(wan: Wan, profile: str, congestion: str) -> None:
-    """The hosts' TCP buffer limits (`TCP_BUFFERS[profile]`), congestion control and `HOST_SYSCTLS`."""
+def set_tcp_buffers(wan: Wan, profile: str, congestion: str, initcwnd: int = 0) -> None:
+    """The hosts' TCP buffer limits (`TCP_BUFFERS[profile]`), congestion control and `HOST_SYSCTLS`;
+    with `initcwnd`, that many segments of initial congestion and receive window on every route."""
     cc = {"net.ipv4.tcp_congestion_control": congestion}
     settings = [f"{k}={v}" for k, v in {**TCP_BUFFERS[profile], **HOST_SYSCTLS, **cc}.items()]
+    if initcwnd:
+        settings.append(f"net.ipv4.tcp_rmem={initial_rmem(TCP_BUFFERS[profile]['net.ipv4.tcp_rmem'], initcwnd)}")
     for host in wan.hosts.values():
         host.run(["sysctl", "-q", "-w", *settings])
+        if initcwnd:
+            set_initial_windows(host, initcwnd)
+
+
+def initial_rmem(rmem: str, segments: int) -> str:
+    """`tcp_rmem` with a default (middle) buffer big enough for a first receive window of `segments`
+    full segments: Linux advertises about half of it, so 131072 (the default) caps the first window
+    at ~45 segments whatever `initrwnd` says."""
+    low, default, high = (int(x) for x in rmem.split())
+    return f"{low} {max(default, 4 * 1500 * segments)} {high}"
+
+
+def set_initial_windows(host: Host, segments: int) -> None:
+    """What an operator does for a long link (docs/api/gateway.md, "Long links"): every route of
+    `host` gets `initcwnd` and `initrwnd` of `segments`, so a new connection's first round trip may
+    carry that many segments instead of Linux's 10 (the sender's initcwnd; the receiver's initrwnd,
+    with a `tcp_rmem` default that admits it, lets it advertise a window that takes them). Applies
+    to the routes there now."""
+    routes = json.loads(host.run(["ip", "-j", "route", "show"]).stdout or "[]")
+    for r in routes:
+        argv = ["ip", "route", "replace", r["dst"], "dev", r["dev"]]
+        for key, word in (("gateway", "via"), ("prefsrc", "src"), ("scope", "scope"), ("protocol", "proto")):
+            if r.get(key):
+                argv += [word, str(r[key])]
+        host.run([*argv, "initcwnd", str(segments), "initrwnd", str(segments)])
 
 
 @contextmanager

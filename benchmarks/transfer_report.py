@@ -25,13 +25,14 @@ def print_network_scenario(s: dict) -> None:
     payload = next(iter(s["methods"].values()))["payload_bytes"]
     print(f"\n{s['name']}: {payload / MB:.0f} MB version over {_link(s['link'])}")
     print(f"  TCP buffers {s['tcp_buffers']}, congestion control {s.get('congestion', 'bbr')}, "
+          f"initcwnd {s.get('initcwnd', 10)}, "
           f"{s['connections']} parallel fetches on long links; "
           f"median of runs; load average {s.get('load_average', ['?'])[0]}")
-    print(f"  {'method':<18} {'seconds':>8} {'util':>6} {'steady Mbit/s':>14} {'origin egress MB':>17} "
+    print(f"  {'method':<20} {'seconds':>8} {'util':>6} {'steady Mbit/s':>14} {'origin egress MB':>17} "
           f"{'x version':>10}  runs")
     for method, m in s["methods"].items():
         steady = f"{m['steady_mbit']:.0f}" if "steady_mbit" in m else "-"
-        print(f"  {method:<18} {m['seconds']:>8.2f} {m['utilization']:>6.1%} {steady:>14} "
+        print(f"  {method:<20} {m['seconds']:>8.2f} {m['utilization']:>6.1%} {steady:>14} "
               f"{m['origin_egress_bytes'] / MB:>17.1f} {m['origin_egress_bytes'] / payload:>10.2f}  "
               f"{', '.join(f'{x:.2f}' for x in m['runs'])}")
     if "two_hops_over_one" in s:

@@ -2,9 +2,10 @@
 through the same emulated links in one run.
 
 * `long_link`: origin -> regionA over one long link. `deltamesh`: a pool-style puller in regionA
-  fetches the version's pieces from the origin gateway with parallel connections. `deltamesh_tls`:
-  the same from a second origin gateway serving HTTPS (a certificate of a CA made for the run, which
-  the puller verifies; transfer_tls.py), in the same run. `single_stream`: one HTTP GET of the whole
+  fetches the version's pieces from the origin gateway with parallel connections, opened while its
+  head poll is on its way (`deltamesh_late_open`: opened only with the piece requests, as before).
+  `deltamesh_tls`: the same from a second origin gateway serving HTTPS (a certificate of a CA made
+  for the run, which the puller verifies; transfer_tls.py), in the same run. `single_stream`: one HTTP GET of the whole
   version from a plain file server at the origin.
 * `relay_chain`: origin -> regionA -> regionB. `deltamesh`: regionA's gateway relays cut-through and
   regionB's puller fetches from it as soon as it announces the version. `store_and_forward`: the same,
@@ -58,6 +59,8 @@ class Settings:
     """Parallel piece fetches over long links (relay gateways and pullers); pools on a LAN use 4."""
     tcp_buffers: str = "linux"
     congestion: str = "cubic"
+    initcwnd: int = 0
+    """Initial congestion and receive windows (segments) on every host's routes; 0: Linux's own (10)."""
     verify: bool = True
     work_root: Path | None = None
     pool_rtt_ms: float | None = None
@@ -164,9 +167,10 @@ class Scenario:
             batch.finish(600)
 
     def add_pull(self, batch, host: Host, gateway: str, version: int, *, connections: int, after_complete=False,
-                 warm_version: int | None = None, armed: Path | None = None):
+                 warm_version: int | None = None, armed: Path | None = None, open_ahead: bool = True):
         args = ["--gateway", gateway, "--model", MODEL_ID, "--version", str(version), *self.mesh.ca_args(gateway),
-                "--trusted-key", str(self.mesh.public_key), "--connections", str(connections), "--name", host.name]
+                "--trusted-key", str(self.mesh.public_key), "--connections", str(connections), "--name", host.name,
+                *([] if open_ahead else ["--no-open-ahead"])]
         if warm_version is not None:
             args += ["--warm-version", str(warm_version), "--armed", str(armed)]
         batch.add(host, f"pull-{host.name}", "pull", *args, *(["--after-complete"] if after_complete else []))
@@ -197,9 +201,9 @@ def long_link(settings: Settings) -> dict:
         run = Scenario(wan, settings, work)
         origin, far = run.host("origin"), run.host("regionA")
         link = check_link(wan, origin, far, settings)
-        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
-        methods = ("deltamesh", "deltamesh_tls", "single_stream", "deltamesh_warm", "deltamesh_tls_warm",
-                   "single_stream_warm")
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
+        methods = ("deltamesh", "deltamesh_late_open", "deltamesh_tls", "single_stream", "deltamesh_warm",
+                   "deltamesh_tls_warm", "single_stream_warm")
         # Two full versions kept: a warm run's warm-up version and its timed one.
         keep = ["--keep-fulls", "2"]
         gateways = {GATEWAY_PORT: run.mesh.gateway(origin, "origin", extra=keep)}
@@ -223,7 +227,7 @@ def long_link(settings: Settings) -> dict:
                         run.publish(origin, gateway, warm)
                         run.publish(origin, gateway, version, batch, after=armed)
                     run.add_pull(batch, far, gateway, version, connections=settings.connections, warm_version=warm,
-                                 armed=armed)
+                                 armed=armed, open_ahead=method != "deltamesh_late_open")
                     egress, name = (lambda: run.mesh.gateway_bytes_out(origin, port)), pull
                 else:
                     batch.add(far, "get", "get", "--url", files, *(["--warm"] if method.endswith("_warm") else []))
@@ -273,7 +277,7 @@ def relay_chain(settings: Settings) -> dict:
         link["hops"] = [{"mbit": h.mbit_ab, "rtt_ms": h.rtt_ms} for h in hops]
         link["mbit"] = min(h.mbit_ab for h in hops)
         link["rtt_ms"] = sum(h.rtt_ms for h in hops)
-        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
         gateway = run.mesh.gateway(origin, "origin")
         relay = run.mesh.gateway(a, "regionA", [gateway], relay_connections=settings.connections)
         # A second origin gateway that regionA does not follow, so a direct pull is the only copy sent.
@@ -308,7 +312,7 @@ def fan_out(settings: Settings, pools_per_region: int = 4) -> dict:
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
         link = check_link(wan, origin, run.host("regionA"), settings)
-        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
         for pool in pools:
             route_through(pool, run.host(f"region{pool.name[4]}"), origin)
         gateway = run.mesh.gateway(origin, "origin")
@@ -361,6 +365,7 @@ def scenario_json(name: str, link: dict, samples: dict[str, list[Sample]], setti
         "link": link,
         "tcp_buffers": settings.tcp_buffers,
         "congestion": settings.congestion,
+        "initcwnd": settings.initcwnd or 10,
         "connections": settings.connections,
         "piece_bytes": round(settings.piece_bytes),
         "methods": {m: summarize(s, settings.payload_bytes, link["mbit"]) for m, s in samples.items() if s},

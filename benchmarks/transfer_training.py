@@ -46,7 +46,7 @@ def real_training(settings: Settings, *, steps: int = 10, step_seconds: float = 
         run = Scenario(wan, settings, work)
         origin = run.host("origin")
         pools = [run.host(f"pool{r[-1]}{i}") for r in REGIONS for i in range(1, pools_per_region + 1)]
-        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion)
+        set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
         gateway = run.mesh.gateway(origin, "origin")
         relays = {r: run.mesh.gateway(run.host(r), r, [gateway], relay_connections=settings.connections)
                   for r in REGIONS}
