@@ -13,8 +13,8 @@
 4. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
    and for engines that load from disk. Behind an engine that took them in place and passed its
    check, the write is queued (`dir_writer.py`) and the round ends: the next round plans from the
-   version the directory will hold, so the next version is fetched and served while the disk is
-   written;
+   version the directory will hold, so the next version is fetched and decoded while the disk is
+   written (its engine apply waits for the write);
 5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
    delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
    fails too, the next round retries it first and polls the head only briefly until it succeeds;
@@ -187,16 +187,19 @@ class PolicyWeights:
             try:
                 versions = await self.sync.fetch_decoded(plan)  # verified, decoded once for both below
                 self._count_fetched(versions)
+                # The write behind overlaps the fetch and decode; an engine's apply may share buffers with
+                # the version being written (a CI run saw such a write fail its hashes), so it waits.
+                await self.writer.flush()
                 if self.hot_swap:
                     await self._update_engine(versions)
                     if self._engine_synced and self.engine.version == versions[-1].version:
-                        if await self._check():  # a failure is drift, reloaded below once the directory has it
+                        # A failed check drifts the engine: reloaded below, once the directory has it.
+                        if await self._check() and not self.status.drifted:
                             self._serving([v.version for v in versions])
                             # Served and proven: the directory is written while the next version comes.
                             self.writer.write_behind(None if versions[0].kind == "full" else plan.from_version,
                                                      versions)
                             return True
-                await self.writer.flush()
                 await self.sync.persist(versions)
                 self.timeline.mark([v.version for v in versions], "persisted")
                 break
