@@ -8,7 +8,10 @@ of model bytes (bf16 size of the weights), medians of `--repeats` runs. deltames
 all of its checks: the manifest signature, every piece hash and every result tensor hash. Its
 encoder is given the base's weights hash, as a trainer knows it from the previous version, and so is
 its headline apply, which writes in place into the receiver's weights (with rollback), as a rollout
-pool applies each version onto the one it verified before; `apply_copy_gbps` is the apply into a
+pool applies each version onto the one it verified before; `apply_next_gbps` is that apply by a
+receiver that applied the version before in place too, as a pool in its steady state does (its
+small-word index, moved along with that version, spares a pass over the touched tensors' words;
+`deltamesh.delta.small_index`); `apply_copy_gbps` is the apply into a
 fresh copy that leaves the old weights untouched and re-hashes them to check the base. Also
 measured: deltamesh's full snapshot against raw bf16 on SmolLM2, and the XOR of two large arrays
 (GB/s of one array) as the memory-bandwidth reference. Prints a table, or with --json one object.
@@ -73,7 +76,8 @@ def deltamesh_codecs() -> tuple[Codec, Codec]:
     The delta encoder is given the base's `weights_hash`, as a trainer has it from the previous
     version's manifest; `prepare` computes it before the timed runs.
     """
-    from deltamesh.delta import apply, encode_delta, encode_full, generate_key, load_manifest, weights_hash
+    from deltamesh.delta import (SmallWordIndex, apply, encode_delta, encode_full, generate_key, load_manifest,
+                                 weights_hash)
 
     key = generate_key()
     trusted = [key.public_key()]
@@ -95,6 +99,22 @@ def deltamesh_codecs() -> tuple[Codec, Codec]:
         manifest = load_manifest(blobs[0], trusted)
         return apply(live, manifest, blobs[1:], base_hash=known["hash"], in_place=True)
 
+    def apply_next(old, new, blobs, repeats):
+        # The version before is `new` -> `old` (untimed), so the timed one always lands on the same
+        # weights; the index it moved is the receiver's state between versions.
+        new_hash = weights_hash(new)
+        back = encode_delta(new, old, model_id="bench", version=2, base_version=1, key=key, base_hash=new_hash)
+        live, index, times = {k: v.clone() for k, v in new.items()}, SmallWordIndex(), []
+        exact = True
+        for _ in range(repeats):
+            apply(live, back.manifest, back.pieces, base_hash=new_hash, in_place=True, small_index=index)
+            start = time.perf_counter()
+            manifest = load_manifest(blobs[0], trusted)
+            apply(live, manifest, blobs[1:], base_hash=known["hash"], in_place=True, small_index=index)
+            times.append(time.perf_counter() - start)
+            exact = exact and same_weights(live, new)
+        return statistics.median(times), exact
+
     def encode_snapshot(old, new):
         enc = encode_full(new, model_id="bench", version=1, key=key)
         return [enc.manifest_bytes, *enc.pieces]
@@ -103,7 +123,7 @@ def deltamesh_codecs() -> tuple[Codec, Codec]:
         return apply(None, load_manifest(blobs[0], trusted), blobs[1:])
 
     delta = Codec("deltamesh", "signed manifest + bit-diff pieces", encode, apply_delta, prepare,
-                  apply_in_place=apply_delta_in_place)
+                  apply_in_place=apply_delta_in_place, apply_next=apply_next)
     full = Codec("deltamesh-full", "signed full snapshot", encode_snapshot, apply_snapshot)
     return delta, full
 
@@ -131,6 +151,10 @@ def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: in
                                       setup=lambda: {k: v.clone() for k, v in case.old.items()})
         exact = exact and same_weights(result, case.new)
         del result
+    next_s = None
+    if codec.apply_next is not None:
+        next_s, next_exact = codec.apply_next(case.old, case.new, blobs, repeats)
+        exact = exact and next_exact
     if not exact:
         log.error("%s on %s: applied weights differ from the new version", codec.name, case.name)
     full_bytes = full_bytes or size
@@ -144,6 +168,8 @@ def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: in
     }
     if copy_s is not None:
         out["apply_copy_gbps"] = case.model_bytes / GB / copy_s
+    if next_s is not None:
+        out["apply_next_gbps"] = case.model_bytes / GB / next_s
     return out
 
 
@@ -245,18 +271,19 @@ def print_report(report: dict[str, Any]) -> None:
         table = Table(title=f"{case['name']}: {case['model_bytes'] / GB:.3f} GB, "
                             f"{100 * case['changed_fraction']:.2f}% of words changed")
         for col in ("method", "bytes", "bytes/changed", "x smaller than full", "encode GB/s", "apply GB/s",
-                    "apply GB/s (copy)", "exact"):
+                    "apply GB/s (next version)", "apply GB/s (copy)", "exact"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for name, r in case["results"].items():
             per = f"{r['bytes_per_changed']:.2f}" if r["bytes_per_changed"] is not None else "-"
             copy = r.get("apply_copy_gbps")
             table.add_row(name, f"{r['bytes']:,}", per, f"{r['ratio_vs_full']:.1f}", f"{r['encode_gbps']:.2f}",
                           f"{r['apply_gbps']:.2f}" + (" (in place)" if copy is not None else ""),
+                          f"{r['apply_next_gbps']:.2f}" if "apply_next_gbps" in r else "-",
                           f"{(copy if copy is not None else r['apply_gbps']):.2f}", "yes" if r["exact"] else "NO")
         floor = case["order0_entropy_bytes"]
         if floor:
             table.add_row("(order-0 entropy)", f"{round(floor):,}", f"{floor / case['changed_words']:.2f}",
-                          f"{case['full_bytes'] / floor:.1f}", "", "", "", "", style="dim")
+                          f"{case['full_bytes'] / floor:.1f}", "", "", "", "", "", style="dim")
         console.print(table)
     snap = report.get("full_snapshot")
     if snap:

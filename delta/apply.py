@@ -17,8 +17,10 @@ at `finish()`); `apply` takes (manifest, pieces) at once.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .decoded import Located, DecodedVersion, VersionDecoder, decode_version
@@ -27,15 +29,21 @@ from .errors import BaseMismatchError, CodecError, CorruptError
 from .manifest import Manifest, TensorEntry, table_hash
 from .parallel import thread_map
 from .patch import Patched, Rollback, locate_cpu, locate_torch, patch_cpu, patch_torch
+from .small_index import SmallWordIndex
 from .tensors import tensor_digest, tensor_entry
 
+log = logging.getLogger(__name__)
+
 CheckBase = Literal["first", "last"]
+_Indexed = tuple[SmallWordIndex, dict[int, list[tuple[np.ndarray, np.ndarray]]]]
+"""The small-word index an in-place apply reads and moves, and the words it overwrote and wrote, by
+tensor and update."""
 
 
 def apply_version(
     version: DecodedVersion, base: Mapping[str, torch.Tensor] | None = None, *, base_hash: str | None = None,
     base_digests: Mapping[str, str] | None = None, in_place: bool = False, check_base: CheckBase = "last",
-    torch_ops: bool = False,
+    torch_ops: bool = False, small_index: SmallWordIndex | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights of `version`, applied onto `base` (a delta's; a full snapshot needs none).
 
@@ -46,12 +54,35 @@ def apply_version(
     and a tensor the delta leaves alone is then neither copied nor hashed (digests that do not cover
     every base tensor are not used). Otherwise `check_base` says when the base is hashed: "first"
     before any write, "last" in the same pass that applies the changes (cheaper). `torch_ops` patches
-    CPU tensors with torch ops too (the path every other device takes). A wrong base raises
-    `BaseMismatchError`, a wrong result `CorruptError`; either way `base` is as it was.
+    CPU tensors with torch ops too (the path every other device takes). `small_index`: the
+    caller's `SmallWordIndex` of CPU weights it applies version after version to in place, which
+    spares the pass over each touched tensor's words that locating changes by small-word rank takes,
+    and is moved to the result (small_index.py). A wrong base raises `BaseMismatchError`, a wrong
+    result `CorruptError`; either way `base` is as it was.
     """
     target = _Target(version.manifest, base, base_hash=base_hash, base_digests=base_digests, in_place=in_place,
                      check_base=check_base)
-    return target.apply(version, torch_ops=torch_ops)
+    index = small_index if in_place and version.kind == "delta" and not torch_ops else None
+    if index is None:
+        return target.apply(version, torch_ops=torch_ops)
+    if index.weights_hash != version.manifest.base_hash:
+        index.clear()
+    try:
+        result = target.apply(version, small_index=index)
+    except CorruptError:
+        index.clear()
+        if target.kept_located:
+            raise  # nothing was read off the index
+        # Positions read off an index that did not describe the base fail the result hashes: the
+        # words themselves decide.
+        log.warning("%s v%d: result hashes failed with positions read off the small-word index; "
+                    "locating from the weights themselves", version.manifest.model_id, version.manifest.version)
+        return target.apply(version)
+    except BaseException:
+        index.clear()
+        raise
+    index.moved_to(version.manifest.weights_hash)
+    return result
 
 
 class _Target:
@@ -66,6 +97,7 @@ class _Target:
         self.tensors: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
         self.check_last = False
+        self.kept_located = True  # whether every change was located without a small-word index
         if manifest.kind != "delta":
             return  # a full snapshot replaces everything: no base to check or write into
         if base is None:
@@ -102,13 +134,27 @@ class _Target:
             self.digests[name] = tensor_digest(self.tensors[name])
         return self.digests[name]
 
-    def apply(self, version: DecodedVersion, *, torch_ops: bool = False) -> dict[str, torch.Tensor]:
+    def apply(self, version: DecodedVersion, *, torch_ops: bool = False,
+              small_index: SmallWordIndex | None = None) -> dict[str, torch.Tensor]:
         """Write `version` (decoded from this target's manifest); see `apply_version`."""
         rollback = Rollback()
         entries = self.manifest.tensors
         located: dict[int, Located] = {}
+        written: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # old and new words, for the index
+        self.kept_located = True
+        indexed = None if small_index is None else (small_index, written)
         try:
-            done = thread_map(lambda i: self._result_of(version, i, rollback, torch_ops, located), range(len(entries)))
+            if indexed is not None and not self.check_last and self._nothing_to_search(version, small_index):
+                # Per tensor only a little bookkeeping is left, which holds the GIL: threads would
+                # only take turns at it. The byte passes (the result hashes) still run on all cores.
+                done = [self._result_of(version, i, rollback, torch_ops, located, indexed, hash_later=True)
+                        for i in range(len(entries))]
+                later = [k for k, (_, digest) in enumerate(done) if digest is None]
+                for k, digest in zip(later, thread_map(lambda k: tensor_digest(done[k][0]), later)):
+                    done[k] = (done[k][0], digest)
+            else:
+                done = thread_map(lambda i: self._result_of(version, i, rollback, torch_ops, located, indexed),
+                                  range(len(entries)))
             if self.check_last:
                 self.check(self.hash())
             wrong = [e.name for e, (_, digest) in zip(entries, done) if digest != e.hash]
@@ -125,14 +171,31 @@ class _Target:
             raise
         for i, where in located.items():  # right, as the result hashes show: the next target reuses them
             version.located.setdefault(i, where)
+        if small_index is not None:
+            try:
+                for i, words in written.items():  # bookkeeping that holds the GIL: no threads
+                    small_index.move(entries[i].name, located[i], words)
+            except Exception:
+                small_index.clear()  # the version is written: an index not moved along is only dropped
         return {e.name: t for e, (t, _) in zip(entries, done)}
 
+    def _nothing_to_search(self, version: DecodedVersion, small_index: SmallWordIndex) -> bool:
+        """Whether every change of `version` is located without a pass over its tensor's words."""
+        for i, updates in version.updates.items():
+            ranked = [u.small_max for u in updates if u.small_ranks is not None]
+            if ranked and i not in version.located and not small_index.covers(self.manifest.tensors[i].name, max(ranked)):
+                return False
+        return True
+
     def _result_of(self, version: DecodedVersion, i: int, rollback: Rollback, torch_ops: bool,
-                   located: dict[int, Located]) -> tuple[torch.Tensor, str]:
-        """Tensor `i` of the result and the digest of its bytes."""
+                   located: dict[int, Located], indexed: _Indexed | None,
+                   hash_later: bool = False) -> tuple[torch.Tensor, str | None]:
+        """Tensor `i` of the result and the digest of its bytes (None for the caller to take, with
+        `hash_later`, where it is not known without a pass over the tensor)."""
         entry = self.manifest.tensors[i]
         if i in version.updates:
-            target, digest, base_digest = self._patch(entry, i, version, rollback, torch_ops, located)
+            target, digest, base_digest = self._patch(entry, i, version, rollback, torch_ops, located, indexed,
+                                                      hash_later)
             if base_digest is not None:
                 self.digests[entry.name] = base_digest
             return target, digest
@@ -140,13 +203,13 @@ class _Target:
             return version.whole[i], entry.hash  # checked when it was decoded
         base = self.tensors.get(entry.name)
         if base is not None and dtype_name(base) == entry.dtype and tuple(base.shape) == entry.shape:
-            return base, self.digest(entry.name)
+            return base, self.digests.get(entry.name) if hash_later else self.digest(entry.name)
         if entry.numel == 0:
             return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)), entry.hash
         raise CorruptError(f"tensor {entry.name}: no piece writes it and the base does not have it")
 
     def _patch(self, entry: TensorEntry, i: int, version: DecodedVersion, rollback: Rollback, torch_ops: bool,
-               located: dict[int, Located]) -> Patched:
+               located: dict[int, Located], indexed: _Indexed | None, hash_later: bool = False) -> Patched:
         base = self.tensors.get(entry.name)
         if base is None or dtype_name(base) != entry.dtype or tuple(base.shape) != entry.shape:
             raise BaseMismatchError(
@@ -162,9 +225,13 @@ class _Target:
             patched = patch_torch(entry, updates, where, base, in_place=self.in_place, rollback=rollback,
                                   hash_base=hash_base)
         else:
-            where = known.numpy() if known else locate_cpu(updates, np_words(base))
+            small_index, written = indexed if indexed is not None else (None, None)
+            if known is None and small_index is not None:
+                self.kept_located = False
+            where = known.numpy() if known else locate_cpu(updates, np_words(base), small_index)
             patched = patch_cpu(entry, updates, where, base, in_place=self.in_place, rollback=rollback,
-                                hash_base=hash_base)
+                                hash_base=hash_base, written=None if written is None else written.setdefault(i, []),
+                                hash_result=not hash_later)
         located[i] = where
         return patched
 
@@ -231,8 +298,9 @@ class Applier:
 
 def apply(
     weights: Mapping[str, torch.Tensor] | None, manifest: Manifest, pieces: Sequence[bytes], *,
-    base_hash: str | None = None, in_place: bool = False,
+    base_hash: str | None = None, in_place: bool = False, small_index: SmallWordIndex | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode and apply a whole encoded version to `weights` (None for a full snapshot); the base is
     checked in the same pass that applies the changes. See `apply_version`."""
-    return apply_version(decode_version(manifest, pieces), weights, base_hash=base_hash, in_place=in_place)
+    return apply_version(decode_version(manifest, pieces), weights, base_hash=base_hash, in_place=in_place,
+                         small_index=small_index)

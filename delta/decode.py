@@ -23,6 +23,7 @@ from .dtypes import NP_SWORDS, NP_UWORDS, WORD_DTYPES, is_float
 from .errors import CodecError, CorruptError
 from .manifest import DTYPE_SIZES, Manifest
 from .piece import CODEC, KIND_DELTA, MAX_WIDTH, ParsedPiece, parse_piece
+from .small_index import pick_ranks
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,11 +54,16 @@ class TensorUpdate:
     def is_full(self) -> bool:
         return self.positions is None
 
-    def locate(self, words: np.ndarray) -> np.ndarray:
-        """Flat indices of every change, in `values` order, given the tensor's base words (numpy)."""
+    def locate(self, words: np.ndarray, small_words: np.ndarray | None = None) -> np.ndarray:
+        """Flat indices of every change, in `values` order, given the tensor's base words (numpy);
+        `small_words`, when known (small_index.py), are the ascending positions of the segment's small
+        words, so that the words need not be searched for them."""
         if self.small_ranks is None:
             return self.positions
-        small = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
+        if small_words is None:
+            small = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
+        else:
+            small = pick_ranks(small_words, self.small_ranks, self.tensor)
         return np.concatenate([self.positions, small])
 
     def write_words(self, words: np.ndarray) -> None:

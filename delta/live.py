@@ -22,6 +22,7 @@ from .decoded import DecodedVersion
 from .dtypes import DTYPE_NAMES
 from .errors import CorruptError
 from .manifest import Manifest
+from .small_index import SmallWordIndex
 from .tensors import weights_hash
 
 
@@ -62,13 +63,15 @@ def live_hash(live: Mapping[str, torch.Tensor], manifest: Manifest) -> str:
 
 
 def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, base_hash: str | None = None,
-                  base_digests: Mapping[str, str] | None = None, torch_ops: bool = False) -> SwapStats:
+                  base_digests: Mapping[str, str] | None = None, torch_ops: bool = False,
+                  small_index: SmallWordIndex | None = None) -> SwapStats:
     """Move the live tensors to `version`; on any failure leave them bit-identical to before and raise.
 
     `base_hash` is the `weights_hash` of what the live tensors hold (`live_hash`), which a delta's
     base must match; None hashes them first. `base_digests` (the tensor digests of the manifest the live
     tensors were verified against) make that check free and spare hashing the tensors a delta leaves
-    alone. `torch_ops` as in `apply_version`.
+    alone. `torch_ops` and `small_index` (the caller's, kept for these live tensors) as in
+    `apply_version`.
     """
     start = time.perf_counter()
     manifest = version.manifest
@@ -82,7 +85,7 @@ def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, 
         raise CorruptError(f"{manifest.model_id} v{manifest.version} adds tensors the live model lacks")
     targets = {e.name: live[e.name] for e in manifest.tensors}
     apply_version(version, targets, base_hash=base_hash, base_digests=base_digests, in_place=True,
-                  check_base="first", torch_ops=torch_ops)
+                  check_base="first", torch_ops=torch_ops, small_index=small_index)
     return SwapStats(len(version.updates), version.changed_words, time.perf_counter() - start)
 
 

@@ -32,12 +32,14 @@ from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
 from .hashing import digest
 from .manifest import TensorEntry
+from .small_index import SmallWordIndex
 from .tensors import tensor_digest
 
 PASS_CHUNK_BYTES = 1 << 20
 
-Patched = tuple[torch.Tensor, str, "str | None"]
-"""A patched tensor, the digest of its bytes, and the digest of its base when it was asked for."""
+Patched = tuple[torch.Tensor, "str | None", "str | None"]
+"""A patched tensor, the digest of its bytes (unless left to the caller), and the digest of its base
+when it was asked for."""
 
 
 class Rollback:
@@ -47,10 +49,12 @@ class Rollback:
         self._kept: list[tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]] = []
         self._lock = threading.Lock()  # tensors are patched on several threads at once
 
-    def keep(self, words: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor) -> None:
-        """Remember what `words[positions]` holds now (fancy indexing copies it)."""
+    def keep(self, words: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
+             old: np.ndarray | torch.Tensor | None = None) -> None:
+        """Remember what `words[positions]` holds now (`old`, when the caller has read it already)."""
+        old = words[positions] if old is None else old  # fancy indexing copies
         with self._lock:
-            self._kept.append((words, positions, words[positions]))
+            self._kept.append((words, positions, old))
 
     def restore(self) -> None:
         for words, positions, old in reversed(self._kept):
@@ -58,9 +62,16 @@ class Rollback:
         self._kept = []
 
 
-def locate_cpu(updates: Sequence[TensorUpdate], words: np.ndarray) -> Located:
-    """Where each update writes, found in the base's unsigned `words`."""
-    return Located(tuple(u.locate(words) for u in updates))
+def locate_cpu(updates: Sequence[TensorUpdate], words: np.ndarray, small_index: SmallWordIndex | None = None) -> Located:
+    """Where each update writes, found in the base's unsigned `words`, or read off `small_index`."""
+    ranked = [u for u in updates if u.small_ranks is not None]
+    if small_index is None or not ranked:
+        return Located(tuple(u.locate(words) for u in updates))
+    bound = max(u.small_max for u in ranked)
+    return Located(tuple(
+        u.locate(words, None if u.small_ranks is None else
+                 small_index.small_words(u.tensor, words, u.start, u.count, u.small_max, bound))
+        for u in updates))
 
 
 def locate_torch(updates: Sequence[TensorUpdate], words: torch.Tensor) -> Located:
@@ -69,16 +80,23 @@ def locate_torch(updates: Sequence[TensorUpdate], words: torch.Tensor) -> Locate
 
 
 def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Located, base: torch.Tensor, *,
-              in_place: bool, rollback: Rollback, hash_base: bool) -> Patched:
-    """Write the located changes (numpy) into a CPU tensor or a copy of it, and hash the result."""
+              in_place: bool, rollback: Rollback, hash_base: bool,
+              written: list[tuple[np.ndarray, np.ndarray]] | None = None, hash_result: bool = True) -> Patched:
+    """Write the located changes (numpy) into a CPU tensor or a copy of it, and hash the result. In
+    place, each update's old and new words are appended to `written` when it is given, and without
+    `hash_result` the result's digest is left to the caller (None)."""
     src = np_words(base)
     floating = is_float(entry.dtype)
     if in_place:
         base_digest = digest(src) if hash_base else None
         for u, p in zip(updates, located.positions):
-            rollback.keep(src, p)
-            src[p] = apply_changes(src[p], u.values, u.literal, floating)
-        return base, digest(src), base_digest
+            old = src[p]
+            rollback.keep(src, p, old)
+            new = apply_changes(old, u.values, u.literal, floating)
+            src[p] = new
+            if written is not None:
+                written.append((old, new))
+        return base, digest(src) if hash_result else None, base_digest
     positions, values, literal = _merged(entry, updates, located)
     target = empty_tensor(entry.shape, base.dtype)
     dst = np_words(target)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, apply_version
+from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, SmallWordIndex, apply_version
 
 
 class HostWeights:
@@ -25,6 +25,7 @@ class HostWeights:
         self.weights_hash = weights_hash
         self._spare: dict[str, torch.Tensor] = {}  # tensors a delta changed, as they were before it
         self._before: dict[str, torch.Tensor] = {}  # the previous tensors of the last `apply`
+        self._small_index = SmallWordIndex()  # moved along by each delta applied here: see deltamesh.delta
 
     def apply(self, version: DecodedVersion, served: int, *, diff: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The weights of `version` (a delta onto version `served`, or a full snapshot) and the names
@@ -46,7 +47,8 @@ class HostWeights:
                     spare = self._spare[name] = torch.empty_like(self.weights[name])
                 spare.copy_(self.weights[name])
             # In place: on a wrong base or result the applier restores every word it wrote.
-            result = apply_version(version, self.weights, base_hash=self.weights_hash, in_place=True)
+            result = apply_version(version, self.weights, base_hash=self.weights_hash, in_place=True,
+                                   small_index=self._small_index)
             self._before = {name: self._spare[name] for name in changed}
         else:
             result = apply_version(version)
@@ -68,6 +70,7 @@ class HostWeights:
         if version.manifest.kind == "delta":
             for name, before in self._before.items():
                 self.weights[name].copy_(before)
+            self._small_index.clear()
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -32,6 +32,7 @@ from deltamesh.delta import (
     BaseMismatchError,
     DecodedVersion,
     Manifest,
+    SmallWordIndex,
     copy_in,
     dir_manifest,
     live_hash,
@@ -108,6 +109,7 @@ class TransformersEngine(LocalEngine):
         self._version = manifest.version if manifest is not None else (config.version or 0)
         self._weights_hash = manifest.weights_hash if manifest is not None else None
         self._verified_digests = _digests_of(manifest)
+        self._small_index = SmallWordIndex()  # moved along by each in-place delta: see deltamesh.delta
         self.metrics = EngineMetrics(self.model_id, "transformers", registry)
         self.metrics.version.set(self._version)
         log.info("%s: transformers engine on %s serving v%d from %s", self.model_id, self._device,
@@ -135,6 +137,7 @@ class TransformersEngine(LocalEngine):
             async with self._lock:
                 paused = time.perf_counter()
                 await asyncio.to_thread(copy_in, self._live, weights)
+                self._small_index.clear()
                 self._set_version(version, manifest)
         except Exception:
             self.metrics.update_done("disk", False, 0.0)
@@ -154,7 +157,7 @@ class TransformersEngine(LocalEngine):
                 paused = time.perf_counter()
                 base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
                 stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash,
-                                                base_digests=self._verified_digests)
+                                                base_digests=self._verified_digests, small_index=self._small_index)
                 self._set_version(manifest.version, manifest)
         except Exception:
             self.metrics.update_done(manifest.kind, False, 0.0)
