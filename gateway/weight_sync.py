@@ -86,6 +86,7 @@ class WeightSync:
         self._peer = {PEER_HEADER: f"pool/{config.name}"}
         self._round: Source | None = None
         """The gateway whose head this round follows: its plan is asked for first."""
+        self._opening: asyncio.Future | None = None
         self._checking: asyncio.Future | None = None
         """The freshness checks of the round's head answer, while they overlap the plan request."""
         self._inline: dict[tuple[int, str], Inline] = {}
@@ -112,6 +113,9 @@ class WeightSync:
         self._session = client_session(connections=2 * self.config.connections + 4, timeout_s=None,
                                        tls=self.config.tls,
                                        headers=bearer(self.config.token) if self.config.token else None)
+        # Cold: the first version's parallel requests find their connections up (handshakes done
+        # beside registration and the first head poll), as a relay's do (`Fetcher.open_connections`).
+        self._opening = asyncio.ensure_future(self._fetcher().open_connections(self.config.connections))
         held = await asyncio.to_thread(dir_manifest, self.config.dir)
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
@@ -119,9 +123,10 @@ class WeightSync:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        if self._checking is not None:
-            self._checking.cancel()
-            await asyncio.gather(self._checking, return_exceptions=True)
+        for task in (self._checking, self._opening):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 

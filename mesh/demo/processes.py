@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,9 +45,28 @@ def deltamesh_command() -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range (`ip_local_port_range`): a port
+    the kernel hands out itself (`bind` to port 0) can be taken as the local port of any process's
+    next outgoing connection before its owner binds it, one below the range never is."""
+    low = _ephemeral_low()
+    picker = random.SystemRandom()
+    for _ in range(200):
+        port = picker.randrange(max(1024, low // 3), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free loopback port below {low} in 200 tries")
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def log_tail(path: Path, chars: int = 3000) -> str:

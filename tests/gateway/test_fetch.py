@@ -1,6 +1,6 @@
 """The fetcher against a real HTTP server on loopback: pieces prefetched with the manifest, a bad
 prefetched piece, prefetches past the last piece, the last pieces split into ranges, connections
-opened ahead; and against a real gateway, a version asked for before it is published.
+opened ahead (by a fetcher, and by a pool's weight sync as it starts); and against a real gateway, a version asked for before it is published.
 
 The server is a small aiohttp app (not a gateway) so a test can delay the manifest or corrupt a
 piece once, and see every request it got, in order.
@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from deltamesh.delta import generate_key, save_keypair
 from deltamesh.delta.manifest import load_manifest
+from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import MIN_SPAN, Fetcher, NotAnnounced
 from deltamesh.gateway.sources import Source
 from deltamesh.http import client_session, parse_range, serving
 from deltamesh.gateway.upload import upload_version
+from deltamesh.gateway.weight_sync import WeightSync
 
 MODEL = "m"
 
@@ -260,3 +263,23 @@ def test_opening_connections_to_a_source_that_is_down_does_not_raise():
             return await Fetcher(s, [Source(url)], "test", stall_timeout_s=2).open_connections(3)
 
     assert asyncio.run(main()) == 0
+
+
+def test_a_pool_opens_its_connections_as_it_starts(kit, tmp_path):
+    """A pool's weight sync, entered, opens its parallel connections to its gateway before it has asked
+    anything: the first version's requests find them up."""
+    _, envelope, pieces = kit.version(MODEL, 1, "full", pieces=2, piece_size=1000)
+    b = Behaviour()
+    public = save_keypair(generate_key(), tmp_path / "trainer.key")
+
+    async def main() -> None:
+        async with piece_server(envelope, pieces, b) as url:
+            config = PoolSyncConfig(gateways=[url], name="p", dir=str(tmp_path / "weights"), model=MODEL,
+                                    trusted_keys=[str(public)], connections=3, token="pool-token")
+            async with WeightSync(config):
+                deadline = time.monotonic() + 10
+                while len(b.opened) < 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+        assert len(b.opened) == 3, f"{len(b.opened)} connections opened for 3"
+
+    asyncio.run(main())
