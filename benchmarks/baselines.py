@@ -48,10 +48,10 @@ class Codec:
     """Untimed set-up on the old weights before a measurement (what a sender already knows)."""
     apply_in_place: Callable[[dict[str, torch.Tensor], Blobs], dict[str, torch.Tensor]] | None = None
     """Applies into the given weights themselves (a receiver's live copy), where the method has it."""
-    apply_next: Callable[[Weights, Weights, Blobs, int], tuple[float, bool]] | None = None
-    """`(old, new, blobs, repeats)`: median seconds of the in-place apply of `blobs` (old -> new) by a
-    receiver that applied the version before in place too (state it keeps across versions counts),
-    and whether every result was exact."""
+    apply_next: Callable[[Weights, Weights, Blobs, int], tuple[float, float, bool]] | None = None
+    """`(old, new, blobs, repeats)`: median wall and CPU seconds of the in-place apply of `blobs` (old
+    -> new) by a receiver that applied the version before in place too (state it keeps across
+    versions counts), and whether every result was exact."""
 
 
 def words(t: torch.Tensor) -> torch.Tensor:

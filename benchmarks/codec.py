@@ -59,15 +59,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def median_time(fn: Callable[..., Any], repeats: int, setup: Callable[[], Any] | None = None) -> tuple[float, Any]:
     """Median wall time of `fn` over `repeats` calls, and the last call's result. With `setup`, each
     call is `fn(setup())` and only `fn` is timed."""
-    times, result = [], None
+    wall, _, result = median_times(fn, repeats, setup)
+    return wall, result
+
+
+def median_times(fn: Callable[..., Any], repeats: int,
+                 setup: Callable[[], Any] | None = None) -> tuple[float, float, Any]:
+    """`median_time`, with the median CPU seconds of this process (all its threads) as well."""
+    times, cpu, result = [], [], None
     for _ in range(repeats):
         result = None  # drop the previous result first, so two never coexist in memory
         gc.collect()
         args = () if setup is None else (setup(),)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = fn(*args)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu), result
 
 
 def deltamesh_codecs() -> tuple[Codec, Codec]:
@@ -104,16 +112,17 @@ def deltamesh_codecs() -> tuple[Codec, Codec]:
         # weights; the index it moved is the receiver's state between versions.
         new_hash = weights_hash(new)
         back = encode_delta(new, old, model_id="bench", version=2, base_version=1, key=key, base_hash=new_hash)
-        live, index, times = {k: v.clone() for k, v in new.items()}, SmallWordIndex(), []
+        live, index, times, cpu = {k: v.clone() for k, v in new.items()}, SmallWordIndex(), [], []
         exact = True
         for _ in range(repeats):
             apply(live, back.manifest, back.pieces, base_hash=new_hash, in_place=True, small_index=index)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             manifest = load_manifest(blobs[0], trusted)
             apply(live, manifest, blobs[1:], base_hash=known["hash"], in_place=True, small_index=index)
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             exact = exact and same_weights(live, new)
-        return statistics.median(times), exact
+        return statistics.median(times), statistics.median(cpu), exact
 
     def encode_snapshot(old, new):
         enc = encode_full(new, model_id="bench", version=1, key=key)
@@ -144,16 +153,16 @@ def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: in
     apply_s, result = median_time(lambda: codec.apply(case.old, blobs), repeats)
     exact = same_weights(result, case.new)
     del result
-    copy_s = None
+    copy_s = cpu_s = None
     if codec.apply_in_place is not None:
         copy_s = apply_s
-        apply_s, result = median_time(lambda live: codec.apply_in_place(live, blobs), repeats,
-                                      setup=lambda: {k: v.clone() for k, v in case.old.items()})
+        apply_s, cpu_s, result = median_times(lambda live: codec.apply_in_place(live, blobs), repeats,
+                                              setup=lambda: {k: v.clone() for k, v in case.old.items()})
         exact = exact and same_weights(result, case.new)
         del result
-    next_s = None
+    next_s = next_cpu_s = None
     if codec.apply_next is not None:
-        next_s, next_exact = codec.apply_next(case.old, case.new, blobs, repeats)
+        next_s, next_cpu_s, next_exact = codec.apply_next(case.old, case.new, blobs, repeats)
         exact = exact and next_exact
     if not exact:
         log.error("%s on %s: applied weights differ from the new version", codec.name, case.name)
@@ -170,6 +179,9 @@ def measure(codec: Codec, case: Case, repeats: int, changed: int, full_bytes: in
         out["apply_copy_gbps"] = case.model_bytes / GB / copy_s
     if next_s is not None:
         out["apply_next_gbps"] = case.model_bytes / GB / next_s
+        out["apply_next_cpu_s"] = next_cpu_s
+    if cpu_s is not None:
+        out["apply_cpu_s"] = cpu_s
     return out
 
 
@@ -278,7 +290,8 @@ def print_report(report: dict[str, Any]) -> None:
             copy = r.get("apply_copy_gbps")
             table.add_row(name, f"{r['bytes']:,}", per, f"{r['ratio_vs_full']:.1f}", f"{r['encode_gbps']:.2f}",
                           f"{r['apply_gbps']:.2f}" + (" (in place)" if copy is not None else ""),
-                          f"{r['apply_next_gbps']:.2f}" if "apply_next_gbps" in r else "-",
+                          (f"{r['apply_next_gbps']:.2f} (CPU {r['apply_next_cpu_s']:.2f} s vs "
+                           f"{r['apply_cpu_s']:.2f} s)") if "apply_next_gbps" in r else "-",
                           f"{(copy if copy is not None else r['apply_gbps']):.2f}", "yes" if r["exact"] else "NO")
         floor = case["order0_entropy_bytes"]
         if floor:
