@@ -203,8 +203,9 @@ def test_each_piece_is_decoded_once_per_round_for_engine_and_directory(kit, monk
 
 def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(kit):
     """An engine updated in place serves v1 while its directory write waits (held at a gate), and the
-    next round fetches and decodes v2 meanwhile; v2 goes into the engine once the write is done, the
-    writes land in order, and the directory ends bit-exact on v2."""
+    next round fetches and decodes v2 meanwhile; v1 is a full snapshot, whose tensors an engine may
+    have adopted (a host copy does), so v2 goes into the engine once that write is done; the writes
+    land in order, and the directory ends bit-exact on v2."""
     v1 = kit.next_version(kit.base_weights(), 1)
     v2 = kit.next_version(v1, 2)
 
@@ -235,6 +236,42 @@ def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(
             on_disk = read_weights(w.dir)
             assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v2.items())
             assert "persisted" in w.timeline.get(1) and "persisted" in w.timeline.get(2)
+
+    asyncio.run(main())
+
+
+def test_a_delta_goes_into_the_engine_while_the_one_before_is_still_being_written(kit):
+    """A delta's write owns no tensors: the next delta is fetched, decoded and swapped into the engine
+    while it is held at a gate, and the writes still land in order, the directory bit-exact."""
+    v1 = kit.next_version(kit.base_weights(), 1)
+    v2 = kit.next_version(v1, 2)
+    v3 = kit.next_version(v2, 3)
+
+    async def main():
+        async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
+            assert await w.sync_round() and engine.version == 1
+            await w.writer.flush()
+            gate, written = asyncio.Event(), []
+            persist = w.sync.persist
+
+            async def gated(versions):
+                await gate.wait()
+                written.append([v.version for v in versions])
+                return await persist(versions)
+
+            w.sync.persist = gated
+            try:
+                await pub.publish(v2)
+                assert await w.sync_round() and engine.version == 2 and w.writer.writing
+                await pub.publish(v3)
+                assert await asyncio.wait_for(w.sync_round(), 60) and engine.version == 3 and _same(engine, v3)
+                assert written == [] and w.writer.held == 3, "v3 went in while v2's write waited"
+            finally:
+                gate.set()
+            await w.writer.flush()
+            assert written == [[2], [3]] and dir_manifest(w.dir).version == 3
+            on_disk = read_weights(w.dir)
+            assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v3.items())
 
     asyncio.run(main())
 
