@@ -201,6 +201,21 @@ def test_each_piece_is_decoded_once_per_round_for_engine_and_directory(kit, monk
     asyncio.run(main())
 
 
+def _gate_writes(w) -> tuple[asyncio.Event, list[list[int]]]:
+    """Hold the pool's directory writes until the returned gate is set; the list records each write's
+    versions as it goes through."""
+    gate, written = asyncio.Event(), []
+    persist = w.sync.persist
+
+    async def gated(versions):
+        await gate.wait()
+        written.append([v.version for v in versions])
+        return await persist(versions)
+
+    w.sync.persist = gated
+    return gate, written
+
+
 def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(kit):
     """An engine updated in place serves v1 while its directory write waits (held at a gate), and the
     next round fetches and decodes v2 meanwhile; v1 is a full snapshot, whose tensors an engine may
@@ -211,15 +226,7 @@ def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(
 
     async def main():
         async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
-            gate, written = asyncio.Event(), []
-            persist = w.sync.persist
-
-            async def gated(versions):
-                await gate.wait()
-                written.append([v.version for v in versions])
-                return await persist(versions)
-
-            w.sync.persist = gated
+            gate, written = _gate_writes(w)
             try:
                 assert await w.sync_round() and engine.version == 1
                 assert dir_manifest(w.dir) is None and w.writer.writing and w.writer.held == 1
@@ -251,15 +258,7 @@ def test_a_delta_goes_into_the_engine_while_the_one_before_is_still_being_writte
         async with _gateway(kit, v1) as (url, pub), _pool_weights(kit, url) as (engine, w):
             assert await w.sync_round() and engine.version == 1
             await w.writer.flush()
-            gate, written = asyncio.Event(), []
-            persist = w.sync.persist
-
-            async def gated(versions):
-                await gate.wait()
-                written.append([v.version for v in versions])
-                return await persist(versions)
-
-            w.sync.persist = gated
+            gate, written = _gate_writes(w)
             try:
                 await pub.publish(v2)
                 assert await w.sync_round() and engine.version == 2 and w.writer.writing
