@@ -209,7 +209,10 @@ def test_your_link_from_flags_prints_its_json(tmp_path):
     (scenario,) = json.loads(done.stdout)["scenarios"]
     link = scenario["link"]
     assert scenario["name"] == "your_link" and (link["mbit"], link["rtt_ms"]) == (200, 20)
-    assert 0.8 * 200 < link["measured_mbit"] < 200 and link["measured_rtt_ms"] >= 19.5
+    # Half the asked rate, not 90%: in two of five full-suite CI runs the emulator's own check read this
+    # link at 134.2 Mbit/s (191 on an idle machine), before any deltamesh code ran. Its accuracy is
+    # tests/wan's subject; here it must only be measured and reported.
+    assert 0.5 * 200 < link["measured_mbit"] < 200 and link["measured_rtt_ms"] >= 19.5
     assert scenario["pool_link"] == {"mbit": 1000, "rtt_ms": 0}
     for method in ("deltamesh", "single_stream"):
         m = scenario["methods"][method]
