@@ -68,7 +68,7 @@ class SmallWordIndex:
         `small_max`, else from a pass over the whole tensor that becomes its entry, for magnitudes up
         to `bound` (>= small_max: the largest any segment of the tensor asks for)."""
         entry = self._entries.get(name)
-        if entry is None or entry.bound < small_max or entry.positions.size and entry.positions[-1] >= words.size:
+        if entry is None or entry.bound < small_max:
             entry = _Entry(bound, _all_small(words, bound))
             with self._lock:
                 self._entries[name] = entry
