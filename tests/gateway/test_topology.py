@@ -48,8 +48,9 @@ def _bytes_in(url: str) -> float:
 
 
 def _no_delta(url: str, version: int) -> bool:
+    """Whether the gateway at `url` neither holds nor could fetch from its upstreams `version`'s delta."""
     listing = json.loads(urllib.request.urlopen(f"{url}/v1/models/{MODEL}/versions", timeout=5).read())
-    return not any(e["version"] == version and e["kind"] == "delta" for e in listing["versions"])
+    return not any(e["version"] == version and e["kind"] == "delta" for e in listing["versions"] + listing["reachable"])
 
 
 def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway, spawn_pool, tmp_path):
@@ -103,8 +104,9 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
                     assert kit.same_bits(read_weights(away.config.dir), history[13])
                 if v == 20:  # away since v2, beyond every relay's retention of deltas: a full snapshot
                     # Retention runs when a version completes or a lease lapses; on a loaded machine
-                    # the last collection may still be pending, so wait for B to have dropped v3.
-                    await asyncio.to_thread(kit.wait_until, lambda: _no_delta(b.url, 3), 40, "B to collect v3's delta")
+                    # the last collection may still be pending (at B or at A or C, whose listings B
+                    # plans with), so wait for v3's delta to be gone from all of them as B sees it.
+                    await asyncio.to_thread(kit.wait_until, lambda: _no_delta(b.url, 3), 40, "v3's delta to be collected at B and its upstreams")
                     plan = await far.fetch_plan()
                     assert plan.is_full and plan.reason == "full: delta chain broken", plan
                     await far.persist(await far.fetch_decoded(plan))
