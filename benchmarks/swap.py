@@ -8,7 +8,9 @@ the swap is done and every later decode step, starting with the next, uses the n
 until the engine has actually returned its first token from the new version is reported too
 (`*_first_token_seconds`): it adds the decode step that was running and any slowdown of generation
 while the synced directory is being written; `*_round_seconds` runs until the pool's round is over
-(the synced directory written too, which an engine updated in place may do behind it). For the
+(the synced directory written too, which an engine updated in place may do behind it), and
+`*_proven_seconds` until the pool's check of what the engine serves has passed (the `serving` stage of
+its timeline: from then on the pool leases rollouts on the version). For the
 in-place delta, `in_place_next_seconds` times a version published the moment the one before is
 served, as a trainer faster than the pool's round would: it waits for whatever of the previous
 round still holds the pool up. Two ways side by side, in one run, on the same versions:
@@ -218,6 +220,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
     served_after: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
     first_token: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
     round_over: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    proven: dict[tuple[str, str], list[float]] = {c: [] for c in cells}  # the after-swap check passed
     payload: dict[str, list[int]] = {k: [] for k in kinds}
     in_engine: dict[tuple[str, str], list[float]] = {c: [] for c in cells}  # vLLM: inside its reload
     async with serving(create_app(config), "127.0.0.1:0") as url, contextlib.AsyncExitStack() as stack:
@@ -248,10 +251,13 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                             raise RuntimeError(f"{model.name} {kind} {mode}: engine at v{engine.version}, "
                                                f"wanted v{version}; {weights.status.last_error}")
                         served = weights.status.last_swap_at - available
+                        passed = weights.timeline.get(version).get("serving")
                         first = await generating.first_token_of(version) - available
                     served_after[(kind, mode)].append(served)
                     first_token[(kind, mode)].append(first)
                     round_over[(kind, mode)].append(over)
+                    if passed is not None:
+                        proven[(kind, mode)].append(passed - available)
                     if engine_name == "vllm":
                         in_engine[(kind, mode)].append(engine.last_reload_s)
                     payload[kind].append(nbytes)
@@ -279,6 +285,9 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                 f"{mode}_round_seconds": statistics.median(round_over[(kind, mode)]),
                 f"{mode}_runs": served_after[(kind, mode)], f"{mode}_round_runs": round_over[(kind, mode)],
             })
+            if proven[(kind, mode)]:
+                case.update({f"{mode}_proven_seconds": statistics.median(proven[(kind, mode)]),
+                             f"{mode}_proven_runs": proven[(kind, mode)]})
             if in_engine[(kind, mode)]:
                 case[f"{mode}_vllm_seconds"] = statistics.median(in_engine[(kind, mode)])
         cases.append(case)
@@ -335,7 +344,7 @@ def print_table(result: dict) -> None:
 
     table = Table(title="version available at the gateway -> engine serving it (median s)")
     for col in ("model", "engine", "model MB", "kind", "payload MB", "in place s", "reload s", "reload / in place",
-                "first token: in place s", "reload s", "round over: in place s", "reload s",
+                "proven: in place s", "reload s", "first token: in place s", "reload s", "round over: in place s", "reload s",
                 "next version: in place s", "inside vLLM: in place s", "reload s"):
         table.add_column(col, justify="left" if col in ("model", "engine", "kind") else "right")
     for c in result["cases"]:
@@ -343,6 +352,7 @@ def print_table(result: dict) -> None:
                  if "reload_seconds" in c and "in_place_seconds" in c else "-")
         table.add_row(c["model"], c.get("engine", "transformers"), f"{c['model_bytes'] / 1e6:.0f}", c["kind"],
                       f"{c['payload_bytes'] / 1e6:.1f}", cell(c, "in_place_seconds"), cell(c, "reload_seconds"), ratio,
+                      cell(c, "in_place_proven_seconds"), cell(c, "reload_proven_seconds"),
                       cell(c, "in_place_first_token_seconds"), cell(c, "reload_first_token_seconds"),
                       cell(c, "in_place_round_seconds"), cell(c, "reload_round_seconds"),
                       cell(c, "in_place_next_seconds"), cell(c, "in_place_vllm_seconds"), cell(c, "reload_vllm_seconds"))

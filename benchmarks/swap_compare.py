@@ -8,7 +8,8 @@ at `--before PATH` (an older commit, e.g. a `git worktree`) and this checkout's,
 `deltamesh` package (setup.py's mapping) and goes first on PYTHONPATH, ahead of the editable
 install; each process checks which tree it imported. The two take turns, `--rounds` times, each a
 fresh process timing `--repeats` versions, so both see the same background load. Reported: medians
-over all runs of "served" (version available at the gateway -> engine serving it), "round" (-> the
+over all runs of "served" (version available at the gateway -> engine serving it), "proven" (-> the
+pool's check of what the engine serves passed: it leases rollouts on the version), "round" (-> the
 synced directory written too) and "next" (a version published the moment the one before is served
 -> serving it: what the previous round still holds up), and before / after.
 
@@ -34,7 +35,8 @@ from common import emit
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PARTS = ("delta", "gateway", "trainer", "mesh")  # setup.py maps each top-level folder to deltamesh.<part>
-MEASURES = {"served": "in_place_runs", "round": "in_place_round_runs", "next": "in_place_next_runs"}
+MEASURES = {"served": "in_place_runs", "proven": "in_place_proven_runs", "round": "in_place_round_runs",
+            "next": "in_place_next_runs"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,14 +112,16 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     table = Table(title="SmolLM2-135M delta, in place: version available -> (median s)")
-    for col in ("checkout", "engine serving it", "round over (directory written)", "next version, published as it serves"):
+    for col in ("checkout", "engine serving it", "check passed", "round over (directory written)",
+                "next version, published as it serves"):
         table.add_column(col, justify="left" if col == "checkout" else "right")
     for side in ("before", "after"):
         r = result[side]
-        table.add_row(f"{side}: {result['commits'][side]}", f"{r['served_median_s']:.3f}", f"{r['round_median_s']:.3f}",
-                      f"{r['next_median_s']:.3f}")
+        table.add_row(f"{side}: {result['commits'][side]}", f"{r['served_median_s']:.3f}", f"{r['proven_median_s']:.3f}",
+                      f"{r['round_median_s']:.3f}", f"{r['next_median_s']:.3f}")
     ratio = result["before_over_after"]
-    table.add_row("before / after", f"{ratio['served']:.2f}x", f"{ratio['round']:.2f}x", f"{ratio['next']:.2f}x")
+    table.add_row("before / after", f"{ratio['served']:.2f}x", f"{ratio['proven']:.2f}x", f"{ratio['round']:.2f}x",
+                  f"{ratio['next']:.2f}x")
     console = Console(width=140)
     console.print(table)
     console.print(f"{result['runs_per_side']} runs per checkout ({result['rounds']} alternating turns of "

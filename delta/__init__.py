@@ -40,7 +40,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "small_index": ("SmallWordIndex",),
     "statement": ("HeadStatement", "StaleStatementError", "check_fresh", "load_statement", "sign_statement"),
     "storage": ("read_weights", "write_weights"),
-    "tensors": ("tensor_digest", "weights_hash"),
+    "tensors": ("tensor_digest", "tensor_digests", "weights_hash"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -15,6 +15,7 @@ from .dtypes import dtype_name
 from .errors import CodecError
 from .hashing import digest as bytes_digest
 from .manifest import TensorEntry, table_hash
+from .parallel import thread_map
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -33,6 +34,12 @@ def tensor_digest(t: torch.Tensor) -> str:
     return bytes_digest(tensor_bytes(t))
 
 
+def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """`tensor_digest` of each tensor by name, hashed on every core (xxhash releases the GIL)."""
+    names = list(tensors)
+    return dict(zip(names, thread_map(lambda name: tensor_digest(tensors[name]), names)))
+
+
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor detached, on the CPU and contiguous (copies only when one of those is needed)."""
     if not isinstance(t, torch.Tensor):
@@ -45,7 +52,9 @@ def tensor_entry(name: str, t: torch.Tensor, digest: str | None = None) -> Tenso
 
 
 def tensor_table(weights: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
-    return [tensor_entry(name, cpu_tensor(weights[name])) for name in sorted(weights)]
+    names = sorted(weights)
+    digests = tensor_digests({name: cpu_tensor(weights[name]) for name in names})
+    return [tensor_entry(name, weights[name], digests[name]) for name in names]
 
 
 def weights_hash(weights: Mapping[str, torch.Tensor]) -> str:

@@ -140,7 +140,7 @@ class ReadsBack(Protocol):
     """An engine that can hash the weights it serves, by checkpoint tensor name."""
 
     async def served_digests(self, names: Sequence[str]) -> ServedDigests:
-        """Digests of `names` as served now, read between two steps and never during an update."""
+        """Digests of `names` as served now, never read during an update."""
         ...
 
 

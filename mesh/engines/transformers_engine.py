@@ -3,7 +3,9 @@
 Generation is a custom decode loop (left-padded batch, attention mask, explicit positions, KV cache)
 rather than `model.generate`, because weights may change between two decode steps: every step runs
 under the engine's step lock, and a weight update takes the same lock, so an update lands exactly at
-a step boundary (FIFO: it waits for at most the step in progress of each running generation). Each
+a step boundary (FIFO: it waits for at most the step in progress of each running generation). Reading
+the weights back for the pool's check only has to keep writers out: it takes the write lock alone,
+which every update holds too, and hashes beside the decode steps rather than between them. Each
 token is tagged with the version that was live when its step ran; in-flight generations carry on
 with the new weights over the KV cache built so far. The pool verifies and decodes a version before
 handing it over (`DecodedVersion`), so generation pauses only for the in-place write and the hash
@@ -38,7 +40,7 @@ from deltamesh.delta import (
     live_hash,
     live_tensors,
     swap_in_place,
-    tensor_digest,
+    tensor_digests,
 )
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
@@ -102,6 +104,8 @@ class TransformersEngine(LocalEngine):
         seed = config.seed if config.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._lock = asyncio.Lock()
+        # Held by whatever writes the weights, around `_lock`: the read-back waits for writers only.
+        self._write_lock = asyncio.Lock()
         self._closed = False
         manifest = dir_manifest(config.model_dir)
         if manifest is not None and config.version is not None and manifest.version != config.version:
@@ -134,7 +138,7 @@ class TransformersEngine(LocalEngine):
         started = time.perf_counter()
         try:
             weights, manifest = await asyncio.to_thread(read_verified, Path(path), version)
-            async with self._lock:
+            async with self._write_lock, self._lock:
                 paused = time.perf_counter()
                 await asyncio.to_thread(copy_in, self._live, weights)
                 self._small_index.clear()
@@ -153,7 +157,7 @@ class TransformersEngine(LocalEngine):
         if manifest.model_id != self.model_id:
             raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
         try:
-            async with self._lock:
+            async with self._write_lock, self._lock:
                 paused = time.perf_counter()
                 base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
                 stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash,
@@ -171,14 +175,16 @@ class TransformersEngine(LocalEngine):
             log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version, seconds)
 
     async def served_digests(self, names: Sequence[str]) -> ServedDigests:
-        """Hash the live tensors the forward pass reads (`ReadsBack`), between two decode steps."""
+        """Hash the live tensors the forward pass reads (`ReadsBack`), with no update under way (decode
+        steps only read them too: they go on)."""
         self._check_open()
-        async with self._lock:
+        async with self._write_lock:
+            self._check_open()  # closed while this waited
             digests = await asyncio.to_thread(self._digests, list(names))
             return ServedDigests(self._version, digests)
 
     async def close(self) -> None:
-        async with self._lock:
+        async with self._write_lock, self._lock:
             self._closed = True
             self._live = {}
         if self._device.type == "cuda":
@@ -209,7 +215,8 @@ class TransformersEngine(LocalEngine):
         self.metrics.version.set(version)
 
     def _digests(self, names: list[str]) -> dict[str, str | None]:
-        return {name: tensor_digest(self._live[name]) if name in self._live else None for name in names}
+        found = tensor_digests({name: self._live[name] for name in names if name in self._live})
+        return {name: found.get(name) for name in names}
 
     async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         started = time.perf_counter()

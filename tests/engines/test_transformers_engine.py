@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from deltamesh.delta import (
     generate_key,
     live_tensors,
     read_weights,
+    tensor_digests,
     write_weights,
 )
 from deltamesh.mesh.engines.base import Engine, SamplingParams
@@ -146,6 +148,45 @@ def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir, rl_step):
     straddled = engine.metrics.registry.get_sample_value(
         "deltamesh_engine_straddling_generations_total", {"model": MODEL, "engine": "transformers"})
     assert straddled == 1
+
+
+def test_read_back_goes_beside_a_decode_step_and_waits_for_an_update(base_dir, rl_step):
+    """The pool's check reads the weights while a decode step runs (both only read them), but never
+    while an update writes them: it then reports the version the update left."""
+    v0 = read_weights(base_dir)
+    enc = encode_delta(v0, rl_step(v0, seed=4), model_id=MODEL, version=1, base_version=0, key=KEY)
+    engine = engine_at(base_dir)
+    names = [e.name for e in enc.manifest.tensors]
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold_first_step(module, args):
+        in_step.set()
+        release.wait(30)
+
+    hook = engine.model.register_forward_pre_hook(hold_first_step)
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+
+    async def main():
+        generating = asyncio.create_task(engine.generate([engine.encode("1+1=")], params))
+        await asyncio.to_thread(in_step.wait, 30)
+        before = await asyncio.wait_for(engine.served_digests(names), 30)  # the step is still held
+        update = asyncio.create_task(engine.apply_update(decode_version(enc.manifest, enc.pieces)))
+        await asyncio.sleep(0.2)
+        reading = asyncio.create_task(engine.served_digests(names))
+        await asyncio.sleep(0.2)
+        waiting = (update.done(), reading.done())
+        release.set()
+        await update
+        return before, waiting, await reading, await generating
+
+    try:
+        before, waiting, after, _ = asyncio.run(main())
+    finally:
+        release.set()
+        hook.remove()
+    assert before.version == 0 and before.digests == tensor_digests({name: v0[name] for name in names})
+    assert waiting == (False, False)  # the update waits for the step, the read-back for the update
+    assert after.version == 1 and after.digests == {e.name: e.hash for e in enc.manifest.tensors}
 
 
 def test_chain_of_deltas_then_full_snapshot(base_dir, rl_step):
