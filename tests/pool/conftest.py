@@ -8,6 +8,7 @@ handed to test modules as one `PoolKit` fixture (test modules cannot import a co
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -38,6 +39,18 @@ TOKEN = "pool-token"
 STOPPED = (0, 130, 143, -signal.SIGKILL, -signal.SIGTERM)
 """Exit statuses of a service that was stopped, not one that failed: done, stopped cleanly by SIGINT or
 SIGTERM (128 + the signal: docs/CLI.md), or killed."""
+
+
+def _register_helper(name: str) -> None:
+    """Make this folder's helper module `name`.py importable as `deltamesh_pool_test_NAME` (tests are
+    imported by path, so their folder is not a package); conftest.py is imported before the tests."""
+    spec = importlib.util.spec_from_file_location(f"deltamesh_pool_test_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_register_helper("weights_kit")
 
 
 def get_json(url: str, timeout: float = 10.0):

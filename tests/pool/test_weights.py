@@ -5,9 +5,7 @@ directory written behind the engine: test_write_behind.py)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +19,7 @@ from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.mesh.pool.weights import PolicyWeights
 
-KIT = importlib.util.spec_from_file_location("weights_kit", Path(__file__).with_name("weights_kit.py"))
-wk = importlib.util.module_from_spec(KIT)
-KIT.loader.exec_module(wk)
+import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 
 
 def test_hot_swap_in_place_then_restart_resumes_from_the_directory(kit):

@@ -5,16 +5,12 @@ writes land in order, a failed write is redone."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
 
-KIT = importlib.util.spec_from_file_location("weights_kit", Path(__file__).with_name("weights_kit.py"))
-wk = importlib.util.module_from_spec(KIT)
-KIT.loader.exec_module(wk)
+import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 
 
 def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(kit):

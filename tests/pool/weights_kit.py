@@ -1,6 +1,6 @@
 """Helpers of the pool's weight-stream tests (test_weights.py, test_write_behind.py): a gateway in
-this process, a pool's weights on a fresh tiny transformers engine, and waits; loaded by file path
-(test modules cannot import a conftest or each other)."""
+this process, a pool's weights on a fresh tiny transformers engine, and waits; conftest.py makes
+it importable as `deltamesh_pool_test_weights_kit` (test modules cannot import a conftest or each other)."""
 
 from __future__ import annotations
 
