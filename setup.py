@@ -1,10 +1,14 @@
 """Maps the top-level component folders onto one distribution: `delta/` is `deltamesh.delta`, and so on.
 
 Metadata lives in pyproject.toml; only the package layout needs code, because setuptools cannot
-discover subpackages of a folder mapped under a different dotted prefix on its own.
+discover subpackages of a folder mapped under a different dotted prefix on its own. So does the
+codec's one C extension, `deltamesh.delta._kernels` (delta/kernels.py says why it exists): any C
+compiler and the Python headers build it. It is optional to the build: a gateway, which never
+decodes a delta, installs on a host without a compiler; where a delta is applied, the codec then
+says what is missing.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 COMPONENTS = ("delta", "gateway", "trainer", "mesh")
 
@@ -15,4 +19,6 @@ for part in COMPONENTS:
     packages.append(f"deltamesh.{part}")
     packages += [f"deltamesh.{part}.{sub}" for sub in find_packages(part)]
 
-setup(packages=packages, package_dir=package_dir)
+kernels = Extension("deltamesh.delta._kernels", sources=["delta/_kernels.c"], extra_compile_args=["-O3"], optional=True)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[kernels])

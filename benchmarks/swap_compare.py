@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 from deltamesh.cache import cache_dir
 
@@ -39,10 +40,15 @@ MEASURES = {"served": "in_place_runs", "proven": "in_place_proven_runs", "round"
             "next": "in_place_next_runs"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def checkout_args(p: argparse.ArgumentParser) -> None:
+    """`--before` and `--after`: the two checkouts a side-by-side benchmark runs."""
     p.add_argument("--before", required=True, type=Path, help="checkout of the older commit (e.g. a git worktree)")
     p.add_argument("--after", type=Path, default=ROOT, help="checkout to compare it with (default: this one)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    checkout_args(p)
     p.add_argument("--rounds", type=int, default=2, help="turns each checkout takes, alternating (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="versions timed per turn (default 3)")
     p.add_argument("--lr", type=float, default=5e-6, help="Adam learning rate of SmolLM2's real step")
@@ -65,12 +71,15 @@ def package_shim(tree: Path, into: Path) -> Path:
     return into
 
 
-def _env_for(tree: Path, shim: Path, base: dict[str, str]) -> dict[str, str]:
-    """The environment whose `import deltamesh` loads `tree` (this checkout: the editable install)."""
-    if tree.resolve() == ROOT:
-        return base
+def shim_env(tree: Path, shim: Path, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` with PYTHONPATH led by a package shim made in `shim`: its `import deltamesh` loads `tree`."""
     path = os.pathsep.join(filter(None, [str(package_shim(tree, shim)), base.get("PYTHONPATH")]))
     return {**base, "PYTHONPATH": path}
+
+
+def _env_for(tree: Path, shim: Path, base: dict[str, str]) -> dict[str, str]:
+    """The environment whose `import deltamesh` loads `tree` (this checkout: the editable install)."""
+    return base if tree.resolve() == ROOT else shim_env(tree, shim, base)
 
 
 def commit_of(tree: Path) -> str:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from swap_compare import commit_of, package_shim
+from swap_compare import checkout_args, commit_of, shim_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -33,8 +33,7 @@ FIGURES = ("to_regions_after_publish_seconds", "to_last_region_after_publish_sec
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", required=True, type=Path, help="checkout of the older commit (e.g. a git worktree)")
-    p.add_argument("--after", type=Path, default=ROOT, help="checkout to compare it with (default: this one)")
+    checkout_args(p)
     p.add_argument("--steps", type=int, default=5, help="training versions after the first (default 5)")
     p.add_argument("--step-seconds", type=float, default=12.0, help="seconds between two versions (default 12)")
     p.add_argument("--rounds", type=int, default=1, help="runs of each checkout, alternating (default 1)")
@@ -70,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for name, tree in trees.items():
                 # Both through a shim, even this checkout: the editable install may point at another tree.
-                shim = package_shim(tree, Path(tmp) / f"shim-{name}-{r}")
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim),
-                                                                                 os.environ.get("PYTHONPATH")]))}
+                env = shim_env(tree, Path(tmp) / f"shim-{name}-{r}", os.environ)
                 runs[name] += deltas(run_one(tree, env, args, Path(tmp) / f"{name}-{r}.json"))
     medians = {name: {k: _median([v[k] for v in rows]) for k in FIGURES} for name, rows in runs.items()}
     report = {"before": commit_of(trees["before"]), "after": commit_of(trees["after"]), "runs": runs,

@@ -228,10 +228,11 @@ class _Target:
             small_index, written = indexed if indexed is not None else (None, None)
             if known is None and small_index is not None:
                 self.kept_located = False
-            where = known.numpy() if known else locate_cpu(updates, np_words(base), small_index)
+            words = np_words(base)
+            where = known.numpy() if known else locate_cpu(updates, words, small_index)
             patched = patch_cpu(entry, updates, where, base, in_place=self.in_place, rollback=rollback,
                                 hash_base=hash_base, written=None if written is None else written.setdefault(i, []),
-                                hash_result=not hash_later)
+                                hash_result=not hash_later, words=words)
         located[i] = where
         return patched
 

@@ -15,7 +15,6 @@ from typing import Callable
 
 import numpy as np
 
-from .dtypes import NP_UWORDS
 
 SCAN_CHUNK_BYTES = 1 << 21  # per array per step: both chunks and the mask stay in L2/L3
 
@@ -94,14 +93,6 @@ def encode_moves(old: np.ndarray, new: np.ndarray, is_float: bool) -> np.ndarray
     ones = dtype(np.iinfo(dtype).max)
     zig = (d << dtype(1)) ^ ((d >> dtype(bits - 1)) * ones)
     return zig - dtype(1)
-
-
-def key_deltas(codes: np.ndarray, width: int) -> np.ndarray:
-    """Key differences (unsigned words of `width` bytes) of stored move values (< 2**bits - 1)."""
-    dtype = NP_UWORDS[width]
-    zig = codes.astype(dtype) + dtype(1)
-    ones = dtype(np.iinfo(dtype).max)
-    return (zig >> dtype(1)) ^ ((zig & dtype(1)) * ones)
 
 
 def apply_changes(old: np.ndarray, values: np.ndarray, literal: np.ndarray | None, is_float: bool) -> np.ndarray:

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from . import smallwords, streams
-from .bitdiff import apply_changes, key_deltas
+from .bitdiff import apply_changes
 from .dtypes import NP_SWORDS, NP_UWORDS, WORD_DTYPES, is_float
 from .errors import CodecError, CorruptError
+from .kernels import change_locations, check_codes, key_moves
 from .manifest import DTYPE_SIZES, Manifest
 from .piece import CODEC, KIND_DELTA, MAX_WIDTH, ParsedPiece, parse_piece
-from .small_index import pick_ranks
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,17 +54,15 @@ class TensorUpdate:
     def is_full(self) -> bool:
         return self.positions is None
 
-    def locate(self, words: np.ndarray, small_words: np.ndarray | None = None) -> np.ndarray:
+    def locate(self, words: np.ndarray, ranked: np.ndarray | None = None) -> np.ndarray:
         """Flat indices of every change, in `values` order, given the tensor's base words (numpy);
-        `small_words`, when known (small_index.py), are the ascending positions of the segment's small
-        words, so that the words need not be searched for them."""
+        `ranked`, when known (read off a `SmallWordIndex`), are the positions of the changes located
+        by small-word rank, so that the words need not be searched for them."""
         if self.small_ranks is None:
             return self.positions
-        if small_words is None:
-            small = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
-        else:
-            small = pick_ranks(small_words, self.small_ranks, self.tensor)
-        return np.concatenate([self.positions, small])
+        if ranked is None:
+            ranked = smallwords.small_positions(words, self.start, self.count, self.small_ranks, self.small_max)
+        return np.concatenate([self.positions, ranked])
 
     def write_words(self, words: np.ndarray) -> None:
         """Write into a CPU tensor's unsigned words (`dtypes.np_words`) holding the base."""
@@ -157,18 +155,24 @@ def _decode_delta(manifest: Manifest, index: int, parsed: ParsedPiece, view: mem
     segments = parsed.segments
     total = sum(s.changed for s in segments)
     gap_limit = sum(s.changed + s.count // 255 for s in segments)
-    gaps = streams.bytes_to_gaps(_stream(parsed, 0, view, gap_limit, index), total)
-    codes = streams.unpack_nibbles(_stream(parsed, 1, view, (total + 1) // 2, index), total)
-    literal = codes == streams.LITERAL
-    steps = np.cumsum(gaps + 1)  # location of change j + 1, counted from where its run began
-
     # Runs of changes: per segment, those located by position, then those located by small-word rank.
+    runs = np.array([n for s in segments for n in (s.changed - s.small, s.small)], dtype=np.int64)
+    offsets = np.array([o for s in segments for o in (s.start, 0)], dtype=np.int64)
+    limits = np.array([s.count for s in segments for _ in (0, 1)], dtype=np.int64)
+    gaps = _stream(parsed, 0, view, gap_limit, index)
+    codes = _stream(parsed, 1, view, (total + 1) // 2, index)
+    try:
+        locations = change_locations(gaps, runs, offsets, limits)
+        check_codes(codes, total)
+    except CorruptError as e:
+        raise CorruptError(f"piece {index}: {e}") from None
     widths = [DTYPE_SIZES[manifest.tensors[s.tensor].dtype] for s in segments]
-    bounds = np.cumsum([0] + [n for s in segments for n in (s.changed - s.small, s.small)])
-    literals_per_segment = np.add.reduceat(literal, bounds[:-1:2], dtype=np.int64) if total else np.zeros(0, dtype=np.int64)
+    firsts = np.cumsum([0] + [s.changed for s in segments])
+    # Per segment: its changes' key differences, which of them are literals, and how many.
+    changes = [key_moves(codes, int(first), s.changed, w) for s, w, first in zip(segments, widths, firsts)]
     planes = []
     for k in range(MAX_WIDTH):
-        expected = int(sum(n for n, w in zip(literals_per_segment, widths) if w > k))
+        expected = sum(n for (_, _, n), w in zip(changes, widths) if w > k)
         plane = _stream(parsed, 2 + k, view, expected, index)
         if plane.size != expected:
             raise CorruptError(f"piece {index}: literal plane {k} has {plane.size} bytes, codes need {expected}")
@@ -176,29 +180,19 @@ def _decode_delta(manifest: Manifest, index: int, parsed: ParsedPiece, view: mem
     taken = [0] * MAX_WIDTH
 
     updates = []
-    for n, s in enumerate(segments):
+    for s, width, first, (values, seg_literal, n_literal) in zip(segments, widths, firsts, changes):
         entry = manifest.tensors[s.tensor]
-        width = widths[n]
-        runs = []
-        for lo, hi in ((bounds[2 * n], bounds[2 * n + 1]), (bounds[2 * n + 1], bounds[2 * n + 2])):
-            rel = steps[lo:hi] - (steps[lo - 1] if lo else 0) - 1
-            if rel.size and rel[-1] >= s.count:
-                raise CorruptError(f"piece {index}: change at offset {int(rel[-1])} past its segment of {s.count}")
-            runs.append(rel)
-        lo, hi = int(bounds[2 * n]), int(bounds[2 * n + 2])
-        values = key_deltas(codes[lo:hi], width)
-        seg_literal = literal[lo:hi]
-        n_literal = int(literals_per_segment[n])
         if n_literal:
             words = np.empty((n_literal, width), dtype=np.uint8)
             for k in range(width):
                 words[:, k] = planes[k][taken[k] : taken[k] + n_literal]
                 taken[k] += n_literal
             values[seg_literal] = words.reshape(-1).view(NP_UWORDS[width])
+        plain = s.changed - s.small
         updates.append(TensorUpdate(
             entry.name, s.tensor, entry.dtype, entry.numel, s.start, s.count,
-            runs[0] + s.start, values, seg_literal if n_literal else None,
-            runs[1] if s.small else None, s.small_max,
+            locations[first : first + plain], values, seg_literal if n_literal else None,
+            locations[first + plain : first + s.changed] if s.small else None, s.small_max,
         ))
     return updates
 

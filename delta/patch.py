@@ -5,8 +5,9 @@ changes coded by small-word rank are read off the base's words, all before any w
 written, by one of two paths chosen by where the target lives:
 
 - `patch_cpu`: a tensor in CPU memory, through a zero-copy numpy view of its words (torch-allocated
-  live parameters and numpy-allocated weights alike). In place: a scatter per update, then one hash
-  of the tensor. Into a copy: the changes are merged into one ascending list and written in one
+  live parameters and numpy-allocated weights alike). In place: one compiled loop per update
+  (`kernels.write_changes`: read, change and write each word, keeping the old and new), then one
+  hash of the tensor. Into a copy: the changes are merged into one ascending list and written in one
   pass, chunk by chunk while each chunk is in cache (copy, hash the base if it still needs checking,
   write the changed words, hash the result), so the base is read once and the result written once.
 - `patch_torch`: the same in torch ops on the tensor's own device (a GPU engine's live weights are
@@ -31,6 +32,7 @@ from .decoded import Located, empty_tensor
 from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
 from .hashing import digest
+from .kernels import write_changes
 from .manifest import TensorEntry
 from .small_index import SmallWordIndex
 from .tensors import tensor_digest
@@ -58,7 +60,12 @@ class Rollback:
 
     def restore(self) -> None:
         for words, positions, old in reversed(self._kept):
-            words[positions] = old
+            if isinstance(words, np.ndarray):
+                # Newest first within one record too: a position written twice (a corrupt delta) kept
+                # its first write's result as its second old word, and numpy lets the last one win.
+                words[positions[::-1]] = old[::-1]
+            else:
+                words[positions] = old  # the torch path keeps each old word before any write
         self._kept = []
 
 
@@ -70,7 +77,7 @@ def locate_cpu(updates: Sequence[TensorUpdate], words: np.ndarray, small_index: 
     bound = max(u.small_max for u in ranked)
     return Located(tuple(
         u.locate(words, None if u.small_ranks is None else
-                 small_index.small_words(u.tensor, words, u.start, u.count, u.small_max, bound))
+                 small_index.ranked(u.tensor, words, u.start, u.count, u.small_ranks, u.small_max, bound))
         for u in updates))
 
 
@@ -81,19 +88,19 @@ def locate_torch(updates: Sequence[TensorUpdate], words: torch.Tensor) -> Locate
 
 def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Located, base: torch.Tensor, *,
               in_place: bool, rollback: Rollback, hash_base: bool,
-              written: list[tuple[np.ndarray, np.ndarray]] | None = None, hash_result: bool = True) -> Patched:
+              written: list[tuple[np.ndarray, np.ndarray]] | None = None, hash_result: bool = True,
+              words: np.ndarray | None = None) -> Patched:
     """Write the located changes (numpy) into a CPU tensor or a copy of it, and hash the result. In
     place, each update's old and new words are appended to `written` when it is given, and without
-    `hash_result` the result's digest is left to the caller (None)."""
-    src = np_words(base)
+    `hash_result` the result's digest is left to the caller (None). `words`: the base's `np_words`,
+    when the caller has them."""
+    src = np_words(base) if words is None else words
     floating = is_float(entry.dtype)
     if in_place:
         base_digest = digest(src) if hash_base else None
         for u, p in zip(updates, located.positions):
-            old = src[p]
+            old, new = write_changes(src, p, u.values, u.literal, floating)  # all or nothing
             rollback.keep(src, p, old)
-            new = apply_changes(old, u.values, u.literal, floating)
-            src[p] = new
             if written is not None:
                 written.append((old, new))
         return base, digest(src) if hash_result else None, base_digest

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .errors import CorruptError
+from .kernels import moved_small_positions, ranked_positions
 from .smallwords import CHUNK_WORDS, is_small
 
 if TYPE_CHECKING:
@@ -61,22 +61,23 @@ class SmallWordIndex:
         entry = self._entries.get(name)
         return entry is not None and entry.bound >= small_max
 
-    def small_words(self, name: str, words: np.ndarray, start: int, count: int, small_max: int,
-                    bound: int) -> np.ndarray:
-        """Ascending positions of the words of [start, start + count) of tensor `name` (its unsigned
-        `words`) whose magnitude is at most `small_max`: from the entry when its bound covers
-        `small_max`, else from a pass over the whole tensor that becomes its entry, for magnitudes up
-        to `bound` (>= small_max: the largest any segment of the tensor asks for)."""
+    def entry(self, name: str) -> tuple[int, np.ndarray] | None:
+        """Tensor `name`'s bound and the ascending positions of its words up to it, if it has an entry."""
+        entry = self._entries.get(name)
+        return None if entry is None else (entry.bound, entry.positions)
+
+    def ranked(self, name: str, words: np.ndarray, start: int, count: int, ranks: np.ndarray, small_max: int,
+               bound: int) -> np.ndarray:
+        """Positions of the small words of rank `ranks` (ascending) among the words of [start, start +
+        count) of tensor `name` (its unsigned `words`) whose magnitude is at most `small_max`: read off
+        the entry when its bound covers `small_max`, else off one made in a pass over the whole tensor,
+        for magnitudes up to `bound` (>= small_max: the largest any segment of the tensor asks for)."""
         entry = self._entries.get(name)
         if entry is None or entry.bound < small_max:
             entry = _Entry(bound, _all_small(words, bound))
             with self._lock:
                 self._entries[name] = entry
-        lo, hi = np.searchsorted(entry.positions, (start, start + count))
-        found = entry.positions[lo:hi]
-        if entry.bound > small_max:
-            found = found[is_small(words[found], small_max)]
-        return found
+        return ranked_positions(entry.positions, words, start, count, ranks, small_max, entry.bound > small_max)
 
     def move(self, name: str, located: Located, written: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """Carry tensor `name`'s entry over the write at `located` (numpy positions, per update) of
@@ -85,18 +86,11 @@ class SmallWordIndex:
         entry = self._entries.get(name)
         if entry is None:
             return
-        positions, bound = entry.positions, entry.bound
-        where = np.concatenate(located.positions)
-        was = is_small(np.concatenate([old for old, _ in written]), bound)
-        now = is_small(np.concatenate([new for _, new in written]), bound)
-        leaving = where[was & ~now]
-        if leaving.size:
-            positions = np.delete(positions, np.searchsorted(positions, leaving))
-        joining = np.sort(where[~was & now]).astype(positions.dtype)
-        if joining.size:
-            positions = np.insert(positions, np.searchsorted(positions, joining), joining)
+        positions = moved_small_positions(entry.positions, _joined(located.positions),
+                                          _joined([old for old, _ in written]), _joined([new for _, new in written]),
+                                          entry.bound)
         with self._lock:
-            self._entries[name] = _Entry(bound, positions)
+            self._entries[name] = _Entry(entry.bound, positions)
 
     def moved_to(self, weights_hash: str) -> None:
         """The weights are now those of `weights_hash` (every entry has been moved)."""
@@ -111,8 +105,5 @@ def _all_small(words: np.ndarray, small_max: int) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=dtype)
 
 
-def pick_ranks(found: np.ndarray, ranks: np.ndarray, name: str) -> np.ndarray:
-    """The positions of the small words of rank `ranks` (ascending) among `found`."""
-    if ranks.size and int(ranks[-1]) >= found.size:
-        raise CorruptError(f"tensor {name}: rank {int(ranks[-1])} beyond the {found.size} small words of its segment")
-    return found[ranks].astype(np.int64, copy=False)
+def _joined(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)

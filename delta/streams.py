@@ -1,8 +1,8 @@
 """Byte streams of a piece: how gaps, change codes and escapes become bytes, and how bytes are packed.
 
-Every transform here is vectorized (numpy, no Python loop over elements) and its decoder validates
-what it reads, raising `CorruptError` on anything inconsistent rather than reading or writing out of
-bounds. The layouts are documented in docs/FORMAT.md:
+The encoder's transforms are vectorized numpy; the gap and code decoders are compiled loops in
+kernels.py, which validate what they read and raise `CorruptError` on anything inconsistent rather
+than reading or writing out of bounds, as `decompress` here does. The layouts (docs/FORMAT.md):
 
 * gaps: each gap g (unchanged words before the next change) is g // 255 bytes 0xFF then g % 255.
   The low byte of a geometric gap carries almost all of its entropy and 0xFF runs over long unchanged
@@ -39,21 +39,6 @@ def gaps_to_bytes(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return out, ends
 
 
-def bytes_to_gaps(data: np.ndarray, count: int) -> np.ndarray:
-    """Decode exactly `count` gaps from the whole of `data` (uint8)."""
-    ends = np.flatnonzero(data != 255)
-    if ends.size != count:
-        raise CorruptError(f"gap stream holds {ends.size} gaps, segments need {count}")
-    if count == 0:
-        if data.size:
-            raise CorruptError("gap stream has trailing bytes")
-        return np.empty(0, dtype=np.int64)
-    if ends[-1] != data.size - 1:
-        raise CorruptError("gap stream has trailing bytes")
-    runs = np.diff(ends, prepend=-1) - 1
-    return runs * 255 + data[ends].astype(np.int64)
-
-
 # -- change codes ------------------------------------------------------------------------------
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Pack 4-bit codes (uint8, each < 16) two per byte, low nibble first; odd tail padded with 0."""
@@ -61,17 +46,6 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
         codes = np.concatenate([codes, np.zeros(1, dtype=np.uint8)])
     pairs = codes.reshape(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8)
-
-
-def unpack_nibbles(data: np.ndarray, count: int) -> np.ndarray:
-    if data.size != (count + 1) // 2:
-        raise CorruptError(f"code stream has {data.size} bytes, {count} codes need {(count + 1) // 2}")
-    out = np.empty(data.size * 2, dtype=np.uint8)
-    out[0::2] = data & 15
-    out[1::2] = data >> 4
-    if count % 2 and out[-1]:
-        raise CorruptError("code stream padding is not zero")
-    return out[:count]
 
 
 # -- stored streams ----------------------------------------------------------------------------

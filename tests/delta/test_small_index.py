@@ -84,10 +84,8 @@ def test_a_chain_of_deltas_reads_small_words_off_the_index(key, rl_step, monkeyp
     for name in ("proj", "embed"):
         if index.covers(name, 0):
             words = live[name].view(-1).view(torch.int16).numpy().view(np.uint16)
-            bound = max(b for b in range(0, 0x8000, 0x80) if index.covers(name, b))
-            expected = np.flatnonzero(smallwords.is_small(words, bound))
-            got = index.small_words(name, words, 0, words.size, bound, bound)
-            assert np.array_equal(got, expected)
+            bound, positions = index.entry(name)
+            assert np.array_equal(positions, np.flatnonzero(smallwords.is_small(words, bound)))
 
 
 def test_an_index_that_does_not_describe_the_weights_costs_a_pass_not_a_wrong_result(key, rl_step, monkeypatch):
