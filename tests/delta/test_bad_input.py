@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    Applier, BaseMismatchError, CodecError, CorruptError, SignatureError, apply, decode_piece, digest,
-    encode_delta, encode_full, generate_key, load_manifest,
+    Applier, BaseMismatchError, CodecError, CorruptError, SignatureError, SmallWordIndex, apply, decode_piece,
+    digest, encode_delta, encode_full, generate_key, load_manifest,
 )
 from deltamesh.delta.manifest import PieceEntry
 
@@ -125,6 +125,37 @@ def test_decoder_survives_corrupt_pieces_behind_a_matching_hash(key, same_weight
             outcomes["harmless"] += 1
     # "harmless": bits zstd itself ignores; everything the codec's own layout holds is checked.
     assert outcomes["decoder"] > 0 and outcomes["harmless"] <= 0.02 * sum(outcomes.values())
+
+
+def test_corrupt_pieces_applied_in_place_off_a_small_word_index_restore_the_weights(key, same_weights, encoded):
+    """The same corrupt pieces behind re-signed manifests, applied in place by a receiver whose
+    small-word index describes its weights (changes located by rank are read off the index, through
+    the compiled loops): each either raises with the weights restored bit for bit, or gives `new`."""
+    old, new, delta, _ = encoded
+    back = encode_delta(new, old, model_id="m", version=3, base_version=2, key=key)
+    rng = np.random.default_rng(2)
+    raised = 0
+    for i, piece in enumerate(delta.pieces):
+        variants = [piece[:cut] for cut in range(0, len(piece), max(1, len(piece) // 10))]
+        for at in rng.choice(len(piece), min(len(piece), 25), replace=False):
+            bad = bytearray(piece)
+            bad[at] ^= 1 << int(rng.integers(8))
+            variants.append(bytes(bad))
+        for data in variants:
+            index = SmallWordIndex()
+            live = apply({k: v.clone() for k, v in new.items()}, back.manifest, back.pieces, in_place=True,
+                         small_index=index)
+            assert index.weights_hash == delta.manifest.base_hash and len(index)
+            manifest = _resigned(delta.manifest, key, i, data)
+            pieces = [data if k == i else p for k, p in enumerate(delta.pieces)]
+            try:
+                result = apply(live, manifest, pieces, in_place=True, small_index=index)
+            except CodecError:
+                raised += 1
+                assert same_weights(live, old)
+                continue
+            assert same_weights(result, new)
+    assert raised > 0
 
 
 def test_manifest_truncations_and_flips_are_refused(encoded, key):
