@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     checkout_args(p)
     p.add_argument("--rounds", type=int, default=3, help="codec.py runs of each checkout, alternating (default 3)")
     p.add_argument("--repeats", type=int, default=9, help="timed runs per measurement in each codec.py run (default 9)")
+    p.add_argument("--lrs", nargs="+", default=["5e-6"], help="learning rates of the one-step real deltas (default 5e-6)")
     p.add_argument("--run-steps", type=int, default=4, help="also the delta of this step of an Adam run (0: skip)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p.parse_args(argv)
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_one(tree: Path, env: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
     """One codec.py run against `tree`'s package: per case, deltamesh's figures."""
     cmd = [sys.executable, str(HERE / "codec.py"), "--json", "--no-synthetic", "--methods", "deltamesh",
-           "--lrs", "5e-6", "--run-steps", str(args.run_steps), "--repeats", str(args.repeats)]
+           "--lrs", *args.lrs, "--run-steps", str(args.run_steps), "--repeats", str(args.repeats)]
     # Run from outside both trees, so the working directory's `deltamesh/` shadows neither.
     done = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
     if done.returncode != 0:
