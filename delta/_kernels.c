@@ -209,7 +209,8 @@ static PyObject *moved(PyObject *self, PyObject *args) {
     char *dst = v[4].buf;
     Py_ssize_t i = 0, a = 0, b = 0;
     while (a < left || b < joined) {
-        int64_t next = (b < joined && (a == left || joining[b] < leaving[a])) ? joining[b] : leaving[a];
+        int joins = b < joined && (a == left || joining[b] < leaving[a]); /* the next event is a join */
+        int64_t next = joins ? joining[b] : leaving[a];
         Py_ssize_t lo = i, hi = size; /* the first entry at or after `next` */
         while (lo < hi) {
             Py_ssize_t mid = lo + (hi - lo) / 2;
@@ -221,7 +222,7 @@ static PyObject *moved(PyObject *self, PyObject *args) {
         memcpy(dst + k * iw, src + i * iw, (lo - i) * iw);
         k += lo - i;
         i = lo;
-        if (b < joined && next == joining[b] && (a == left || joining[b] < leaving[a])) {
+        if (joins) {
             store_index(dst, iw, k++, joining[b++]);
         } else {
             if (i < size && load_index(src, iw, i) == next)
@@ -282,18 +283,18 @@ static PyObject *ranked(PyObject *self, PyObject *args) {
                 break;
             out[taken] = p;
         }
-        lo = size; /* the walk below is for sifting only */
-    }
-    int64_t seen = 0;
-    for (Py_ssize_t q = lo; q < size && taken < wanted; q++) {
-        int64_t p = load_index(v[0].buf, iw, q);
-        if (p >= stop || p < 0 || p >= nwords)
-            break;
-        if (sift && (load_word(v[1].buf, ww, p) & magnitude) > small_max)
-            continue;
-        if (seen == ranks[taken])
-            out[taken++] = p;
-        seen++;
+    } else { /* a walk over the segment's entries, skipping words above small_max */
+        int64_t seen = 0;
+        for (Py_ssize_t q = lo; q < size && taken < wanted; q++) {
+            int64_t p = load_index(v[0].buf, iw, q);
+            if (p >= stop || p < 0 || p >= nwords)
+                break;
+            if ((load_word(v[1].buf, ww, p) & magnitude) > small_max)
+                continue;
+            if (seen == ranks[taken])
+                out[taken++] = p;
+            seen++;
+        }
     }
     Py_END_ALLOW_THREADS
     release(v, 4);

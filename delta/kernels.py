@@ -1,11 +1,13 @@
 """Compiled loops for the codec's per-change bookkeeping, where numpy would pass over the changes many times.
 
-A real optimizer step is about a million scattered word changes. Three jobs on them cost a pool more
+A real optimizer step is about a million scattered word changes. Four jobs on them cost a pool more
 in numpy calls than in bytes: turning a piece's gap and code bytes into change locations and key
 differences (a dozen array passes), reading the changes located by small-word rank off a tensor's
-small-word index (a search, a filter, a gather), and moving that index along with the changes (a
-membership test, a sort, a delete and an insert per tensor, holding the GIL between them). Each is
-one loop in `_kernels.c`, a C extension built with the package, which releases the GIL. What they
+small-word index (a search, a filter, a gather), moving that index along with the changes (a
+membership test, a sort, a delete and an insert per tensor, holding the GIL between them), and
+writing the changed words (a gather, two key maps, a choice and a scatter, latency-bound on the
+scattered cache lines, which the loop prefetches). Each is one loop in `_kernels.c`, a C extension
+built with the package, which releases the GIL. What they
 compute is specified by docs/FORMAT.md (gaps and codes) and small_index.py (the index); tests check
 each against a plain numpy form of the same computation.
 
@@ -104,8 +106,8 @@ def write_changes(words: np.ndarray, positions: np.ndarray, values: np.ndarray, 
     old = np.empty(positions.size, dtype=words.dtype)
     new = np.empty(positions.size, dtype=words.dtype)
     flags = _NO_LITERAL if literal is None else literal.view(np.uint8)
-    if _kernels.write(words, np.ascontiguousarray(positions, dtype=np.int64), np.ascontiguousarray(values, dtype=words.dtype),
-                      flags, floating, old, new) < 0:
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if _kernels.write(words, positions, np.ascontiguousarray(values, dtype=words.dtype), flags, floating, old, new) < 0:
         raise CorruptError(f"a change lies outside the tensor's {words.size} words")
     return old, new
 

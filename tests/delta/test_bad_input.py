@@ -59,6 +59,16 @@ def _resigned(manifest, key, index, data):
     return load_manifest(dataclasses.replace(manifest, pieces=tuple(pieces)).signed(key), [key.public_key()])
 
 
+def _corrupt_variants(piece: bytes, rng: np.random.Generator, cuts: int, flips: int) -> list[bytes]:
+    """About `cuts` truncations of `piece`, then `flips` copies with one bit flipped at distinct bytes."""
+    variants = [piece[:cut] for cut in range(0, len(piece), max(1, len(piece) // cuts))]
+    for at in rng.choice(len(piece), min(len(piece), flips), replace=False):
+        bad = bytearray(piece)
+        bad[at] ^= 1 << int(rng.integers(8))
+        variants.append(bytes(bad))
+    return variants
+
+
 def _apply_all(manifest, base, pieces, index, data):
     applier = Applier(manifest, base)
     for i, p in enumerate(pieces):
@@ -100,12 +110,7 @@ def test_decoder_survives_corrupt_pieces_behind_a_matching_hash(key, same_weight
     rng = np.random.default_rng(1)
     outcomes = {"decoder": 0, "result hash": 0, "harmless": 0}
     for i, piece in enumerate(enc.pieces):
-        variants = [piece[:cut] for cut in range(0, len(piece), max(1, len(piece) // 25))]
-        for at in rng.choice(len(piece), min(len(piece), 60), replace=False):
-            bad = bytearray(piece)
-            bad[at] ^= 1 << int(rng.integers(8))
-            variants.append(bytes(bad))
-        for data in variants:
+        for data in _corrupt_variants(piece, rng, cuts=25, flips=60):
             manifest = _resigned(enc.manifest, key, i, data)
             try:
                 updates = decode_piece(manifest, i, data)
@@ -136,12 +141,7 @@ def test_corrupt_pieces_applied_in_place_off_a_small_word_index_restore_the_weig
     rng = np.random.default_rng(2)
     raised = 0
     for i, piece in enumerate(delta.pieces):
-        variants = [piece[:cut] for cut in range(0, len(piece), max(1, len(piece) // 10))]
-        for at in rng.choice(len(piece), min(len(piece), 25), replace=False):
-            bad = bytearray(piece)
-            bad[at] ^= 1 << int(rng.integers(8))
-            variants.append(bytes(bad))
-        for data in variants:
+        for data in _corrupt_variants(piece, rng, cuts=10, flips=25):
             index = SmallWordIndex()
             live = apply({k: v.clone() for k, v in new.items()}, back.manifest, back.pieces, in_place=True,
                          small_index=index)
