@@ -269,3 +269,13 @@ def test_commands_refuse_bad_settings_with_exit_code_2(argv, needle, caplog):
     args = build_parser().parse_args(argv)
     assert args.run(args) == 2
     assert needle in caplog.text, caplog.text
+
+
+def test_the_trainer_takes_encode_first_as_auto_on_or_off(tmp_path: Path):
+    from deltamesh.trainer.loop_config import TrainLoopConfig
+
+    text = '[trainer]\nmodel_id = "m"\nmodel = "d"\nkey = "k"\ngateway = "http://g:1"\nbroker = "http://b:1"\n'
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    assert load_config(TrainLoopConfig, path, section="trainer").encode_first == "auto"
+    assert "encode_first" in refusal(tmp_path, TrainLoopConfig, text + 'encode_first = "sometimes"\n', "trainer")

@@ -6,13 +6,15 @@ broker for a batch and hands it to the other ranks; the frozen reference model s
 KL penalty; `train_step` updates the fp32 master weights; the bf16 weights are gathered to rank 0,
 which publishes them as the next version in the background (at most one publish in flight) and
 reports the version to the broker once it is at the gateway. The trainer therefore waits only on
-batches, never on pools or links. Rank 0 also splits the step's trainer-side mismatch by rollout pool
-and names a pool whose mismatch jumps (`deltamesh.trainer.mismatch`, in the step record and the
-metrics served at `metrics_listen`). Every `checkpoint.every` versions (and on a clean stop) it
-checkpoints, after that version's publish has ended, so a checkpoint never gets ahead of the
-gateway in a normal run. A restarted trainer resumes the newest checkpoint and joins the gateway's
-stream as `deltamesh.trainer.publish.start_stream` describes: versions continue after the gateway's
-head and the next one is a delta, so the pools keep following the chain.
+batches, never on pools or links; on a CPU (`encode_first`) the next step's compute also waits for
+the version's encode, which shares its cores, so the version leaves first. Rank 0 also splits the
+step's trainer-side mismatch by rollout pool and names a pool whose mismatch jumps
+(`deltamesh.trainer.mismatch`, in the step record and the metrics served at `metrics_listen`). Every
+`checkpoint.every` versions (and on a clean stop) it checkpoints, after that version's publish has
+ended, so a checkpoint never gets ahead of the gateway in a normal run. A restarted trainer resumes
+the newest checkpoint and joins the gateway's stream as `deltamesh.trainer.publish.start_stream`
+describes: versions continue after the gateway's head and the next one is a delta, so the pools keep
+following the chain.
 
 Batches are acknowledged to the broker once their update is in a checkpoint (or, without a checkpoint
 directory, once the step has applied it): a restart resumes the newest checkpoint, so the batches
@@ -176,6 +178,8 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                                   f"not of {cfg.model_id!r}")
     checkpointed = state.version
     weights = published_weights(model, ctx)
+    encode_first = cfg.encode_first == "on" or (cfg.encode_first == "auto" and
+                                                 resolve_device(cfg.device, ctx).type == "cpu")
 
     client = records = watch = None
     if ctx.is_main:
@@ -207,6 +211,8 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
             if not _share_int(int(batch is not None), ctx):
                 break
             wait_s = time.monotonic() - poll_start
+            # The version's encode has the cores first (TrainLoopConfig.encode_first): a publish stall.
+            encode_wait_s = client.wait_encoded() if client is not None and encode_first else 0.0
             trained_on = state.version
             inputs = broadcast_inputs(None if batch is None else pad_rows(inputs_from_batch(batch), ctx.world_size),
                                       ctx)
@@ -218,12 +224,12 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                 trained.append(batch.batch_id)
             new_weights = published_weights(model, ctx)
             cast_end = time.time()
-            train_s = time.monotonic() - poll_start - wait_s
+            train_s = time.monotonic() - poll_start - wait_s - encode_wait_s
             steps += 1
-            stall_s = 0.0
+            stall_s = encode_wait_s
             if client is not None:
                 assert new_weights is not None
-                stall_s = client.publish(new_weights, state.version, {"step_end": step_end, "cast": cast_end})
+                stall_s += client.publish(new_weights, state.version, {"step_end": step_end, "cast": cast_end})
             if ckpt.dir is not None and state.version % ckpt.every == 0:
                 if client is not None:
                     client.wait_published()  # a checkpoint must not get ahead of the gateway

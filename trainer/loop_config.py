@@ -59,6 +59,11 @@ class TrainLoopConfig(TrainerConfig):
     """Size of the published pieces."""
     upload_connections: int = 4
     """Parallel uploads to the gateway."""
+    encode_first: Literal["auto", "on", "off"] = "auto"
+    """on: the next step's compute waits until the version just published is encoded (its upload goes
+    on beside the step), so the trainer's own threads do not slow the encode, which every pool waits
+    for; off: the step starts at once. auto: on when the trainer computes on the CPU, whose cores the
+    step and the encode share; off on a GPU, where they do not."""
     reference: bool = True
     """Keep a frozen copy of the initial weights for the KL penalty (skipped anyway when the loss's kl_coef is 0)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -93,5 +98,7 @@ class TrainLoopConfig(TrainerConfig):
             raise ValueError(f"upload_connections must be >= 1, got {self.upload_connections}")
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
+        if self.encode_first not in ("auto", "on", "off"):
+            raise ValueError(f"encode_first must be auto, on or off, got {self.encode_first!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -94,10 +94,13 @@ class MeshClient:
         self.trusted_keys = [key.public_key()]
         self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
                                    connections=connections, token=gateway_token, tls=tls,
-                                   side_files=side_files)  # config and tokenizer travel with every version
+                                   side_files=side_files,  # config and tokenizer travel with every version
+                                   on_encoded=lambda _: self._encoded.set())
         self._thread = _LoopThread(f"mesh-{model_id}")
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
+        self._encoded = threading.Event()  # the publish in flight has encoded its version (or ended)
+        self._encoded.set()
         self._reports: list[concurrent.futures.Future[None]] = []
         self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))
                             if statement_every_s > 0 else None)
@@ -169,8 +172,18 @@ class MeshClient:
         Returns how many seconds this call waited for the previous publish (0 when it had ended).
         """
         stalled = self.wait_published()
+        # One event per publish: the previous one's done-callback may still be on its way.
+        self._encoded = encoded = threading.Event()
         self._publishing = self._thread.submit(self._publish(weights, version, dict(stages or {})))
+        self._publishing.add_done_callback(lambda _: encoded.set())  # a failed publish encodes nothing
         return stalled
+
+    def wait_encoded(self) -> float:
+        """Wait until the publish in flight has encoded its version (its upload may still be under way)
+        or has ended; returns the seconds waited."""
+        start = time.monotonic()
+        self._encoded.wait()
+        return time.monotonic() - start
 
     def wait_published(self) -> float:
         """Wait for the publish in flight, if any; returns the seconds waited."""

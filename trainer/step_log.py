@@ -4,12 +4,13 @@ A step's record is complete only when its version's publish has ended, which hap
 background while the next batch is polled, so `StepLog` pairs each record with its publish outcome
 and writes it the moment both are in. The fields are what the demo and the end-to-end benchmark read:
 step, version, reward mean, the loss terms, how many samples came from each rollout pool, and where
-the step's time went (waiting for the batch, training, stalled on the previous publish, the publish
-itself) with the wait fraction, and each pool's trainer-side mismatch on the tokens of the version
-trained on (`mismatch`: {"version", "pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}),
-and the wall-clock times (`time.time()` on the trainer's host) at which the version passed each stage
-of its publish (`stages`: step_end, cast, encoded, signed, upload_start, uploaded; the trainer's part
-of the latency budget that `benchmarks/latency.py` follows through gateways and pools).
+the step's time went (waiting for the batch, training, stalled on the previous publish: its encode
+with `encode_first`, its end when a new one starts; the publish itself) with the wait fraction, and
+each pool's trainer-side mismatch on the tokens of the version trained on (`mismatch`: {"version",
+"pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}), and the wall-clock times
+(`time.time()` on the trainer's host) at which the version passed each stage of its publish
+(`stages`: step_end, cast, encoded, signed, upload_start, uploaded; the trainer's part of the
+latency budget that `benchmarks/latency.py` follows through gateways and pools).
 """
 
 from __future__ import annotations

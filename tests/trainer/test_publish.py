@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from pathlib import Path
@@ -317,3 +318,37 @@ def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_
                 time.sleep(0.1)
         finally:
             client.close()
+
+
+def test_wait_encoded_returns_once_the_version_is_encoded_while_its_upload_goes_on(tmp_path, key_files, free_port):
+    """`encode_first`'s wait: it ends when the version is encoded, not when the upload does (here an
+    origin that accepts connections and never answers), and at once when a publish fails before it
+    encoded anything."""
+    key, _, public = key_files
+    outcomes = []
+    dead = f"http://127.0.0.1:{free_port}"
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+    with gateway_in_thread(tmp_path / "store", public) as url:
+        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
+                            connections=2, on_published=outcomes.append, broker_failover_s=0)
+        try:
+            client.start(0, weights_at(0), threading.Event())
+            assert client.wait_encoded() < 0.1  # nothing in flight
+            client.publisher.gateway = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            client.publish(weights_at(1), 1)
+            client.wait_encoded()
+            time.sleep(0.3)
+            assert not client._publishing.done(), "the upload is still under way"
+            silent.close()  # the connections are reset: the publish fails
+            client.wait_published()
+            client.publisher.gateway = url
+            client.publish(weights_at(1), 0)  # refused before encoding: not after the base, v0
+            client.wait_encoded()
+            client.wait_published()
+        finally:
+            silent.close()
+            client.close()
+    assert [(o.version, o.ok) for o in outcomes] == [(1, False), (0, False)]
+    assert "not after the last published" in outcomes[1].error
