@@ -98,7 +98,5 @@ class TrainLoopConfig(TrainerConfig):
             raise ValueError(f"upload_connections must be >= 1, got {self.upload_connections}")
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
-        if self.encode_first not in ("auto", "on", "off"):
-            raise ValueError(f"encode_first must be auto, on or off, got {self.encode_first!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
