@@ -23,6 +23,16 @@ if TYPE_CHECKING:
     from deltamesh.tls import TlsSettings
 
 
+def piece_digest(data: bytes) -> str:
+    """The digest a hand-made manifest names a piece by, in the package this run imports: side-by-side
+    runs (swap_compare.py's shim) import older checkouts, whose format 2 named pieces by xxh3-128."""
+    try:
+        from deltamesh.delta.hashing import piece_digest as content_digest
+    except ImportError:
+        from deltamesh.delta.hashing import digest as content_digest
+    return content_digest(data)
+
+
 def bench_parser(doc: str, *, quick: str, repeats: str) -> argparse.ArgumentParser:
     """A benchmark's parser, described by the first paragraph of `doc`, with the flags measuring
     benchmarks share: --json, --save PATH, --quick (`quick` says what it shrinks) and --repeats

@@ -35,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import emit, stop_processes, wait_healthy
+from common import emit, piece_digest, stop_processes, wait_healthy
 
 from deltamesh.certs import issue, make_ca
-from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.fetch import Fetcher
@@ -62,7 +61,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=None, access_log
 def make_version(key, version: int, pieces: list[bytes]) -> tuple[Manifest, bytes]:
     m = Manifest(model_id=MODEL, version=version, base_version=None, kind="full", codec="bench",
                  tensors=(TensorEntry("w", "U8", (sum(len(p) for p in pieces),), "0" * 32),),
-                 pieces=tuple(PieceEntry(len(p), digest(p), (0,)) for p in pieces))
+                 pieces=tuple(PieceEntry(len(p), piece_digest(p), (0,)) for p in pieces))
     return m, m.signed(key)
 
 

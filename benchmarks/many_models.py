@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import stop_processes, wait_healthy
+from common import piece_digest, stop_processes, wait_healthy
 
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
@@ -44,7 +44,7 @@ def make_version(key, model: str, version: int) -> tuple[Manifest, bytes, list[b
     m = Manifest(model_id=model, version=version, base_version=None if version == 0 else version - 1, kind=kind,
                  codec="bench", base_hash=None if version == 0 else "1" * 32,
                  tensors=(TensorEntry("w", "U8", (PIECE * PIECES,), digest(f"{model} v{version}".encode())),),
-                 pieces=tuple(PieceEntry(len(p), digest(p), (0,)) for p in pieces))
+                 pieces=tuple(PieceEntry(len(p), piece_digest(p), (0,)) for p in pieces))
     return m, m.signed(key), pieces
 
 

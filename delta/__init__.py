@@ -32,7 +32,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "dtypes": ("word_view",),
     "encode": ("PIECE_BYTES", "Encoded", "encode_delta", "encode_full"),
     "errors": ("BaseMismatchError", "CodecError", "CorruptError", "KeyFileError", "SignatureError"),
-    "hashing": ("digest",),
+    "hashing": ("digest", "piece_digest"),
     "keys": ("generate_key", "key_id", "load_private_key", "load_public_key", "save_keypair"),
     "live": ("SwapStats", "copy_in", "live_hash", "live_tensors", "swap_in_place"),
     "manifest": ("FileEntry", "Manifest", "PieceEntry", "TensorEntry", "load_manifest", "load_manifest_unverified"),

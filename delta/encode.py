@@ -22,7 +22,7 @@ import xxhash
 from .bitdiff import scan_changes
 from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
-from .hashing import digest
+from .hashing import piece_digest
 from .keys import Ed25519PrivateKey
 from .manifest import FileEntry, Manifest, PieceEntry, TensorEntry, table_hash
 from .parallel import thread_map, thread_stream
@@ -159,10 +159,10 @@ def _check_piece_bytes(piece_bytes: int) -> None:
 
 def _manifest(model_id, version, base_version, kind, entries, pieces: list[BuiltPiece], base_hash,
               files: Mapping[str, bytes], base_files: Mapping[str, str]) -> Manifest:
-    table = [PieceEntry(len(p.data), digest(p.data), p.tensors) for p in pieces]
+    table = [PieceEntry(len(p.data), piece_digest(p.data), p.tensors) for p in pieces]
     listed = []
     for name in sorted(files):
-        h = digest(files[name])
+        h = piece_digest(files[name])
         if base_files.get(name) == h:
             listed.append(FileEntry(name, len(files[name]), h, None))  # the receiver holds it already
             continue

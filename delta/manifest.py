@@ -8,10 +8,11 @@ the trainer's Ed25519 key. On the wire and on disk it travels as the signed enve
 
 so that the signed bytes are exactly the bytes that were sent: nobody re-serializes before checking.
 The byte layout of pieces is the codec's (see docs/FORMAT.md); the manifest only records each
-piece's length, xxh3-128 digest and which tensors it writes to. From format 2 it also lists the
-version's side files (config, tokenizer: side_files.py), each with its size, digest and the piece that
-carries its bytes (none in a delta that leaves it unchanged); format 1 manifests, which have none, are
-still read.
+piece's length, digest and which tensors it writes to. From format 2 it also lists the version's side
+files (config, tokenizer: side_files.py), each with its size, digest and the piece that carries its
+bytes (none in a delta that leaves it unchanged). From format 3 pieces and side files are named by
+BLAKE3-256 (`hashing.piece_digest`), a cryptographic hash, so that the signature binds their bytes;
+formats 1 and 2 (xxh3-128) are still read.
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ from deltamesh.peer_json import parse_json
 
 from .envelope import canonical_json, open_sealed, seal, unseal
 from .errors import CodecError, CorruptError
-from .hashing import digest
+from .hashing import digest, piece_digest
 from .keys import Ed25519PrivateKey, Ed25519PublicKey
 from .side_files import MAX_SIDE_FILE_BYTES, MAX_SIDE_FILES, MAX_SIDE_TOTAL_BYTES, side_file_problem
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The format this codec writes."""
-READABLE_FORMATS = (1, 2)
-"""The formats it reads: 1 is 2 without side files."""
+READABLE_FORMATS = (1, 2, 3)
+"""The formats it reads: 2 is 3 with xxh3-128 piece and side-file digests, 1 is 2 without side files."""
 Kind = Literal["delta", "full"]
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 # Bounds on what a manifest may declare. Readers size buffers and plans from these numbers, so a
 # manifest (even a signed one: a buggy or compromised trainer) declaring a tensor of 2^60 elements
@@ -151,8 +153,12 @@ class Manifest:
         entry = self.pieces[index]
         if len(data) != entry.length:
             raise CorruptError(f"piece {index}: {len(data)} bytes, manifest says {entry.length}")
-        if digest(data) != entry.hash:
+        if self.content_digest(data) != entry.hash:
             raise CorruptError(f"piece {index}: hash mismatch")
+
+    def content_digest(self, data: bytes | memoryview) -> str:
+        """The digest this manifest names a piece or side file by (BLAKE3-256 from format 3)."""
+        return piece_digest(data) if self.format_version >= 3 else digest(data)
 
     # -- (de)serialization ---------------------------------------------------------------------
     def body(self) -> dict[str, Any]:
@@ -286,12 +292,12 @@ def _validate(m: Manifest) -> None:
             raise bad(f"tensor {t.name!r}: bad hash")
     if total > MAX_TOTAL_BYTES:
         raise bad(f"tensors total {total} bytes, over the limit of {MAX_TOTAL_BYTES}")
-    payload = 0
+    payload, content_hex = 0, _content_hex(m)
     for i, p in enumerate(m.pieces):
         if not _is_int(p.length) or not 0 <= p.length <= MAX_PIECE_BYTES:
             raise bad(f"piece {i}: bad length {p.length!r} (at most {MAX_PIECE_BYTES})")
         payload += p.length
-        if not isinstance(p.hash, str) or not _HEX32.match(p.hash):
+        if not isinstance(p.hash, str) or not content_hex.match(p.hash):
             raise bad(f"piece {i}: bad hash")
         if not all(_is_int(t) and 0 <= t < len(m.tensors) for t in p.tensors):
             raise bad(f"piece {i}: tensor index out of range")
@@ -319,7 +325,7 @@ def _validate_files(m: Manifest, bad) -> None:
         if not _is_int(f.size) or not 0 <= f.size <= MAX_SIDE_FILE_BYTES:
             raise bad(f"side file {f.name}: bad size {f.size!r} (at most {MAX_SIDE_FILE_BYTES})")
         total += f.size
-        if not isinstance(f.hash, str) or not _HEX32.match(f.hash):
+        if not isinstance(f.hash, str) or not _content_hex(m).match(f.hash):
             raise bad(f"side file {f.name}: bad hash")
         if f.piece is None:
             if m.kind != "delta":
@@ -333,6 +339,11 @@ def _validate_files(m: Manifest, bad) -> None:
             raise bad(f"side file {f.name}: piece {f.piece} is not exactly its bytes")
     if total > MAX_SIDE_TOTAL_BYTES:
         raise bad(f"side files total {total} bytes, over the limit of {MAX_SIDE_TOTAL_BYTES}")
+
+
+def _content_hex(m: Manifest) -> re.Pattern:
+    """How a piece's or side file's digest is written: BLAKE3-256 from format 3, xxh3-128 before."""
+    return _HEX64 if m.format_version >= 3 else _HEX32
 
 
 def _is_int(x: Any) -> bool:

@@ -2,7 +2,7 @@
 travel with a version, so that a pool's synced directory is a model any engine or `from_pretrained` loads.
 
 The trainer picks them from its model directory (`read_side_files`); the manifest lists each one's
-name, size and xxh3-128 hash under the trainer's signature, and its bytes travel as a raw piece of the
+name, size and digest (`Manifest.content_digest`) under the trainer's signature, and its bytes travel as a raw piece of the
 version (docs/FORMAT.md, section 2.3). A delta re-ships only the side files that changed since its
 base; a receiver keeps the others from the version it holds when their hashes match
 (`place_side_files`), and a receiver that lacks one cannot take the delta (it takes a full snapshot,
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from .errors import BaseMismatchError, CorruptError
-from .hashing import digest
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -75,10 +74,6 @@ def read_side_files(directory: str | Path) -> dict[str, bytes]:
     return files
 
 
-def side_file_hashes(files: Mapping[str, bytes]) -> dict[str, str]:
-    return {name: digest(data) for name, data in files.items()}
-
-
 def place_side_files(target: Path, manifest: Manifest, shipped: Mapping[str, bytes], held: Path | None) -> None:
     """Write the side files of `manifest` into the new version's directory `target`, fsynced.
 
@@ -94,8 +89,8 @@ def place_side_files(target: Path, manifest: Manifest, shipped: Mapping[str, byt
         if problem:
             raise CorruptError(f"side file: {problem}")
         data = shipped.get(f.name)
-        if data is None or digest(data) != f.hash:
-            data = _held(held, f.name, f.hash)
+        if data is None or manifest.content_digest(data) != f.hash:
+            data = _held(held, f.name, f.hash, manifest)
         if data is None:
             raise BaseMismatchError(f"{manifest.model_id} v{manifest.version}: side file {f.name} ({f.hash}) is "
                                     f"neither shipped by the versions applied nor held at the base")
@@ -109,14 +104,14 @@ def place_side_files(target: Path, manifest: Manifest, shipped: Mapping[str, byt
         _write(target / name, entry.read_bytes())
 
 
-def _held(held: Path | None, name: str, expected: str) -> bytes | None:
+def _held(held: Path | None, name: str, expected: str, manifest: Manifest) -> bytes | None:
     if held is None:
         return None
     try:
         data = (held / name).read_bytes()
     except OSError:
         return None
-    return data if digest(data) == expected else None
+    return data if manifest.content_digest(data) == expected else None
 
 
 def _write(path: Path, data: bytes) -> None:

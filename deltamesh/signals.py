@@ -4,7 +4,9 @@ The first signal logs one "stopping" line and starts the process's own shutdown 
 rolls back its apply and deregisters; a server stops taking requests). The process then exits with
 the shell's status for that signal, 130 or 143, so that a shell and a service manager see it was
 stopped rather than that it finished (docs/CLI.md). A second signal while stopping ends it at once.
-`sleep_or_stop` and `until_stopped` cut a pause or a long poll short when the stop comes.
+`sleep_or_stop` and `until_stopped` cut a pause or a long poll short when the stop comes;
+`wait_event` is the one way a loop here waits for an event with a timeout (see there why not
+`asyncio.wait_for`).
 """
 
 from __future__ import annotations
@@ -64,10 +66,27 @@ def stop_on_signals(what: str) -> Stop:
     return stop
 
 
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until `event` is set (True) or `timeout` seconds pass (False).
+
+    Not `asyncio.wait_for(event.wait(), timeout)`: before Python 3.12, wait_for returns the inner
+    result when a cancellation comes just as the inner wait completes, so a loop cancelled at the
+    moment its event was set lost the cancellation and went on, and whoever awaited its end after
+    cancelling it waited for good. `asyncio.wait` never swallows one.
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     """Sleep `seconds`, or less if `stop` is set first."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+    await wait_event(stop, seconds)
 
 
 async def until_stopped(coro: Awaitable, stop: asyncio.Event) -> None:

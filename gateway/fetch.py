@@ -6,7 +6,7 @@ comes over its own request from the best source; what arrived is kept when a sou
 falls below the minimum useful rate (the progress deadline of `deltamesh.gateway.fetch_http`), and
 the next source is asked only for the rest (HTTP Range). The last pieces of a version are split into
 ranges over all connections, so they finish together (`deltamesh.gateway.fetch_lanes`). A piece is
-accepted only when its length and xxh3-128 match the (signed) manifest. A source that served
+accepted only when its length and digest (BLAKE3-256) match the (signed) manifest. A source that served
 something wrong is penalised for the version and for a while, asked again only after a backoff, and
 dropped for a piece after `source_tries` such failures; a piece that no source serves intact fails
 the version with one FetchError naming the piece and what each source did

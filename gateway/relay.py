@@ -24,20 +24,19 @@ while the others go on. The bytes each upstream link carries are booked per vers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from typing import Awaitable, Callable
 
 import aiohttp
-
-from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.disk import DiskFullError
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.manifest import load_manifest
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.fetch import Fetcher, FetchError, Inline, NotAnnounced
 from deltamesh.gateway.fetch_judge import name
+from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.links import LinkMonitor
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.plan import PlanStep
@@ -45,11 +44,12 @@ from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
 from deltamesh.gateway.relay_listing import UpstreamListing, follow_heads, list_upstream
 from deltamesh.gateway.relay_retry import RetrySchedule
 from deltamesh.gateway.sources import RateLimiter, Source
-from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.store import VersionStore
 from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
 from deltamesh.gateway.upstreams import upstream_session
+
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,7 @@ class Relay:
     async def _sync_loop(self) -> None:
         while True:
             due = self._retry.next_due()  # a failed version's next try also starts a pass
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RESYNC_S if due is None else min(RESYNC_S, due + 0.01))
+            await wait_event(self._wake, RESYNC_S if due is None else min(RESYNC_S, due + 0.01))
             self._wake.clear()
             try:
                 await self._sync_pass()
@@ -349,7 +348,7 @@ class Relay:
                     return True
 
                 async def store_piece(index: int, data: bytes) -> None:
-                    await self.store.put_piece(entry, index, data)
+                    await self.store.put_piece(entry, index, data, verified=True)  # the fetcher checked it
                     self.metrics.bytes_in.labels(kind, "relay").inc(len(data))
 
                 await fetcher.pieces(entry.manifest, missing, self.config.relay_connections, store_piece)

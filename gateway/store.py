@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from deltamesh.delta.errors import CorruptError, SignatureError
+from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
 from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
 from deltamesh.gateway.ledger import ConflictError, VersionLedger
 from deltamesh.gateway.stored_version import KINDS, StoredVersion
 
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,7 @@ class VersionStore:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+            await wait_event(self._changed, left)
         return self._epoch
 
     async def _wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
@@ -187,8 +188,7 @@ class VersionStore:
         if index in entry.present or self._closing:
             return index in entry.present
         event = entry._arrivals.setdefault(index, asyncio.Event())
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        await wait_event(event, timeout)
         return index in entry.present
 
     def close(self) -> None:
@@ -244,9 +244,13 @@ class VersionStore:
                 f"{manifest.model_id} v{manifest.version} {manifest.kind} is already stored with other contents")
         return existing
 
-    async def put_piece(self, entry: StoredVersion, index: int, data: bytes) -> bool:
-        """Verify and store one piece; returns False if it was already present. Raises CorruptError."""
-        entry.manifest.check_piece(index, data)
+    async def put_piece(self, entry: StoredVersion, index: int, data: bytes, *, verified: bool = False) -> bool:
+        """Verify and store one piece; returns False if it was already present. Raises CorruptError.
+
+        `verified`: the caller checked `data` against this manifest already (a relay's fetcher does
+        for every piece it hands over), so the signed digest is not computed twice."""
+        if not verified:
+            entry.manifest.check_piece(index, data)
         if index in entry.present:
             return False
         try:
@@ -255,6 +259,7 @@ class VersionStore:
             return False  # collected meanwhile (only possible for an entry nobody marked as in use)
         if self.get(entry.model, entry.version, entry.kind) is not entry:
             return False
+        entry.checked[index] = digest(data)
         entry.present.add(index)
         event = entry._arrivals.pop(index, None)
         if event is not None:
@@ -319,7 +324,7 @@ class VersionStore:
         """
         path = entry.piece_path(index)
         try:
-            return await asyncio.to_thread(_read_checked, path, entry.manifest, index)
+            return await asyncio.to_thread(_read_checked, path, entry, index)
         except (CorruptError, FileNotFoundError) as e:
             log.error("store: piece %d of %s v%d %s is damaged on disk (%s); dropped",
                       index, entry.model, entry.version, entry.kind, e)
@@ -373,7 +378,14 @@ class VersionStore:
         return removed
 
 
-def _read_checked(path: Path, manifest: Manifest, index: int) -> bytes:
+def _read_checked(path: Path, entry: StoredVersion, index: int) -> bytes:
+    """A piece read back from disk, checked (off the event loop: hashing is most of the cost) against
+    what this gateway verified when it stored it, or, the first time after a restart, the manifest."""
     data = path.read_bytes()
-    manifest.check_piece(index, data)  # hashing off the event loop too: it is most of the cost
+    known = entry.checked.get(index)
+    if known is None:
+        entry.manifest.check_piece(index, data)
+        entry.checked[index] = digest(data)
+    elif len(data) != entry.manifest.pieces[index].length or digest(data) != known:
+        raise CorruptError(f"piece {index}: not the bytes stored")
     return data

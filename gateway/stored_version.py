@@ -33,6 +33,10 @@ class StoredVersion(NamedByManifest):
     stored_at: float | None = None
     """Wall time (`time.time()`) at which the last piece was stored: this gateway holds the whole version."""
     _arrivals: dict[int, asyncio.Event] = field(default_factory=dict, repr=False)
+    checked: dict[int, str] = field(default_factory=dict, repr=False)
+    """Piece index -> the xxh3-128 of its bytes once this gateway checked them against the manifest's
+    (BLAKE3) digest: a later read from its own disk, which can rot but is no relay's to forge, is
+    checked at xxh3's speed."""
 
     @property
     def complete(self) -> bool:

@@ -1,6 +1,6 @@
 """HTTP validators of what a gateway serves: entity tags and the conditional requests that use them.
 
-A piece's entity tag is its xxh3-128 from the signed manifest, quoted, and a manifest's is the digest
+A piece's entity tag is its digest from the signed manifest (BLAKE3-256), quoted, and a manifest's is the digest
 of its envelope: both name the exact bytes, so they are strong validators and never change for a
 (model, version, kind). `If-None-Match` with a matching tag answers 304 (a cache that holds the bytes
 need not fetch them again); `If-Range` lets a Range apply only when the validator matches, so a

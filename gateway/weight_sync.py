@@ -31,7 +31,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import aiohttp
-
 from deltamesh.delta import (
     CodecError,
     DecodedVersion,
@@ -46,14 +45,15 @@ from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
+from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.pool_presence import Presence
 from deltamesh.gateway.sources import Source, ask_first
 from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError
-from deltamesh.http import HttpError, bearer, client_session
-from deltamesh.signals import sleep_or_stop, until_stopped
-from deltamesh.gateway_client import PEER_HEADER
-from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
+
+from deltamesh.gateway_client import PEER_HEADER
+from deltamesh.http import HttpError, bearer, client_session
+from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +375,7 @@ class WeightSync:
             except (HttpError, SyncError) as e:
                 self._beats.failed(str(e))  # logged once per outage; the beats keep their period
             # The next beat comes after the period, or at once when a new version has been applied.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), self.config.heartbeat_s)
+            await wait_event(self._beat_now, self.config.heartbeat_s)
 
     def set_error(self, reason: str, *, logged: bool = False) -> float:
         """Report a failed round (in heartbeats and status), logged once per outage (`logged`: its line

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from deltamesh.http import HttpError
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import Launcher, LaunchError
 from deltamesh.mesh.broker.balance import target_gpus
+
+from deltamesh.http import HttpError
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,4 @@ class Autoscaler:
                 log.debug("autoscale: %s", decision)
             except (HttpError, LaunchError, KeyError, TypeError) as e:
                 log.warning("autoscale step failed: %s", e)
-            try:
-                await asyncio.wait_for(stop.wait(), self.config.interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(stop, self.config.interval_s)

@@ -16,6 +16,8 @@ from typing import Iterable
 from deltamesh.mesh.broker.balance import BalanceWindow
 from deltamesh.mesh.broker.store import Delivery, GroupSummary
 
+from deltamesh.signals import wait_event
+
 
 @dataclass
 class Unacked:
@@ -112,10 +114,7 @@ class ModelBuffer:
         """Return when groups arrive or the version moves (since `event` was taken with `watch`), or
         after `timeout_s`."""
         event = event or self._changed
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(event, timeout_s)
 
     def _notify(self) -> None:
         self._changed.set()

@@ -20,10 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from rich.console import Console
-from rich.live import Live
-
-from deltamesh.http import bearer, client_session
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
@@ -31,6 +27,11 @@ from deltamesh.mesh.demo.processes import ServiceError, ServiceSet
 from deltamesh.mesh.demo.report import FinalCheck, build_report, write_report
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.demo.view import ProgressLines, render
+from rich.console import Console
+from rich.live import Live
+
+from deltamesh.http import bearer, client_session
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,7 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
                 display.update(state)
                 return "failed"
         display.update(state)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), cfg.poll_s)
+        await wait_event(stop, cfg.poll_s)
     return "interrupted"
 
 

@@ -13,18 +13,19 @@ task out again. On stop the worker leases nothing more and gives running episode
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-from deltamesh.http import HttpError
-from deltamesh.broker_client import BrokerClient, TaskLease
 from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
+
+from deltamesh.broker_client import BrokerClient, TaskLease
+from deltamesh.http import HttpError
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -170,5 +171,4 @@ class RolloutWorker:
 
 
 async def _wait(stop: asyncio.Event, timeout_s: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout_s)
+    await wait_event(stop, timeout_s)

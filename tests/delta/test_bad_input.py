@@ -17,7 +17,7 @@ import torch
 
 from deltamesh.delta import (
     Applier, BaseMismatchError, CodecError, CorruptError, SignatureError, SmallWordIndex, apply, decode_piece,
-    digest, encode_delta, encode_full, generate_key, load_manifest,
+    piece_digest, encode_delta, encode_full, generate_key, load_manifest,
 )
 from deltamesh.delta.manifest import PieceEntry
 
@@ -55,7 +55,7 @@ def encoded(key):
 def _resigned(manifest, key, index, data):
     """The manifest re-signed so that piece `index` is exactly `data` (bypasses the piece hash)."""
     pieces = list(manifest.pieces)
-    pieces[index] = PieceEntry(len(data), digest(data), pieces[index].tensors)
+    pieces[index] = PieceEntry(len(data), piece_digest(data), pieces[index].tensors)
     return load_manifest(dataclasses.replace(manifest, pieces=tuple(pieces)).signed(key), [key.public_key()])
 
 

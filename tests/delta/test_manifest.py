@@ -8,13 +8,14 @@ from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.keys import generate_key
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry, load_manifest, load_manifest_unverified
 
-H = "0" * 32
+H = "0" * 32  # a tensor's digest: xxh3-128
+P = "2" * 64  # a piece's digest from format 3: BLAKE3-256
 
 
 def _manifest(**kw) -> Manifest:
     args = dict(
         model_id="m1", version=3, base_version=2, kind="delta", codec="test", base_hash="1" * 32,
-        tensors=(TensorEntry("w", "BF16", (2, 3), H),), pieces=(PieceEntry(10, H, (0,)),),
+        tensors=(TensorEntry("w", "BF16", (2, 3), H),), pieces=(PieceEntry(10, P, (0,)),),
     )
     args.update(kw)
     return Manifest(**args)
@@ -48,7 +49,9 @@ def test_wrong_key_and_tampering_are_signature_errors():
         {"kind": "full"},  # a full snapshot with a base
         {"base_version": 3},
         {"tensors": (TensorEntry("w", "X7", (1,), H),)},
-        {"pieces": (PieceEntry(1, H, (5,)),)},
+        {"pieces": (PieceEntry(1, P, (5,)),)},
+        {"pieces": (PieceEntry(10, H, (0,)),)},  # an xxh3-128 piece digest in a format 3 manifest
+        {"pieces": (PieceEntry(10, P, (0,)),), "format_version": 2},  # and a BLAKE3 one in format 2
     ],
 )
 def test_invalid_manifests_rejected(kw):
@@ -64,10 +67,10 @@ def test_truncated_envelope_is_corrupt(cut):
 
 
 def test_check_piece():
-    from deltamesh.delta.hashing import digest
+    from deltamesh.delta.hashing import piece_digest
 
     payload = b"0123456789"
-    m = _manifest(pieces=(PieceEntry(10, digest(payload), (0,)),))
+    m = _manifest(pieces=(PieceEntry(10, piece_digest(payload), (0,)),))
     m.check_piece(0, payload)
     with pytest.raises(CorruptError, match="hash mismatch"):
         m.check_piece(0, b"0123456788")
@@ -75,6 +78,28 @@ def test_check_piece():
         m.check_piece(0, payload[:-1])
     with pytest.raises(CorruptError, match="out of range"):
         m.check_piece(1, payload)
+
+
+def test_format_3_names_pieces_by_blake3_and_format_2_by_xxh3():
+    """The signature binds a piece's bytes through a cryptographic digest from format 3 on: a piece
+    whose xxh3-128 is what the manifest lists is refused there, and still accepted in a format 2
+    manifest (what older trainers signed, read for stored versions)."""
+    import blake3
+
+    from deltamesh.delta.hashing import digest
+
+    payload = b"0123456789"
+    assert _manifest().format_version == 3
+    current = _manifest(pieces=(PieceEntry(10, blake3.blake3(payload).hexdigest(), (0,)),))
+    current.check_piece(0, payload)
+    with pytest.raises(CorruptError):  # an xxh3-128 is not even a well-formed format 3 piece digest
+        _manifest(pieces=(PieceEntry(10, digest(payload), (0,)),))
+    older = _manifest(pieces=(PieceEntry(10, digest(payload), (0,)),), format_version=2)
+    older.check_piece(0, payload)
+    with pytest.raises(CorruptError, match="hash mismatch"):
+        older.check_piece(0, b"0123456788")
+    key = generate_key()
+    assert load_manifest(older.signed(key), [key.public_key()]) == older
 
 
 def _signed_body(key, **changes) -> bytes:
@@ -94,8 +119,8 @@ def _signed_body(key, **changes) -> bytes:
         ({"tensors": [["w", "BF16", [2**40, 2**20], H]]}, "over the limit"),
         ({"tensors": [["w", "U8", [1] * 17, H]]}, "bad shape"),
         ({"tensors": [[f"w{i}", "F64", [2**32], H] for i in range(200)]}, "tensors total"),
-        ({"pieces": [[2**33, H, [0]]]}, "bad length"),
-        ({"pieces": [[2**32, H, [0]]] * 1025}, "pieces total"),
+        ({"pieces": [[2**33, P, [0]]]}, "bad length"),
+        ({"pieces": [[2**32, P, [0]]] * 1025}, "pieces total"),
     ],
     ids=["huge-tensor", "too-many-dims", "huge-total", "huge-piece", "huge-payload"],
 )

@@ -22,7 +22,7 @@ from deltamesh.delta import (
     read_weights,
 )
 from deltamesh.delta.envelope import canonical_json, seal
-from deltamesh.delta.hashing import digest
+from deltamesh.delta.hashing import digest, piece_digest
 from deltamesh.delta.manifest import FileEntry, Manifest
 
 CONFIG = b'{"model_type": "llama"}'
@@ -77,9 +77,9 @@ def test_a_chain_takes_each_side_file_from_the_last_step_that_shipped_it(tmp_pat
     path = tmp_path / "pool"
     apply_to_dir(path, [(full.manifest, full.pieces)])
     d1 = encode_delta(v0, v1, model_id="m", version=1, base_version=0, key=key,
-                      files={"config.json": b"{}"}, base_files={"config.json": digest(CONFIG)})
+                      files={"config.json": b"{}"}, base_files={"config.json": piece_digest(CONFIG)})
     d2 = encode_delta(v1, v2, model_id="m", version=2, base_version=1, key=key,
-                      files={"config.json": b"{}"}, base_files={"config.json": digest(b"{}")})
+                      files={"config.json": b"{}"}, base_files={"config.json": piece_digest(b"{}")})
     apply_to_dir(path, [(d1.manifest, d1.pieces), (d2.manifest, d2.pieces)])
     assert (path / "config.json").read_bytes() == b"{}"
 
@@ -94,7 +94,7 @@ def test_a_delta_whose_unshipped_side_file_is_not_held_is_a_base_mismatch(tmp_pa
     apply_to_dir(path, [(full.manifest, full.pieces)])
     (path / "config.json").write_bytes(b'{"tampered": true}')  # held, but not the listed bytes
     delta = encode_delta(v0, v1, model_id="m", version=1, base_version=0, key=key, files={"config.json": CONFIG},
-                         base_files={"config.json": digest(CONFIG)})
+                         base_files={"config.json": piece_digest(CONFIG)})
     with pytest.raises(BaseMismatchError, match="config.json"):
         apply_to_dir(path, [(delta.manifest, delta.pieces)])
     assert dir_manifest(path).version == 0 and same_weights(read_weights(path), v0)
@@ -115,7 +115,7 @@ def test_a_tampered_side_file_piece_is_refused_and_nothing_moves(tmp_path, key, 
     assert not path.exists()
     # The manifest is signed: changing the listed hash to match tampered bytes breaks the signature.
     body = json.loads(json.loads(full.manifest_bytes)["body"])
-    body["files"][0][2] = digest(pieces[index])
+    body["files"][0][2] = piece_digest(pieces[index])
     envelope = json.loads(full.manifest_bytes)
     envelope["body"] = canonical_json(body).decode()
     with pytest.raises(Exception, match="signature"):
@@ -135,7 +135,7 @@ def test_a_side_file_name_that_could_leave_the_directory_is_refused(tmp_path, ke
     with pytest.raises(CorruptError, match="side file"):
         load_manifest(seal(key, canonical_json(body)), [key.public_key()])
     with pytest.raises(CorruptError, match="side file"):
-        dataclasses.replace(good.manifest, files=(FileEntry(name, 2, digest(data), good.manifest.files[0].piece),))
+        dataclasses.replace(good.manifest, files=(FileEntry(name, 2, piece_digest(data), good.manifest.files[0].piece),))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -152,7 +152,16 @@ def test_side_file_entries_must_match_their_pieces(key):
     with pytest.raises(CorruptError, match="sorted and unique"):
         dataclasses.replace(good.manifest, files=(f, f))
     with pytest.raises(CorruptError, match="format 1 manifest has no side files"):
-        dataclasses.replace(good.manifest, format_version=1)
+        _older(good.manifest, good.pieces, format_version=1)
+
+
+def _older(manifest: Manifest, pieces: list[bytes], format_version: int) -> Manifest:
+    """`manifest` as a writer of an older format made it: pieces and side files named by xxh3-128."""
+    digests = [digest(p) for p in pieces]
+    return dataclasses.replace(
+        manifest, format_version=format_version,
+        pieces=tuple(dataclasses.replace(p, hash=digests[i]) for i, p in enumerate(manifest.pieces)),
+        files=tuple(dataclasses.replace(f, hash=digest(pieces[f.piece])) for f in manifest.files if f.piece is not None))
 
 
 def test_format_1_manifests_are_still_read_and_applied(tmp_path, key, same_weights):
@@ -160,18 +169,38 @@ def test_format_1_manifests_are_still_read_and_applied(tmp_path, key, same_weigh
     v0 = _weights(6)
     v1 = _next(v0)
     old_full = encode_full(v0, model_id="m", version=0, key=key)
-    m0 = dataclasses.replace(old_full.manifest, format_version=1)
+    m0 = _older(old_full.manifest, old_full.pieces, format_version=1)
     assert "files" not in json.loads(m0.body_bytes())
     path = tmp_path / "pool"
     apply_to_dir(path, [(load_manifest(m0.signed(key), [key.public_key()]), old_full.pieces)])
     (path / "config.json").write_bytes(CONFIG)  # pre-seeded by an operator, as before format 2
     delta = encode_delta(v0, v1, model_id="m", version=1, base_version=0, key=key)
-    m1 = Manifest.from_body(dataclasses.replace(delta.manifest, format_version=1).body_bytes())
+    m1 = Manifest.from_body(_older(delta.manifest, delta.pieces, format_version=1).body_bytes())
     assert m1.format_version == 1 and m1.files == ()
     apply_to_dir(path, [(m1, delta.pieces)])
     assert (path / "config.json").read_bytes() == CONFIG and same_weights(read_weights(path), v1)
-    with pytest.raises(CorruptError, match="format_version 3"):
-        Manifest.from_body(canonical_json({**json.loads(m1.body_bytes()), "format_version": 3}))
+    with pytest.raises(CorruptError, match="format_version 4"):
+        Manifest.from_body(canonical_json({**json.loads(m1.body_bytes()), "format_version": 4}))
+
+
+def test_a_format_2_version_is_read_and_the_format_3_delta_after_it_reships_its_side_files(tmp_path, key, same_weights):
+    """Format 2 named side files by xxh3-128: a pool holding such a version takes the first delta of a
+    format 3 writer, which lists them by BLAKE3 and so ships them again, once."""
+    v0, files = _weights(7), {"config.json": CONFIG}
+    full = encode_full(v0, model_id="m", version=0, key=key, files=files)
+    m0 = load_manifest(_older(full.manifest, full.pieces, format_version=2).signed(key), [key.public_key()])
+    path = tmp_path / "pool"
+    apply_to_dir(path, [(m0, full.pieces)])
+    assert dir_manifest(path).format_version == 2 and (path / "config.json").read_bytes() == CONFIG
+    v1 = _next(v0)
+    delta = encode_delta(v0, v1, model_id="m", version=1, base_version=0, key=key, files=files,
+                         base_files={f.name: f.hash for f in m0.files})
+    assert delta.manifest.format_version == 3 and [f.piece is not None for f in delta.manifest.files] == [True]
+    assert apply_to_dir(path, [(delta.manifest, delta.pieces)]).version == 1
+    assert (path / "config.json").read_bytes() == CONFIG and same_weights(read_weights(path), v1)
+    # An xxh3-128 where format 3 wants BLAKE3: the manifest itself is refused as corrupt.
+    with pytest.raises(CorruptError, match="bad hash"):
+        dataclasses.replace(delta.manifest, files=(dataclasses.replace(delta.manifest.files[0], hash=digest(CONFIG)),))
 
 
 def test_read_side_files_takes_what_hugging_face_writes_beside_the_weights(tmp_path):

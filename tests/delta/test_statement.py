@@ -58,8 +58,8 @@ def test_statements_and_manifests_cannot_stand_in_for_each_other():
     key = generate_key()
     manifest = Manifest(model_id="m1", version=7, base_version=None, kind="full", codec="test",
                         tensors=(TensorEntry("w", "BF16", (2,), H),), pieces=())
-    # A format 2 manifest is refused by its format_version, a format 1 one by its missing keys.
-    with pytest.raises(CorruptError, match="head statement format_version 2"):
+    # A format 2 or 3 manifest is refused by its format_version, a format 1 one by its missing keys.
+    with pytest.raises(CorruptError, match="head statement format_version 3"):
         load_statement(manifest.signed(key), [key.public_key()])
     old = dataclasses.replace(manifest, format_version=1)
     with pytest.raises(CorruptError, match="malformed head statement body"):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from deltamesh.delta import read_weights
-from deltamesh.delta.hashing import digest
+from deltamesh.delta.hashing import digest, piece_digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
@@ -77,7 +77,7 @@ def fake_version(key, model: str, version: int, kind: str = "delta", *, pieces: 
         model_id=model, version=version, base_version=None if kind == "full" else version - 1, kind=kind,
         codec="test", base_hash=None if kind == "full" else "1" * 32,
         tensors=(TensorEntry("w", "U8", (1000,), digest(f"weights {seed} v{version}".encode())),),
-        pieces=tuple(PieceEntry(len(d), digest(d), (0,)) for d in data),
+        pieces=tuple(PieceEntry(len(d), piece_digest(d), (0,)) for d in data),
     )
     return manifest, manifest.signed(key), data
 

@@ -24,6 +24,14 @@ async def _put(store: VersionStore, kit, version: int, kind: str, **kw):
     return entry, pieces
 
 
+def _damage(path, offset: int):
+    """Flip one bit of a stored piece file, as a failing disk would."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path
+
+
 def test_store_survives_restart_and_drops_temp_files(kit, tmp_path):
     async def main():
         store = VersionStore(tmp_path, [kit.key.key.public_key()])
@@ -75,14 +83,47 @@ def test_corrupted_piece_on_disk_is_detected_and_dropped(kit, tmp_path):
         reported = []
         store.on_piece_corrupt.append(lambda e, i: reported.append((e.version, i)))
         entry, pieces = await _put(store, kit, 0, "full")
-        path = entry.piece_path(1)
-        data = bytearray(path.read_bytes())
-        data[17] ^= 0x01
-        path.write_bytes(bytes(data))
+        path = _damage(entry.piece_path(1), 17)
         with pytest.raises(CorruptError, match="damaged on disk"):
             await store.read_piece(entry, 1)
         assert reported == [(0, 1)] and 1 not in entry.present and not path.exists()
         assert await store.read_piece(entry, 0) == pieces[0]
+
+    asyncio.run(main())
+
+
+def test_a_piece_read_back_is_checked_against_the_signed_digest_once_then_against_its_own(kit, tmp_path, monkeypatch):
+    """Reading a piece back from disk checks it against the manifest's BLAKE3 digest only when the
+    store has not verified those bytes itself (the first read after a restart); from then on against
+    the xxh3 it recorded, which still catches a piece damaged on disk."""
+    from deltamesh.delta.manifest import Manifest
+
+    signed_checks = []
+    check_piece = Manifest.check_piece
+
+    def counted(self, index, data):
+        signed_checks.append(index)
+        return check_piece(self, index, data)
+
+    monkeypatch.setattr(Manifest, "check_piece", counted)
+
+    async def main():
+        store = VersionStore(tmp_path, [kit.key.key.public_key()])
+        store.load()
+        entry, pieces = await _put(store, kit, 0, "full")
+        assert signed_checks == [0, 1, 2]  # as each piece was stored
+        assert [await store.read_piece(entry, i) for i in range(3)] == pieces
+        assert signed_checks == [0, 1, 2]
+
+        again = VersionStore(tmp_path, [kit.key.key.public_key()])
+        again.load()
+        e0 = again.get(MODEL, 0, "full")
+        assert [await again.read_piece(e0, 0) for _ in range(3)] == [pieces[0]] * 3
+        assert signed_checks == [0, 1, 2, 0]
+        path = _damage(e0.piece_path(0), 5)
+        with pytest.raises(CorruptError, match="damaged on disk"):
+            await again.read_piece(e0, 0)
+        assert 0 not in e0.present and not path.exists() and signed_checks == [0, 1, 2, 0]
 
     asyncio.run(main())
 
