@@ -21,6 +21,7 @@ from deltamesh.cache import cache_dir
 import torch
 
 from deltamesh.delta import Manifest, encode_full, generate_key
+from deltamesh.delta.manifest import FORMAT_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def tensors_for(payload_bytes: int) -> int:
 
 def prepare_payload(payload_mb: float, cache: Path = CACHE) -> Path:
     """The folder of a ~`payload_mb` MB version (built once, then reused)."""
-    folder = cache / f"full-{payload_mb:g}mb-r{RECIPE}"
+    # Named by the format too: a side-by-side run (swap_compare.py's shim) reads with an older codec.
+    folder = cache / f"full-{payload_mb:g}mb-r{RECIPE}-f{FORMAT_VERSION}"
     if (folder / "version.bin").exists() and (folder / "manifest.json").exists():
         return folder
     count = tensors_for(int(payload_mb * 1e6))
