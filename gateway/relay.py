@@ -30,13 +30,13 @@ import time
 from typing import Awaitable, Callable
 
 import aiohttp
-from deltamesh.delta.errors import CorruptError
-from deltamesh.delta.manifest import load_manifest
+
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.disk import DiskFullError
+from deltamesh.delta.errors import CorruptError
+from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.fetch import Fetcher, FetchError, Inline, NotAnnounced
 from deltamesh.gateway.fetch_judge import name
-from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.links import LinkMonitor
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.plan import PlanStep
@@ -44,11 +44,11 @@ from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
 from deltamesh.gateway.relay_listing import UpstreamListing, follow_heads, list_upstream
 from deltamesh.gateway.relay_retry import RetrySchedule
 from deltamesh.gateway.sources import RateLimiter, Source
+from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.store import VersionStore
 from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
 from deltamesh.gateway.upstreams import upstream_session
-
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)

@@ -18,22 +18,22 @@ import uuid
 from typing import Awaitable, Callable, Iterable
 
 import aiohttp
+
 from deltamesh.delta.keys import load_public_key
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.downstreams import Downstream, Downstreams
+from deltamesh.http import client_session
+from deltamesh.signals import wait_event
 from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
 from deltamesh.gateway.metrics import GatewayMetrics
 from deltamesh.gateway.registry import PoolRegistry
 from deltamesh.gateway.relay import Relay
 from deltamesh.gateway.statement_mirror import mirror_statements
 from deltamesh.gateway.statements import StatementStore
+from deltamesh.gateway.upstreams import announce_forever
 from deltamesh.gateway.store import VersionStore
 from deltamesh.gateway.stored_version import StoredVersion
 from deltamesh.gateway.traffic import Traffic
-from deltamesh.gateway.upstreams import announce_forever
-
-from deltamesh.http import client_session
-from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
 from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
 from deltamesh.gateway.ledger import ConflictError, VersionLedger
 from deltamesh.gateway.stored_version import KINDS, StoredVersion
-
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)

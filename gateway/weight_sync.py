@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import aiohttp
+
 from deltamesh.delta import (
     CodecError,
     DecodedVersion,
@@ -45,15 +46,14 @@ from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
-from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.pool_presence import Presence
 from deltamesh.gateway.sources import Source, ask_first
 from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError
-from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
-
-from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
+from deltamesh.gateway_client import PEER_HEADER
+from deltamesh.gateway.plan import Plan, PlanStep
+from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
 
 log = logging.getLogger(__name__)
 

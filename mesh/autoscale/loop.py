@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from deltamesh.http import HttpError
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import Launcher, LaunchError
 from deltamesh.mesh.broker.balance import target_gpus
-
-from deltamesh.http import HttpError
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from typing import Iterable
 
 from deltamesh.mesh.broker.balance import BalanceWindow
 from deltamesh.mesh.broker.store import Delivery, GroupSummary
-
 from deltamesh.signals import wait_event
 
 

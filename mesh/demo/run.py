@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from rich.console import Console
+from rich.live import Live
+
+from deltamesh.http import bearer, client_session
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
 from deltamesh.mesh.demo.processes import ServiceError, ServiceSet
 from deltamesh.mesh.demo.report import FinalCheck, build_report, write_report
+from deltamesh.signals import wait_event
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.demo.view import ProgressLines, render
-from rich.console import Console
-from rich.live import Live
-
-from deltamesh.http import bearer, client_session
-from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,11 @@ from typing import Any, Callable, Mapping, Sequence
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.gateway.sync_errors import credentials_refused
 from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.gateway_client import GatewayClient
+from deltamesh.http import HttpError, client_session, serving
+from deltamesh.metrics import service_registry, status_app
+from deltamesh.signals import wait_event
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
@@ -37,12 +42,6 @@ from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker
 from deltamesh.mesh.sandbox import Sandbox, SandboxError
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow
-
-from deltamesh.broker_client import BrokerClient
-from deltamesh.gateway_client import GatewayClient
-from deltamesh.http import HttpError, client_session, serving
-from deltamesh.metrics import service_registry, status_app
-from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 

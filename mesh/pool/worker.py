@@ -18,13 +18,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from deltamesh.http import HttpError
+from deltamesh.broker_client import BrokerClient, TaskLease
 from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
-
-from deltamesh.broker_client import BrokerClient, TaskLease
-from deltamesh.http import HttpError
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
