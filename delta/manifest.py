@@ -320,12 +320,12 @@ def _validate_files(m: Manifest, bad) -> None:
             raise bad(f"side file {problem}")
     if names != sorted(set(names)):
         raise bad("side file names must be sorted and unique")
-    total, carriers = 0, set()
+    total, carriers, content_hex = 0, set(), _content_hex(m)
     for f in m.files:
         if not _is_int(f.size) or not 0 <= f.size <= MAX_SIDE_FILE_BYTES:
             raise bad(f"side file {f.name}: bad size {f.size!r} (at most {MAX_SIDE_FILE_BYTES})")
         total += f.size
-        if not isinstance(f.hash, str) or not _content_hex(m).match(f.hash):
+        if not isinstance(f.hash, str) or not content_hex.match(f.hash):
             raise bad(f"side file {f.name}: bad hash")
         if f.piece is None:
             if m.kind != "delta":

@@ -21,7 +21,7 @@ from deltamesh.http import HttpError
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import Launcher, LaunchError
 from deltamesh.mesh.broker.balance import target_gpus
-from deltamesh.signals import wait_event
+from deltamesh.signals import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -80,4 +80,4 @@ class Autoscaler:
                 log.debug("autoscale: %s", decision)
             except (HttpError, LaunchError, KeyError, TypeError) as e:
                 log.warning("autoscale step failed: %s", e)
-            await wait_event(stop, self.config.interval_s)
+            await sleep_or_stop(stop, self.config.interval_s)

@@ -29,7 +29,7 @@ from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
 from deltamesh.mesh.demo.processes import ServiceError, ServiceSet
 from deltamesh.mesh.demo.report import FinalCheck, build_report, write_report
-from deltamesh.signals import wait_event
+from deltamesh.signals import sleep_or_stop
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.demo.view import ProgressLines, render
 
@@ -159,7 +159,7 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
                 display.update(state)
                 return "failed"
         display.update(state)
-        await wait_event(stop, cfg.poll_s)
+        await sleep_or_stop(stop, cfg.poll_s)
     return "interrupted"
 
 

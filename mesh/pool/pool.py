@@ -30,7 +30,7 @@ from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
 from deltamesh.metrics import service_registry, status_app
-from deltamesh.signals import wait_event
+from deltamesh.signals import sleep_or_stop
 from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
@@ -90,7 +90,7 @@ async def gateway_info(sync: WeightSyncSettings, stop: asyncio.Event, retry_s: f
                         log.warning("gateway %s: %s", url, e)
             if len(refused) == len(sync.gateways):
                 raise credentials_refused(pool, refused)
-            await wait_event(stop, retry_s)
+            await sleep_or_stop(stop, retry_s)
     return None
 
 

@@ -24,7 +24,7 @@ from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
-from deltamesh.signals import wait_event
+from deltamesh.signals import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +85,16 @@ class RolloutWorker:
                     continue
                 verdict = await self.gate.check()
                 if not verdict.may_lease:
-                    await _wait(stop, s.idle_s)
+                    await sleep_or_stop(stop, s.idle_s)
                     continue
                 try:
                     leases = await self.client.lease(min(room, s.lease_batch))
                 except HttpError as e:
                     log.warning("cannot lease from the broker: %s", e)
-                    await _wait(stop, s.idle_s)
+                    await sleep_or_stop(stop, s.idle_s)
                     continue
                 if not leases:
-                    await _wait(stop, s.idle_s)
+                    await sleep_or_stop(stop, s.idle_s)
                     continue
                 self.counts.leased += len(leases)
                 if self.metrics is not None:
@@ -167,7 +167,3 @@ class RolloutWorker:
         # An episode's done-callback removes it from the set only after its body returns.
         if self.metrics is not None:
             self.metrics.running.set(max(0, len(self._running) + offset))
-
-
-async def _wait(stop: asyncio.Event, timeout_s: float) -> None:
-    await wait_event(stop, timeout_s)
