@@ -104,18 +104,19 @@ def pull(args: argparse.Namespace) -> int:
     from deltamesh.delta import load_manifest, load_public_key
     from deltamesh.gateway.fetch import Fetcher
     from deltamesh.gateway.sources import Source
+    from deltamesh.gateway.verified import inline_envelopes
     from deltamesh.http import client_session, request_json
 
     keys = [load_public_key(args.trusted_key)]
     base = args.gateway.rstrip("/")
     model = args.model
 
-    async def fetch_version(session, version: int, wait_s: float = 0.0, on_asked=None) -> dict:
+    async def fetch_version(session, version: int, wait_s: float = 0.0, on_asked=None, inline=None) -> dict:
         fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
         progress = Progress()
         fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
         asked = asyncio.ensure_future(fetcher.manifest_bytes(model, version, args.kind, _accept(load_manifest, keys),
-                                                             prefetch=args.connections, wait_s=wait_s))
+                                                             prefetch=args.connections, wait_s=wait_s, inline=inline))
         if on_asked is not None:
             await on_asked()
         manifest = await asked
@@ -140,9 +141,11 @@ def pull(args: argparse.Namespace) -> int:
             opening = asyncio.ensure_future(opener.open_connections(args.connections))
         while True:  # long-poll until the version is announced
             answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
-                                        params={"after": version - 1, "wait": 30}, timeout_s=60)
+                                        params={"after": version - 1, "wait": 30, "manifests": 1}, timeout_s=60)
             if answer["head"] is not None and answer["head"] >= version:
                 break
+        # The manifest rides the head answer, as a pool agent asks for it (`manifests=1`).
+        inline = inline_envelopes(Source(base), answer["head"], answer.get("manifests")).get((version, args.kind))
         t_announced = time.time()
         if args.after_complete:
             while not await _complete_at(session, base, model, version, args.kind):
@@ -150,7 +153,8 @@ def pull(args: argparse.Namespace) -> int:
         if opening is not None:
             await opening  # answered with the head poll, or moments after
         t_fetch = time.time()
-        return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch, **await fetch_version(session, version)}
+        return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch,
+                **await fetch_version(session, version, inline=None if args.after_complete else inline)}
 
     async def pull_ahead(session, version: int) -> dict:
         async def arm() -> None:

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 JSON_LIMIT = 8 * 1024 * 1024
 """Largest JSON body a server accepts unless it says otherwise (manifests of huge models stay below)."""
 
+LISTEN_BACKLOG = 1024
+"""Connections a listening socket queues before they are accepted. A fetcher starting cold opens its
+parallel connections at once (hundreds over a long link), as do many pools at a start; at aiohttp's
+128 the SYNs past it are dropped and their connections open a second later."""
 KEEPALIVE_S = 300.0
 """How long idle connections stay open, on both ends. Versions come every RL step, seconds to
 minutes apart: a connection kept between them skips the handshake, and (on hosts with
@@ -273,8 +277,10 @@ def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLCon
         raise web.GracefulExit()  # what aiohttp's own handler does: run_app then shuts the app down
 
     on_stop_signals(loop, stop, what)
+    # run_app listens again on `sock`, with its own backlog unless told: it must be ours.
     web.run_app(app, sock=sock, print=None, loop=loop, access_log=None, handle_signals=False,
-                shutdown_timeout=STOP_GRACE_S, keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context)
+                shutdown_timeout=STOP_GRACE_S, keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context,
+                backlog=LISTEN_BACKLOG)
     return signal_exit(stopped_by[0] if stopped_by else None)
 
 
@@ -283,7 +289,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     kept, EADDRINUSE for a port in use) when it cannot be bound."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        return socket.create_server((host, port), family=family, backlog=1024)
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else str(e)  # create_server's text names the address again
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {reason[:1].lower()}{reason[1:]}") from None
@@ -298,7 +304,7 @@ async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLCont
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host

@@ -3,8 +3,11 @@
 Each request asks for at most 1/`connections` of the bytes not yet asked for (and at least
 `MIN_SPAN`): whole pieces while much is left, and at the end the last pieces split into ranges over
 every connection, so that they all finish together instead of a few connections carrying the last
-whole pieces while the others sit idle. No byte is requested twice. How one piece or range is
-fetched (sources, deadlines, verification) is the caller's: `deltamesh.gateway.fetch.Fetcher.pieces`.
+whole pieces while the others sit idle. With more connections than pieces (many connections fill a
+long link sooner from a cold start, each starting at 10 segments), every piece is cut up front into
+its share of the connections (`first_spans`), so that each connection has a part in the first round
+trip and none waits for a second. No byte is requested twice. How one piece or range is fetched
+(sources, deadlines, verification) is the caller's: `deltamesh.gateway.fetch.Fetcher.pieces`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from deltamesh.gateway.fetch_http import Span
 MIN_SPAN = 1024 * 1024
 """Smallest range of a piece a request asks for when the last pieces are split over the connections:
 about one connection's share of a long link's bytes in flight, so splitting never starves them."""
+
+MIN_PART = 256 * 1024
+"""Smallest part a piece is cut into up front (`first_spans`): a request's round trip and headers stay
+small next to its bytes."""
 
 
 async def run_lanes(
@@ -38,8 +45,8 @@ async def run_lanes(
     a split piece that fails its hash once assembled goes to `assembled_bad(i, senders, error)`, which
     returns it fetched again. Every verified piece goes to `on_piece`."""
     unasked = sum(manifest.pieces[i].length for i in order)
-    todo = deque((i, 0, manifest.pieces[i].length) for i in order)
-    lanes = max(1, min(connections, -(-unasked // MIN_SPAN)))
+    todo = deque(first_spans(manifest, order, connections, whole_first))
+    lanes = max(1, min(connections, max(len(todo), -(-unasked // MIN_SPAN))))  # every first span at once
     split: dict[int, tuple[bytearray, list[int], list]] = {}  # piece -> (buffer, [bytes to come], senders)
 
     async def part(i: int, start: int, end: int) -> bytearray | None:
@@ -64,7 +71,7 @@ async def run_lanes(
         while todo:
             i, start, end = todo.popleft()
             share = max(MIN_SPAN, -(-unasked // lanes))
-            if start == 0 and (i in whole_first or end <= share + MIN_SPAN // 2):
+            if start == 0 and end == manifest.pieces[i].length and (i in whole_first or end <= share + MIN_SPAN // 2):
                 unasked -= end
                 await on_piece(i, await whole(i))
                 continue
@@ -77,6 +84,25 @@ async def run_lanes(
                 await on_piece(i, data)
 
     await run_lanes_of(worker, lanes)
+
+
+def first_spans(manifest: Manifest, order: Sequence[int], connections: int,
+                whole_first: Collection[int]) -> list[tuple[int, int, int]]:
+    """(piece, start, end) of the first requests, in `order`: whole pieces, or with more connections
+    than pieces each piece not in `whole_first` cut into equal parts, as many as its share of the
+    connections left (at least `MIN_PART` bytes each), so that there are no more parts than
+    connections."""
+    cuttable = [i for i in order if i not in whole_first]
+    cut = sum(manifest.pieces[i].length for i in cuttable)
+    spare = connections - (len(order) - len(cuttable))
+    spans = []
+    for i in order:
+        length, parts = manifest.pieces[i].length, 1
+        if i not in whole_first and spare > len(cuttable):
+            parts = max(1, min(length // MIN_PART, spare * length // cut))
+        edges = [length * k // parts for k in range(parts + 1)]
+        spans.extend((i, a, b) for a, b in zip(edges, edges[1:]))
+    return spans
 
 
 async def run_lanes_of(worker: Callable[[], Awaitable[None]], lanes: int) -> None:

@@ -20,6 +20,7 @@ from deltamesh.delta import generate_key, save_keypair
 from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import MIN_SPAN, Fetcher, NotAnnounced
+from deltamesh.gateway.fetch_lanes import MIN_PART, first_spans
 from deltamesh.gateway.sources import Source
 from deltamesh.http import client_session, parse_range, serving
 from deltamesh.gateway.upload import upload_version
@@ -158,6 +159,38 @@ def test_the_last_pieces_are_split_over_idle_connections_without_asking_twice(ki
         assert covered == size
         split += len(ranges) > 1
     assert split >= 2, "no piece was split over the idle connections"
+
+
+def test_with_more_connections_than_pieces_every_piece_is_cut_up_front_over_all_of_them(kit):
+    """A cold fetch over a long link: 8 connections, 2 pieces of 2 MiB. Each piece is cut into 4
+    equal parts and each part has a connection of its own, so every connection carries bytes from
+    the first round trip (shares of 1 MiB at the end would have used 4 of them)."""
+    size = 2 * MIN_SPAN
+    b = Behaviour()
+    pieces, got = fetch_all(kit, 2, size, b, prefetch=0, connections=8)
+    assert got == dict(enumerate(pieces))
+    for i in range(2):
+        assert _ranges(b, i, size) == [(k * size // 4, (k + 1) * size // 4) for k in range(4)]
+    assert len(b.peers) >= 8, f"the 8 parts came over {len(b.peers)} connections"
+
+
+def test_first_spans_tile_each_piece_into_no_more_parts_than_connections(kit):
+    manifest, _, _ = kit.version(MODEL, 1, "full", pieces=5, piece_size=3 * MIN_PART + 7)
+    order = [4, 0, 1, 2, 3]
+    assert first_spans(manifest, order, 5, set()) == [(i, 0, 3 * MIN_PART + 7) for i in order]  # no spare
+    for connections, whole_first in ((12, set()), (64, {0}), (11, {1, 2})):
+        spans = first_spans(manifest, order, connections, whole_first)
+        assert len(spans) <= connections
+        assert [i for i, _, _ in spans] == sorted((i for i, _, _ in spans), key=order.index)  # in order
+        for i in order:
+            mine = [(a, b) for j, a, b in spans if j == i]
+            assert mine[0][0] == 0 and mine[-1][1] == manifest.pieces[i].length
+            assert all(b1 == a2 for (_, b1), (a2, _) in zip(mine, mine[1:])), f"piece {i}: {mine}"
+            if i in whole_first:
+                assert len(mine) == 1  # already on its way whole
+            else:
+                assert all(b - a >= MIN_PART for a, b in mine)
+    assert len(first_spans(manifest, order, 64, set())) == 15  # at most 3 parts of >= MIN_PART each
 
 
 def test_a_piece_assembled_from_bad_ranges_is_fetched_whole_again(kit):
