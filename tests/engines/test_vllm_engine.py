@@ -106,8 +106,12 @@ def test_logprobs_close_to_transformers_engine(engine: VLLMEngine) -> None:
     reference = TransformersEngine(TransformersEngineConfig(model_id=MODEL, model_dir=str(smollm2_model_dir())))
     ref_tokens, ref_logprobs = probe(reference)
     assert tokens == ref_tokens
-    # Other kernels, same bf16 weights: measured here up to ~0.03 nats apart.
-    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 0.1
+    # Other kernels, same bf16 weights, the same 8 greedy tokens. Measured up to ~0.03 nats apart where
+    # vLLM's CPU build computes in its plain layout, and up to 0.12 (0.04 on average) on a CPU with
+    # AVX512-BF16, where it packs its weights for oneDNN's bf16 kernels. Wrong weights or a wrong
+    # normalisation would also change the tokens, or move logprobs by far more.
+    gaps = [round(abs(a - b), 4) for a, b in zip(logprobs, ref_logprobs)]
+    assert max(gaps) < 0.25 and sum(gaps) / len(gaps) < 0.08, f"logprobs {logprobs} against {ref_logprobs}: {gaps}"
 
 
 def test_delta_swapped_mid_generation_tags_later_tokens(engine: VLLMEngine, weights, version_dirs) -> None:
