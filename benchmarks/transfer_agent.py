@@ -111,12 +111,18 @@ def pull(args: argparse.Namespace) -> int:
     base = args.gateway.rstrip("/")
     model = args.model
 
-    async def fetch_version(session, version: int, wait_s: float = 0.0, on_asked=None, inline=None) -> dict:
+    def fetcher_of(session, progress=None) -> Fetcher:
         fetcher = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30, give_up_s=300)
-        progress = Progress()
-        fetcher.on_bytes = progress.add  # bytes as they arrive, for the ramp
+        fetcher.on_bytes = progress.add if progress is not None else None  # bytes as they arrive, for the ramp
+        return fetcher
+
+    async def fetch_version(session, version: int, wait_s: float = 0.0, on_asked=None, inline=None,
+                            parts=None, progress=None) -> dict:
+        progress = progress or Progress()
+        fetcher = fetcher_of(session, progress)
         asked = asyncio.ensure_future(fetcher.manifest_bytes(model, version, args.kind, _accept(load_manifest, keys),
-                                                             prefetch=args.connections, wait_s=wait_s, inline=inline))
+                                                             prefetch=0 if parts else args.connections,
+                                                             wait_s=wait_s, inline=inline))
         if on_asked is not None:
             await on_asked()
         manifest = await asked
@@ -128,17 +134,20 @@ def pull(args: argparse.Namespace) -> int:
             nonlocal verified
             verified += len(data)  # checked by the fetcher against the signed manifest
 
-        await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep)
+        await fetcher.pieces(manifest, range(len(manifest.pieces)), args.connections, keep, parts)
         return {"t_manifest": t_manifest, "t_done": time.time(), "bytes": verified, "pieces": len(manifest.pieces),
                 "progress": progress.marks}
 
     async def pull_one(session, version: int, t_go: float) -> dict:
-        # A cold puller opens its parallel connections while its first request (the head poll) is on
-        # its way, as a relay does when it starts (`Fetcher.open_connections`).
-        opening = None
-        if args.open_ahead:
-            opener = Fetcher(session, [Source(base)], f"pool/{args.name}", stall_timeout_s=30)
-            opening = asyncio.ensure_future(opener.open_connections(args.connections))
+        # A cold puller asks for parts of the newest whole version on all its connections while its
+        # first request (the head poll) is on its way, as a cold pool agent does (`Fetcher.ask_parts`);
+        # without parts, it opens its connections then, as a relay does (`Fetcher.open_connections`).
+        opening = parts = None
+        progress = Progress()
+        if args.parts and not args.after_complete:
+            parts = fetcher_of(session, progress).ask_parts(model, args.kind, args.connections)
+        elif args.open_ahead:
+            opening = asyncio.ensure_future(fetcher_of(session).open_connections(args.connections))
         while True:  # long-poll until the version is announced
             answer = await request_json(session, "GET", f"{base}/v1/models/{model}/head",
                                         params={"after": version - 1, "wait": 30, "manifests": 1}, timeout_s=60)
@@ -154,7 +163,8 @@ def pull(args: argparse.Namespace) -> int:
             await opening  # answered with the head poll, or moments after
         t_fetch = time.time()
         return {"t_go": t_go, "t_announced": t_announced, "t_fetch": t_fetch,
-                **await fetch_version(session, version, inline=None if args.after_complete else inline)}
+                **await fetch_version(session, version, inline=None if args.after_complete else inline, parts=parts,
+                                      progress=progress)}
 
     async def pull_ahead(session, version: int) -> dict:
         async def arm() -> None:
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="first fetch this version over the same connections (untimed), idle, then ask ahead")
     p.add_argument("--armed", help="with --warm-version: created once the requests for --version wait at the gateway")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
+    p.add_argument("--no-parts", dest="parts", action="store_false",
+                   help="pull: do not ask for parts of the newest version beside the head poll")
     p.add_argument("--no-open-ahead", dest="open_ahead", action="store_false",
                    help="open the parallel connections only when the pieces are asked for (the old cold path)")
     add_ca_arg(p)

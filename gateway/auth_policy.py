@@ -42,6 +42,7 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", _MODEL + "/traffic"): ("admin", "metrics"),
     ("GET", _VERSION + "/manifest"): READ_WEIGHTS,
     ("GET", _VERSION + "/pieces/{index}"): READ_WEIGHTS,
+    ("GET", _MODEL + "/newest/{kind}/parts/{part}"): READ_WEIGHTS,
     ("PUT", _VERSION + "/manifest"): ("trainer",),
     ("PUT", _VERSION + "/pieces/{index}"): ("trainer",),
     ("GET", _MODEL + "/statement"): ("pool", "gateway", "admin"),

@@ -16,7 +16,9 @@ The manifest request can carry the first wave of piece requests with it (`prefet
 one round trip after the version is known instead of two; those pieces are held unverified until
 the manifest is, then checked like any other. A manifest that came inline in a head answer
 (`inline`) needs no request at all. A cold fetcher opens its connections beside its first request
-(`open_connections`), so the pieces leave one round trip sooner."""
+(`open_connections`), so the pieces leave one round trip sooner; or, before it even knows the version,
+asks for parts of the newest one on them (`ask_parts`, `deltamesh.gateway.fetch_parts`), which
+`pieces()` takes once the manifest is verified."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import aiohttp
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
+from deltamesh.gateway.fetch_parts import EarlyParts, take_parts
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
 from deltamesh.gateway.links import LinkMonitor
@@ -42,6 +45,9 @@ log = logging.getLogger(__name__)
 
 PREFETCH_LIMIT = 64 * 1024 * 1024
 """Largest piece taken before its manifest arrives (a bigger one is dropped and fetched normally)."""
+PARTS_LIMIT = 4 * 1024 * 1024 * 1024
+"""Most bytes taken in parts before the version is known (`ask_parts`): each part may be this over
+their count, or `PREFETCH_LIMIT`; a bigger one is refused before it is read, its pieces fetched normally."""
 MIN_RATE_BPS = 64 * 1024.0
 """Default floor of a request's useful rate (bytes/s, after a grace of the stall timeout)."""
 MIN_RATE_FRACTION = 0.05
@@ -125,6 +131,17 @@ class Fetcher:
         return min(await asyncio.gather(*(open_connections(s, url, count, headers={PEER_HEADER: self.peer},
                                                            timeout_s=self.stall_timeout_s)
                                           for s in sessions.values())), default=0)
+
+    def ask_parts(self, model: str, kind: str, of: int) -> EarlyParts:
+        """Ask the preferred source at once for `of` parts of the newest `kind` it holds whole, before the
+        version is known (`deltamesh.gateway.fetch_parts`); `pieces(..., parts=...)` takes them."""
+        source = order_sources(self.sources)[0]
+
+        async def on_chunk(n: int) -> None:
+            await self._received(source, None, n)
+
+        return EarlyParts.ask(self.session, source, self.peer, model, kind, of, self._rule(source, False),
+                              max(PREFETCH_LIMIT, PARTS_LIMIT // of), on_chunk)
 
     # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],
@@ -292,13 +309,14 @@ class Fetcher:
         await self._judge.rounds(key, index, deadline, ask, f"piece {index} of {name(key)}: no source served it intact",
                                  timed_out)
 
-    async def _received(self, source: Source, key: Key, nbytes: int) -> None:
-        """Book bytes that just arrived: the source's bandwidth cap, then the progress hooks."""
+    async def _received(self, source: Source, key: Key | None, nbytes: int) -> None:
+        """Book bytes that just arrived: the source's bandwidth cap, then the progress hooks (those of a
+        known version: parts come before it is known, `key` None)."""
         if source.limiter is not None:
             await source.limiter.take(nbytes)
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
-        if self.on_received is not None:
+        if self.on_received is not None and key is not None:
             self.on_received(source, key, nbytes)
 
     def _booked(self, source: Source, nbytes: int, seconds: float) -> None:
@@ -352,16 +370,16 @@ class Fetcher:
         return result
 
     async def pieces(self, manifest: Manifest, indices: Iterable[int], connections: int,
-                     on_piece: Callable[[int, bytearray], Awaitable[None]]) -> None:
+                     on_piece: Callable[[int, bytearray], Awaitable[None]], parts: EarlyParts | None = None) -> None:
         """Fetch `indices` with `connections` parallel requests (spread as `deltamesh.gateway.fetch_lanes`
         says), handing each verified piece to `on_piece`. Pieces prefetched with the manifest
         (`manifest_bytes(prefetch=...)`) are taken first, checked like any other; a bad one is fetched
-        again the usual way, and one that broke off continues from what arrived."""
+        again the usual way, and one that broke off continues from what arrived. With `parts` (asked
+        for before the version was known, `ask_parts`), the pieces they fill are taken from them, and
+        only the rest is asked for."""
         key = (manifest.model_id, manifest.version, manifest.kind)
-        early = self._early.pop(key, {})
         order = list(indices)
-        for i in set(early) - set(order):
-            early.pop(i).cancel()
+        early = self._early.pop(key, {})
 
         async def whole(i: int) -> bytearray:
             task = early.pop(i, None)
@@ -388,9 +406,15 @@ class Fetcher:
             return await self.piece(manifest, i)
 
         try:
+            if parts is not None:
+                order = await take_parts(parts, manifest, order, on_piece, self._judge)
+            for i in set(early) - set(order):
+                early.pop(i).cancel()
             await run_lanes(manifest, sorted(order, key=lambda i: i not in early), connections, set(early),
                             whole=whole, fill_range=fill_range, assembled_bad=assembled_bad, on_piece=on_piece)
         finally:
+            if parts is not None:
+                await parts.close()
             for task in early.values():
                 task.cancel()
             await asyncio.gather(*early.values(), return_exceptions=True)

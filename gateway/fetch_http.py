@@ -150,6 +150,8 @@ class Whole:
     'wrong' (it broke off, stalled or trickled: `data` is what arrived, to continue from)."""
     reason: str = ""
     seconds: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """The answer's headers (of a 200)."""
 
 
 async def receive_whole(session: aiohttp.ClientSession, url: str, params: Mapping[str, Any] | None,
@@ -169,6 +171,8 @@ async def receive_whole(session: aiohttp.ClientSession, url: str, params: Mappin
                     if resp.status != 200:
                         await resp.read()
                         return Whole(b"", "refused", f"HTTP {resp.status}")
+                    if (resp.content_length or 0) > limit:  # refused before a byte of it is read
+                        return Whole(b"", "refused", f"declared {resp.content_length} bytes, over {limit}")
                     async for chunk in resp.content.iter_chunked(CHUNK):
                         size += len(chunk)
                         if size > limit:
@@ -189,7 +193,7 @@ async def receive_whole(session: aiohttp.ClientSession, url: str, params: Mappin
     except TimeoutError:
         return Whole(b"".join(chunks), "wrong", _too_slow(rule, size, loop.time() - (t_answer if answered else t0)),
                      loop.time() - t_answer)
-    return Whole(b"".join(chunks), "done", "", loop.time() - t_answer)
+    return Whole(b"".join(chunks), "done", "", loop.time() - t_answer, resp.headers)
 
 
 async def get_small(session: aiohttp.ClientSession, url: str, *, params: Mapping[str, Any] | None = None,

@@ -1,4 +1,5 @@
-"""HTTP routes of the version plane: heads (long poll), listings, plans, manifests and pieces.
+"""HTTP routes of the version plane: heads (long poll), listings, plans, manifests, pieces, and parts
+of the newest whole version (for a fetcher that does not know it yet).
 
 Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
 with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
@@ -6,8 +7,7 @@ is announced but not yet here waits (bounded) for it, so consumers downstream se
 they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. On
 a relay, plans also use what the upstream can serve, and a manifest or piece of a version that is
 not here but upstream is fetched on demand (`Relay.demand`) and served as it arrives.
-Every path part is validated before it touches the store: model ids must match the manifest's model
-id pattern, versions and piece indices are plain decimal integers, kinds are `delta` or `full`. See
+Every path part is validated before it touches the store (`deltamesh.gateway.version_requests`). See
 docs/api/gateway.md.
 """
 
@@ -19,108 +19,24 @@ import time
 from aiohttp import web
 
 from deltamesh.delta.errors import CorruptError, SignatureError
-from deltamesh.delta.manifest import MODEL_ID_RE, load_manifest
+from deltamesh.delta.manifest import load_manifest
 from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
-from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.service import Gateway
 from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.ledger import ConflictError
 from deltamesh.gateway.stored_version import KINDS, StoredVersion
 from deltamesh.gateway.validators import not_modified, not_modified_response, piece_etag, range_applies
+from deltamesh.gateway.version_requests import (INT_RE, Reject, entries_of, entry_of, float_param, index_of,
+                                                int_param, model_of, peer_role, version_kind, wants_manifests)
+from deltamesh.gateway.version_parts import (MAX_PARTS, SPAN_HEADER, VERSION_HEADER, newest_whole, part_span,
+                                             piece_spans, span_header, total_bytes)
 from deltamesh.peer_json import parse_json
 
-_INT_RE = re.compile(r"^[0-9]{1,12}$")
 INLINE_MANIFEST_BYTES = 256 * 1024
 """Largest signed envelope a head answer carries inline (`?manifests=1`): a small version's (a delta's)
 manifest is a few KiB, and with it inline a follower starts on its pieces without asking for it."""
 _HEX_SIG = re.compile(r"^[0-9a-f]{128}$")
-
-
-class _Reject(Exception):
-    def __init__(self, status: int, reason: str, headers: dict[str, str] | None = None, *, expected: bool = False):
-        self.status, self.reason, self.headers = status, reason, headers or {}
-        self.expected = expected  # an answer the client expects (a read-ahead's wait ran out): not a refusal
-
-
-def _int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    if not re.fullmatch(r"-?[0-9]{1,12}", raw):
-        raise _Reject(400, f"query parameter {name} must be an integer, got {raw[:40]!r}")
-    return int(raw)
-
-
-def _float_param(request: web.Request, name: str, default: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _Reject(400, f"query parameter {name} must be a number") from None
-    if not value >= 0:
-        raise _Reject(400, f"query parameter {name} must be >= 0")
-    return value
-
-
-def _model(request: web.Request) -> str:
-    model = request.match_info["model"]
-    if not MODEL_ID_RE.match(model):
-        raise _Reject(400, f"invalid model id {model[:80]!r}")
-    return model
-
-
-def _version_kind(request: web.Request) -> tuple[str, int, str]:
-    model = _model(request)
-    version, kind = request.match_info["version"], request.match_info["kind"]
-    if not _INT_RE.match(version):
-        raise _Reject(400, f"invalid version {version[:40]!r}: a decimal integer")
-    if kind not in KINDS:
-        raise _Reject(400, f"invalid kind {kind[:40]!r}: one of {list(KINDS)}")
-    return model, int(version), kind
-
-
-def _entries(gw: Gateway, request: web.Request) -> tuple[str, list[StoredVersion]]:
-    """The model the path names and its stored versions (404 when it has none here)."""
-    model = _model(request)
-    entries = gw.store.entries(model)
-    if not entries:
-        raise _Reject(404, f"model {model} is not in this gateway's store")
-    return model, entries
-
-
-def _entry(gw: Gateway, request: web.Request) -> StoredVersion:
-    model, version, kind = _version_kind(request)
-    entry = gw.store.get(model, version, kind)
-    if entry is None:
-        raise _Reject(404, f"{model} v{version} {kind} is not in this gateway's store")
-    return entry
-
-
-def _index(request: web.Request, entry: StoredVersion) -> int:
-    raw = request.match_info["index"]
-    if not _INT_RE.match(raw):
-        raise _Reject(400, f"invalid piece name {raw[:40]!r}: pieces are named by integer index")
-    index = int(raw)
-    if index >= len(entry.manifest.pieces):
-        raise _Reject(404, f"piece {index} out of range ({len(entry.manifest.pieces)} pieces)")
-    return index
-
-
-def _peer_role(request: web.Request) -> tuple[str, str]:
-    """('pool'|'downstream'|'anonymous', name) from the peer header a client sends."""
-    kind, _, name = request.headers.get(PEER_HEADER, "").partition("/")
-    if kind == "pool" and name:
-        return "pool", name[:64]
-    if kind == "gateway" and name:
-        return "downstream", name[:64]
-    return "anonymous", ""
-
-
-def _wants_manifests(request: web.Request) -> bool:
-    return request.query.get("manifests") in ("1", "true")
 
 
 def inline_manifests(gw: Gateway, model: str, version: int) -> dict[str, str]:
@@ -147,7 +63,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             except web.HTTPException as e:  # from the shared body readers (413)
                 gw.metrics.rejected.labels(str(e.status)).inc()
                 raise
-            except _Reject as r:
+            except Reject as r:
                 if r.status != 503 and not r.expected:
                     gw.metrics.rejected.labels(str(r.status)).inc()
                 resp = error_response(r.status, r.reason)
@@ -160,14 +76,14 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get("/v1/heads")
     @guarded
     async def heads(request: web.Request) -> web.Response:
-        since = _int_param(request, "since", -1)
-        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        since = int_param(request, "since", -1)
+        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
         if request.query.get("instance") != gw.instance:
             since = -1  # a follower of an earlier life of this gateway: answer at once
         epoch = await gw.store.wait_change(since, wait)
         heads = gw.store.heads()
         answer = {"region": cfg.region, "instance": gw.instance, "epoch": epoch, "heads": heads}
-        if _wants_manifests(request):
+        if wants_manifests(request):
             inline = {m: inline_manifests(gw, m, v) for m, v in heads.items()}
             answer["manifests"] = {m: kinds for m, kinds in inline.items() if kinds}
         return web.json_response(answer)
@@ -180,12 +96,12 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get(base + "/head")
     @guarded
     async def head(request: web.Request) -> web.Response:
-        model = _model(request)
-        after = _int_param(request, "after")
-        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        model = model_of(request)
+        after = int_param(request, "after")
+        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
         h = await gw.store.wait_head(model, after, wait)
         answer = {"model": model, "head": h, "region": cfg.region}
-        if h is not None and _wants_manifests(request):
+        if h is not None and wants_manifests(request):
             answer["manifests"] = inline_manifests(gw, model, h)
         return web.json_response(answer)
 
@@ -196,7 +112,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get(base + "/versions")
     @guarded
     async def versions(request: web.Request) -> web.Response:
-        model, entries = _entries(gw, request)
+        model, entries = entries_of(gw, request)
         return web.json_response({"model": model, "head": gw.store.head(model),
                                   "versions": [e.describe() for e in entries],
                                   "reachable": [s.to_json() for s in reachable(model)]})
@@ -204,23 +120,23 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @routes.get(base + "/traffic")
     @guarded
     async def traffic(request: web.Request) -> web.Response:
-        model = _model(request)
+        model = model_of(request)
         return web.json_response({"model": model, "region": cfg.region, "versions": gw.traffic.describe(model)})
 
     @routes.get(base + "/plan")
     @guarded
     async def plan(request: web.Request) -> web.Response:
-        model, entries = _entries(gw, request)
+        model, entries = entries_of(gw, request)
         head_v = gw.store.head(model)
-        frm = _int_param(request, "from")
-        to = _int_param(request, "to", head_v)
-        since_full = _int_param(request, "since_full")
-        full_every = _int_param(request, "full_every", 0)
+        frm = int_param(request, "from")
+        to = int_param(request, "to", head_v)
+        since_full = int_param(request, "since_full")
+        full_every = int_param(request, "full_every", 0)
         available = [PlanStep.of(e.manifest) for e in entries] + reachable(model)
         try:
             p = make_plan(model, available, frm, to, since_full=since_full, full_every=full_every)
         except NoPlanError as e:
-            raise _Reject(409, str(e)) from None
+            raise Reject(409, str(e)) from None
         for s in p.steps:
             entry = gw.store.get(model, s.version, s.kind)
             if entry is not None:
@@ -238,19 +154,19 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         wait of `piece_wait_s` (which clients' stall timeouts allow for) covers its manifest and piece.
         """
         asked = time.monotonic()
-        wait = min(_float_param(request, "wait", 0.0), cfg.head_wait_max_s)
-        named = _version_kind(request)
+        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        named = version_kind(request)
         if wait > 0 and gw.store.get(*named) is None:
             await gw.store.wait_version(*named, wait)
             if gw.store.get(*named) is None and not (gw.relay is not None and gw.relay.can_fetch(*named)):
                 model, version, kind = named  # a follower's read-ahead of a version not made yet
-                raise _Reject(404, f"{model} v{version} {kind} is not in this gateway's store", expected=True)
+                raise Reject(404, f"{model} v{version} {kind} is not in this gateway's store", expected=True)
         if gw.store.get(*named) is None and gw.relay is not None and gw.relay.can_fetch(*named):
             if await gw.relay.demand(*named, cfg.piece_wait_s) is None:
                 model, version, kind = named
-                raise _Reject(503, f"{model} v{version} {kind} is on its way from upstream; ask again")
-            return _entry(gw, request), asked
-        return _entry(gw, request), time.monotonic()
+                raise Reject(503, f"{model} v{version} {kind} is on its way from upstream; ask again")
+            return entry_of(gw, request), asked
+        return entry_of(gw, request), time.monotonic()
 
     @routes.get(one + "/manifest")
     @guarded
@@ -266,49 +182,49 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @guarded
     async def put_manifest(request: web.Request) -> web.Response:
         if not cfg.is_origin:
-            raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
-        model, version, kind = _version_kind(request)
+            raise Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+        model, version, kind = version_kind(request)
         if request.content_length is not None and request.content_length > JSON_LIMIT:
-            raise _Reject(413, f"manifest of {request.content_length} bytes exceeds {JSON_LIMIT}")
+            raise Reject(413, f"manifest of {request.content_length} bytes exceeds {JSON_LIMIT}")
         raw = await read_body(request, limit=JSON_LIMIT)
         _check_envelope(raw)
         try:
             m = load_manifest(raw, gw.trusted_keys)
         except SignatureError as e:
-            raise _Reject(403, f"signature refused: {e}") from None
+            raise Reject(403, f"signature refused: {e}") from None
         except CorruptError as e:
-            raise _Reject(400, str(e)) from None
+            raise Reject(400, str(e)) from None
         if (m.model_id, m.version, m.kind) != (model, version, kind):
-            raise _Reject(400, f"manifest is {m.model_id} v{m.version} {m.kind}, URL says {model} v{version} {kind}")
+            raise Reject(400, f"manifest is {m.model_id} v{m.version} {m.kind}, URL says {model} v{version} {kind}")
         if any(p.length > cfg.max_piece_bytes for p in m.pieces):
-            raise _Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
+            raise Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
         try:
             entry, new = await gw.store.put_manifest(raw, published=True)
         except ConflictError as e:
-            raise _Reject(409, str(e)) from None
+            raise Reject(409, str(e)) from None
         except DiskFullError as e:
-            raise _Reject(507, str(e)) from None
+            raise Reject(507, str(e)) from None
         return web.json_response({"stored": new, "missing": entry.missing}, status=201 if new else 200)
 
     @routes.put(one + "/pieces/{index}")
     @guarded
     async def put_piece(request: web.Request) -> web.Response:
         if not cfg.is_origin:
-            raise _Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
-        entry = _entry(gw, request)
-        index = _index(request, entry)
+            raise Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+        entry = entry_of(gw, request)
+        index = index_of(request, entry)
         expected = entry.manifest.pieces[index].length
         if request.content_length is not None and request.content_length > expected:
-            raise _Reject(413, f"piece {index} is {expected} bytes, body says {request.content_length}")
+            raise Reject(413, f"piece {index} is {expected} bytes, body says {request.content_length}")
         data = await read_body(request, limit=expected)
         with gw.store.using(entry):
             try:
                 stored = await gw.store.put_piece(entry, index, data)
             except CorruptError as e:
                 gw.metrics.corrupt_pieces.labels("upload").inc()
-                raise _Reject(400, str(e)) from None
+                raise Reject(400, str(e)) from None
             except DiskFullError as e:
-                raise _Reject(507, str(e)) from None
+                raise Reject(507, str(e)) from None
         if stored:
             gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
         return web.json_response({"stored": stored, "complete": entry.complete}, status=201 if stored else 200)
@@ -317,7 +233,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
     @guarded
     async def get_piece(request: web.Request) -> web.StreamResponse:
         entry, t0 = await announced(request)
-        index = _index(request, entry)
+        index = index_of(request, entry)
         gw.store.lease([entry], cfg.lease_s)
         etag = piece_etag(entry.manifest.pieces[index].hash)
         if not_modified(request, etag):  # the signed manifest fixes the bytes: no need to read them
@@ -328,7 +244,7 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             asked = request.headers.get("Range") if range_applies(request, etag) else None
             span = parse_range(asked, len(data))
         except ValueError as e:
-            raise _Reject(416, str(e), {"Content-Range": f"bytes */{len(data)}"}) from None
+            raise Reject(416, str(e), {"Content-Range": f"bytes */{len(data)}"}) from None
         start, end = span if span is not None else (0, len(data))
         headers = {"Accept-Ranges": "bytes", "X-Deltamesh-Piece-Hash": entry.manifest.pieces[index].hash,
                    "ETag": etag, "Content-Type": "application/octet-stream"}
@@ -341,16 +257,57 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         await resp.write(memoryview(data)[start:end])
         await resp.write_eof()
         done = time.monotonic()
-        role, name = _peer_role(request)
-        gw.metrics.bytes_out.labels(entry.kind, role).inc(end - start)
         gw.metrics.piece_seconds.labels("serve").observe(done - t0)
-        link = gw.links.find(name, role) if name else None
-        if link is not None:  # only peers that registered or announced themselves get a link
-            gw.links.record_transfer(link, end - start, done - t_send)
-        gw.traffic.served(role, name if link is not None else "", entry.model, entry.version, entry.kind, end - start)
+        _served(gw, request, entry, end - start, done - t_send)
+        return resp
+
+    @routes.get(base + "/newest/{kind}/parts/{part}")
+    @guarded
+    async def get_part(request: web.Request) -> web.StreamResponse:
+        """Part `part` of `of` of the newest version of a kind, for a fetcher that asks before it knows
+        the version (`deltamesh.gateway.version_parts`); 404 unless it is whole here."""
+        model, kind, raw = model_of(request), request.match_info["kind"], request.match_info["part"]
+        if kind not in KINDS:
+            raise Reject(400, f"invalid kind {kind[:40]!r}: one of {list(KINDS)}")
+        of = int_param(request, "of")
+        if not INT_RE.match(raw) or of is None or not 0 <= int(raw) < of <= MAX_PARTS:
+            raise Reject(400, f"ask for part K of N: 0 <= K < N <= {MAX_PARTS} (?of=N)")
+        entry = newest_whole(gw.store.entries(model), reachable(model), kind)
+        if entry is None:
+            raise Reject(404, f"the newest {kind} version of {model} is not whole in this gateway's store",
+                         expected=True)
+        total = total_bytes(entry.manifest)
+        start, end = part_span(total, int(raw), of)
+        gw.store.lease([entry], cfg.lease_s)
+        resp = web.StreamResponse(headers={VERSION_HEADER: str(entry.version), SPAN_HEADER: span_header(start, end, total),
+                                           "Content-Type": "application/octet-stream"})
+        resp.content_length = end - start
+        t0 = time.monotonic()
+        await resp.prepare(request)
+        with gw.store.using(entry):
+            for index, a, b in piece_spans(entry.manifest, start, end):
+                try:
+                    data = await gw.store.read_piece(entry, index)
+                except CorruptError:  # dropped by the store; the fetcher sees a short part and asks for pieces
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                await resp.write(memoryview(data)[a:b])
+        await resp.write_eof()
+        _served(gw, request, entry, end - start, time.monotonic() - t0)
         return resp
 
     app.add_routes(routes)
+
+
+def _served(gw: Gateway, request: web.Request, entry: StoredVersion, nbytes: int, seconds: float) -> None:
+    """Book bytes served to the peer the request names: metrics, its link's rate and the traffic ledger."""
+    role, name = peer_role(request)
+    gw.metrics.bytes_out.labels(entry.kind, role).inc(nbytes)
+    link = gw.links.find(name, role) if name else None
+    if link is not None:  # only peers that registered or announced themselves get a link
+        gw.links.record_transfer(link, nbytes, seconds)
+    gw.traffic.served(role, name if link is not None else "", entry.model, entry.version, entry.kind, nbytes)
 
 
 def _check_envelope(raw: bytes) -> None:
@@ -358,13 +315,13 @@ def _check_envelope(raw: bytes) -> None:
     try:
         env = parse_json(raw)
     except ValueError as e:
-        raise _Reject(400, f"malformed JSON: {e}") from None
+        raise Reject(400, f"malformed JSON: {e}") from None
     if not isinstance(env, dict) or not isinstance(env.get("body"), str):
-        raise _Reject(400, "manifest must be a signed envelope {body, key_id, signature}")
+        raise Reject(400, "manifest must be a signed envelope {body, key_id, signature}")
     if not isinstance(env.get("key_id"), str) or not isinstance(env.get("signature"), str):
-        raise _Reject(401, "manifest is not signed")
+        raise Reject(401, "manifest is not signed")
     if not _HEX_SIG.match(env["signature"]):
-        raise _Reject(401, "malformed signature: expected 128 hex characters")
+        raise Reject(401, "malformed signature: expected 128 hex characters")
 
 
 async def _wait_and_read(gw: Gateway, entry: StoredVersion, index: int, deadline: float) -> bytes:
@@ -376,4 +333,4 @@ async def _wait_and_read(gw: Gateway, entry: StoredVersion, index: int, deadline
                 return await gw.store.read_piece(entry, index)
             except CorruptError:
                 continue  # dropped by the store; a relay fetches it again, so wait for that
-        raise _Reject(503, f"piece {index} of {entry.model} v{entry.version} {entry.kind} has not arrived yet")
+        raise Reject(503, f"piece {index} of {entry.model} v{entry.version} {entry.kind} has not arrived yet")

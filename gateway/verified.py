@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from deltamesh.delta import CorruptError, Manifest, load_manifest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, Inline
+from deltamesh.gateway.fetch_parts import EarlyParts
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.sources import Source
 
@@ -24,10 +25,13 @@ Step = tuple[Manifest, list[bytes]]
 
 async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
                          connections: int, on_piece: Callable[[int], None] | None = None,
-                         check: Callable[[Manifest], None] | None = None, inline: Inline | None = None) -> Step:
+                         check: Callable[[Manifest], None] | None = None, inline: Inline | None = None,
+                         parts: EarlyParts | None = None) -> Step:
     """The verified manifest and pieces of `step`; raises FetchError or CodecError (CorruptError).
     `check` may refuse a validly signed manifest by raising a CodecError. `inline`: the step's envelope
-    as a head answer carried it, checked the same way (and fetched as usual if it is refused)."""
+    as a head answer carried it, checked the same way (and fetched as usual if it is refused). `parts`:
+    parts of a version asked for before it was known (`Fetcher.ask_parts`), which carry the pieces
+    (of this step's version, if they are of it) instead of the manifest request's prefetch."""
 
     async def accept(raw: bytes) -> Manifest:
         m = load_manifest(raw, trusted_keys)
@@ -37,8 +41,13 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
             check(m)
         return m
 
-    manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=connections,
-                                            inline=inline)
+    try:
+        manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept,
+                                                prefetch=0 if parts is not None else connections, inline=inline)
+    except BaseException:
+        if parts is not None:
+            parts.cancel()
+        raise
     pieces: list[bytes] = [b""] * len(manifest.pieces)
 
     async def keep(index: int, data: bytes) -> None:
@@ -46,7 +55,7 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
         if on_piece is not None:
             on_piece(len(data))
 
-    await fetcher.pieces(manifest, range(len(pieces)), connections, keep)
+    await fetcher.pieces(manifest, range(len(pieces)), connections, keep, parts)
     return manifest, pieces
 
 

@@ -43,6 +43,7 @@ from deltamesh.delta import (
 )
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
+from deltamesh.gateway.fetch_parts import EarlyParts
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
@@ -87,6 +88,8 @@ class WeightSync:
         self._round: Source | None = None
         """The gateway whose head this round follows: its plan is asked for first."""
         self._opening: asyncio.Future | None = None
+        self._parts: EarlyParts | None = None
+        """A cold pool's parts of the newest full version, until its first plan step takes them."""
         self._checking: asyncio.Future | None = None
         """The freshness checks of the round's head answer, while they overlap the plan request."""
         self._inline: dict[tuple[int, str], Inline] = {}
@@ -113,16 +116,25 @@ class WeightSync:
         self._session = client_session(connections=2 * self.config.connections + 4, timeout_s=None,
                                        tls=self.config.tls,
                                        headers=bearer(self.config.token) if self.config.token else None)
-        # Cold: the first version's parallel requests find their connections up (handshakes done
-        # beside registration and the first head poll), as a relay's do (`Fetcher.open_connections`).
-        self._opening = asyncio.ensure_future(self._fetcher().open_connections(self.config.connections))
         held = await asyncio.to_thread(dir_manifest, self.config.dir)
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
             self.guard.hold(held.version, held.weights_hash)
+        if self.version is None and self.model:
+            # Cold: a first pull starts with the newest full version. Its parts are asked for now, on
+            # every connection, beside registration, the head poll, the plan and the manifest, which
+            # say which version it is (`deltamesh.gateway.fetch_parts`): data flows from the first
+            # round trip instead of the fourth.
+            self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
+        else:
+            # The parallel requests find their connections up (handshakes done beside registration
+            # and the first head poll), as a relay's do (`Fetcher.open_connections`).
+            self._opening = asyncio.ensure_future(self._fetcher().open_connections(self.config.connections))
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._parts is not None:
+            await self._parts.close()
         for task in (self._checking, self._opening):
             if task is not None:
                 task.cancel()
@@ -265,13 +277,17 @@ class WeightSync:
             self.transfer["bytes_done"] = self.transfer.get("bytes_done", 0) + n
             self._progressed()
 
+        parts, self._parts = self._parts, None  # for the first step only (a cold pool's full version)
+        if parts is not None and step.kind != "full":
+            await parts.close()
+            parts = None
         try:
             # A manifest the guard refuses is one more the fetcher cannot accept: it books the refusal
             # (`on_rejected`) and asks another gateway for the same step.
             return await fetch_verified(self._fetcher(), self.model, step, self.trusted_keys,
                                         self.config.connections, progress,
                                         check=self.guard.check_manifest if final else None,
-                                        inline=self._inline.get((step.version, step.kind)))
+                                        inline=self._inline.get((step.version, step.kind)), parts=parts)
         except FetchError as e:
             raise SyncError(str(e)) from e
 

@@ -1,7 +1,8 @@
 """A hostile upstream for tests: an HTTP proxy in front of a real gateway that misbehaves on demand.
 
-Everything is passed through to the real gateway, except that piece bodies can be trickled, stalled
-mid-piece, cut short or have a byte flipped, and control-plane answers (heads, listings, plans, pool
+Everything is passed through to the real gateway, except that piece bodies (and the bodies of parts
+of a version) can be trickled, stalled mid-piece, cut short or have a byte flipped, parts can claim
+another version, and control-plane answers (heads, listings, plans, pool
 registration) can be slowed down. What it does can change while a test runs (`mode`), and it counts
 every piece request it got, so a test can bound how often a bad source is asked.
 """
@@ -22,6 +23,7 @@ import deltamesh_test_passthrough as passthrough  # a helper module of this fold
 from deltamesh.http import serving
 
 PIECE_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/pieces/([0-9]+)$")
+PART_PATH = re.compile(r"^/v1/models/([^/]+)/newest/(delta|full)/parts/([0-9]+)$")
 MANIFEST_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/manifest$")
 
 
@@ -41,6 +43,8 @@ class Mode:
     """Delay every answer that is neither a manifest nor a piece by this long."""
     versions: set[int] | None = None
     """Misbehave on the pieces of these versions only (None: all)."""
+    part_version: int | None = None
+    """Say that parts are of this version."""
 
 
 @dataclass
@@ -51,22 +55,30 @@ class Hostile:
     """(version, kind, index) -> requests received."""
     ranges: list[tuple[int, str, int, str | None]] = field(default_factory=list)
     """(version, kind, index, Range header) of every piece request, in order."""
+    part_requests: Counter = field(default_factory=Counter)
+    """Part index -> requests received for parts of a newest version."""
     control_requests: int = 0
     """Requests that were neither for a manifest nor for a piece (heads, listings, plans, ...)."""
     url: str = ""
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        piece = PIECE_PATH.match(request.path)
-        if piece is None and not MANIFEST_PATH.match(request.path):
+        piece, part = PIECE_PATH.match(request.path), PART_PATH.match(request.path)
+        if piece is None and part is None and not MANIFEST_PATH.match(request.path):
             self.control_requests += 1
             await asyncio.sleep(self.mode.control_delay_s)
         data, status, out = await passthrough.pass_through(self._session, self.real, request)
-        if piece is None:
-            return web.Response(body=data, status=status, headers=out)
-        version, kind, index = int(piece.group(2)), piece.group(3), int(piece.group(4))
-        self.piece_requests[(version, kind, index)] += 1
-        self.ranges.append((version, kind, index, request.headers.get("Range")))
         mode = self.mode
+        if part is not None:
+            self.part_requests[int(part.group(3))] += 1
+            if mode.part_version is not None and "X-Deltamesh-Version" in out:
+                out["X-Deltamesh-Version"] = str(mode.part_version)
+            version = int(out.get("X-Deltamesh-Version", -1))
+        elif piece is None:
+            return web.Response(body=data, status=status, headers=out)
+        else:
+            version, kind, index = int(piece.group(2)), piece.group(3), int(piece.group(4))
+            self.piece_requests[(version, kind, index)] += 1
+            self.ranges.append((version, kind, index, request.headers.get("Range")))
         if status not in (200, 206) or (mode.versions is not None and version not in mode.versions):
             return web.Response(body=data, status=status, headers=out)
         if mode.flip and data:

@@ -9,7 +9,7 @@ from aiohttp import web
 
 FORWARDED = ("Range", "If-Range", "If-None-Match", "X-Deltamesh-Peer", "Authorization", "Content-Type")
 """Request headers a gateway reads."""
-ANSWERED = ("Content-Type", "Content-Range", "ETag", "Retry-After")
+ANSWERED = ("Content-Type", "Content-Range", "ETag", "Retry-After", "X-Deltamesh-Version", "X-Deltamesh-Span")
 """Answer headers a client reads."""
 
 

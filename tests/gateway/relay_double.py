@@ -3,8 +3,8 @@
 Everything it is not told to lie about is passed through to the honest gateway (so it serves the real
 signed manifests and pieces, and registers pools there). It can announce another head (and hold a
 long poll as a gateway would when nothing is newer), answer every plan with one it was given, serve
-other signed manifests and pieces under a version's URLs (ranges too), and serve another head
-statement or none. What it does can change while a test runs.
+other signed manifests and pieces under a version's URLs (ranges too; then it serves no parts of a
+newest version), and serve another head statement or none. What it does can change while a test runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ HEAD_PATH = re.compile(r"^/v1/models/([^/]+)/head$")
 PLAN_PATH = re.compile(r"^/v1/models/([^/]+)/plan$")
 STATEMENT_PATH = re.compile(r"^/v1/models/([^/]+)/statement$")
 VERSION_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/(manifest|pieces/([0-9]+))$")
+PARTS_PATH = re.compile(r"^/v1/models/([^/]+)/newest/(delta|full)/parts/([0-9]+)$")
 PASS = object()
 """A `statement` that is passed through to the honest gateway."""
 
@@ -58,6 +59,8 @@ class RelayDouble:
             if self.statement is None:
                 return web.json_response({"error": "no head statement here"}, status=404)
             return self._lie(path, web.Response(body=self.statement, content_type="application/json"))
+        if self.versions and PARTS_PATH.match(path):  # parts would be the honest bytes of the versions it lies about
+            return web.json_response({"error": "no parts here"}, status=404)
         named = VERSION_PATH.match(path)
         if named is not None and (int(named.group(2)), named.group(3)) in self.versions:
             manifest, pieces = self.versions[(int(named.group(2)), named.group(3))]

@@ -300,14 +300,15 @@ def test_opening_connections_to_a_source_that_is_down_does_not_raise():
 
 def test_a_pool_opens_its_connections_as_it_starts(kit, tmp_path):
     """A pool's weight sync, entered, opens its parallel connections to its gateway before it has asked
-    anything: the first version's requests find them up."""
+    anything: the first version's requests find them up. (With its model named, a cold pool asks for
+    parts of the newest version on them instead: test_fetch_parts.py.)"""
     _, envelope, pieces = kit.version(MODEL, 1, "full", pieces=2, piece_size=1000)
     b = Behaviour()
     public = save_keypair(generate_key(), tmp_path / "trainer.key")
 
     async def main() -> None:
         async with piece_server(envelope, pieces, b) as url:
-            config = PoolSyncConfig(gateways=[url], name="p", dir=str(tmp_path / "weights"), model=MODEL,
+            config = PoolSyncConfig(gateways=[url], name="p", dir=str(tmp_path / "weights"), model="",
                                     trusted_keys=[str(public)], connections=3, token="pool-token")
             async with WeightSync(config):
                 deadline = time.monotonic() + 10

@@ -103,7 +103,8 @@ def test_a_fresh_pool_syncs_a_loadable_model_directory_and_deltas_reship_only_ch
 
 
 class Tamper:
-    """A relay in front of a real gateway that changes one byte of the pieces it is told to."""
+    """A relay in front of a real gateway that changes one byte of the pieces it is told to, and every
+    byte of the parts of a version it serves (so the told pieces never come intact in a part)."""
 
     def __init__(self, real: str, pieces: set[int]):
         self.real, self.pieces, self.served, self.url = real, pieces, 0, ""
@@ -111,7 +112,10 @@ class Tamper:
     async def _handle(self, request: web.Request) -> web.Response:
         data, status, headers = await passthrough.pass_through(self._session, self.real, request)
         index = request.path.rsplit("/", 1)[-1]
-        if "/pieces/" in request.path and int(index) in self.pieces and status in (200, 206) and data:
+        if "/parts/" in request.path and status == 200:
+            data = bytes(b ^ 0x01 for b in data)
+            self.served += 1
+        elif "/pieces/" in request.path and int(index) in self.pieces and status in (200, 206) and data:
             data = data[:-2] + bytes([data[-2] ^ 0x01]) + data[-1:]
             self.served += 1
         return web.Response(body=data, status=status, headers=headers)
