@@ -31,7 +31,8 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
     `check` may refuse a validly signed manifest by raising a CodecError. `inline`: the step's envelope
     as a head answer carried it, checked the same way (and fetched as usual if it is refused). `parts`:
     parts of a version asked for before it was known (`Fetcher.ask_parts`), which carry the pieces
-    (of this step's version, if they are of it) instead of the manifest request's prefetch."""
+    (of this step's version, if they are of it) instead of the manifest request's prefetch; parts of
+    another kind are closed unused."""
 
     async def accept(raw: bytes) -> Manifest:
         m = load_manifest(raw, trusted_keys)
@@ -41,6 +42,9 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
             check(m)
         return m
 
+    if parts is not None and (parts.model, parts.kind) != (model, step.kind):
+        await parts.close()
+        parts = None
     try:
         manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept,
                                                 prefetch=0 if parts is not None else connections, inline=inline)

@@ -88,6 +88,7 @@ class WeightSync:
         self._round: Source | None = None
         """The gateway whose head this round follows: its plan is asked for first."""
         self._opening: asyncio.Future | None = None
+        self._parts_due = False
         self._parts: EarlyParts | None = None
         """A cold pool's parts of the newest full version, until its first plan step takes them."""
         self._checking: asyncio.Future | None = None
@@ -120,13 +121,10 @@ class WeightSync:
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
             self.guard.hold(held.version, held.weights_hash)
-        if self.version is None and self.model:
-            # Cold: a first pull starts with the newest full version. Its parts are asked for now, on
-            # every connection, beside registration, the head poll, the plan and the manifest, which
-            # say which version it is (`deltamesh.gateway.fetch_parts`): data flows from the first
-            # round trip instead of the fourth.
-            self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
-        else:
+        # Cold, a first pull starts with the newest full version: its parts are asked for with the first
+        # head poll (`wait_for_head`), not here, where a pool may only be showing its credentials.
+        self._parts_due = self.version is None and bool(self.model)
+        if not self._parts_due:
             # The parallel requests find their connections up (handshakes done beside registration
             # and the first head poll), as a relay's do (`Fetcher.open_connections`).
             self._opening = asyncio.ensure_future(self._fetcher().open_connections(self.config.connections))
@@ -195,6 +193,12 @@ class WeightSync:
         if not self.model:
             self.model = await self._pick_model()
         await self._checked()  # a round whose plan was never asked for
+        if self._parts_due:
+            # Asked for on every connection beside the head poll, the plan and the manifest, which say
+            # which version they are (`deltamesh.gateway.fetch_parts`): data flows from the first round
+            # trip of the pull instead of its third.
+            self._parts_due = False
+            self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
                                          params={"after": after, "wait": wait_s, "manifests": 1}, timeout=wait_s)
         head = answer.get("head", "?") if isinstance(answer, dict) else "?"
@@ -278,9 +282,6 @@ class WeightSync:
             self._progressed()
 
         parts, self._parts = self._parts, None  # for the first step only (a cold pool's full version)
-        if parts is not None and step.kind != "full":
-            await parts.close()
-            parts = None
         try:
             # A manifest the guard refuses is one more the fetcher cannot accept: it books the refusal
             # (`on_rejected`) and asks another gateway for the same step.

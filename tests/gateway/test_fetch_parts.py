@@ -22,6 +22,7 @@ from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.sources import Source
 from deltamesh.gateway.upload import upload_version
 from deltamesh.gateway.version_parts import MAX_PARTS, SPAN_HEADER, VERSION_HEADER
+from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import client_session
 
 MODEL = "m"
@@ -127,6 +128,7 @@ def test_parts_of_another_version_are_dropped(kit, tmp_path):
 
 
 def test_a_cold_pool_starts_on_parts_and_a_warm_one_does_not(kit, tmp_path):
+    """A cold pool asks for parts with its first head poll, never while it only registers."""
     w1 = kit.tiny_weights()
     w2 = kit.next_step(w1, 1)
 
@@ -138,6 +140,10 @@ def test_a_cold_pool_starts_on_parts_and_a_warm_one_does_not(kit, tmp_path):
                 config = PoolSyncConfig(gateways=[proxy.url], token="region-token-1", name="p",
                                         dir=str(tmp_path / "pool"), trusted_keys=[str(kit.key.public)], model=MODEL,
                                         connections=3, stall_timeout_s=STALL)
+                # Showing its credentials (as `pool run` does before it starts anything) asks for no parts.
+                async with WeightSync(config) as sync:
+                    await sync.register_once()
+                assert not proxy.part_requests and not proxy.piece_requests
                 await kit.timed_sync(config, w1)
                 assert dict(proxy.part_requests) == {0: 1, 1: 1, 2: 1}
                 assert not proxy.piece_requests, "the first version came in parts alone"
