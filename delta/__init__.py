@@ -28,7 +28,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "apply": ("Applier", "apply", "apply_version"),
     "decode": ("TensorUpdate", "decode_piece"),
     "decoded": ("DecodedVersion", "VersionDecoder", "decode_version"),
-    "directory": ("apply_to_dir", "dir_manifest"),
+    "directory": ("HeldWeights", "apply_to_dir", "dir_manifest"),
     "dtypes": ("word_view",),
     "encode": ("PIECE_BYTES", "Encoded", "encode_delta", "encode_full"),
     "errors": ("BaseMismatchError", "CodecError", "CorruptError", "KeyFileError", "SignatureError"),

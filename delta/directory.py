@@ -12,7 +12,7 @@ is kept until the apply after, so a reader that resolved the old symlink can fin
 
 Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
 pieces), decoded here; either way they go through the one applier (apply.py), in place on the weights
-read from the directory.
+read from the directory, or on the ones its writer held in memory since the last apply (`HeldWeights`).
 """
 
 from __future__ import annotations
@@ -50,13 +50,47 @@ def dir_manifest(path: str | Path) -> Manifest | None:
     return Manifest.from_body(body)
 
 
-def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Manifest | None:
+class HeldWeights:
+    """The weights of the version a directory holds, kept in memory by the directory's one writer
+    between applies (a `deltamesh pool sync` agent), so that the next delta patches them where they
+    are. Read from the directory instead, the tensors are mapped copy-on-write and a real step, which
+    moves a word in nearly every 4 KiB page, takes one fault per page to patch them (BENCHMARKS.md).
+    They cost one model's memory. Held only while known to be the version the directory's current
+    target holds; an apply that fails drops them. `adopt`: the writer gives its decoded versions to
+    the directory alone (no engine shares them), so the tensors they wrote whole are held uncopied."""
+
+    def __init__(self, *, adopt: bool = False) -> None:
+        self.adopt = adopt
+        self._target: str | None = None
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def take(self, target: Path) -> dict[str, torch.Tensor] | None:
+        """The weights held for `target` (the directory's versioned folder), given up to the caller."""
+        weights, self._weights = self._weights, None
+        return weights if self._target == target.name else None
+
+    def keep(self, target: Path, weights: Mapping[str, torch.Tensor], steps: list[DecodedVersion | Step], *,
+             mapped: bool) -> None:
+        """Hold `weights`, now `target`'s. `mapped`: they were read from the directory, and copied here
+        once, so that they do not keep a removed version's files mapped (and on disk) for good."""
+        # Tensors a version wrote whole belong to its DecodedVersion, which its caller may have given
+        # an engine too: the next apply would patch them under it.
+        shared = {id(t) for step in steps if isinstance(step, DecodedVersion) and not self.adopt
+                  for t in step.whole.values()}
+        self._target = target.name
+        self._weights = {name: t.clone() if mapped or id(t) in shared else t for name, t in weights.items()}
+
+
+def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step], *,
+                 held: HeldWeights | None = None) -> Manifest | None:
     """Apply a full snapshot and/or a chain of deltas (decoded versions, or verified manifests with
     their pieces) to the weights at `path`, atomically; returns the manifest of the version the path
     now holds. Decoded versions are only read, so the caller may apply them elsewhere too.
 
     The base check is against the directory's recorded manifest when there is one, else against the
-    hash of the weights read from it. Tensors keep the directory's sharding.
+    hash of the weights read from it. Tensors keep the directory's sharding. `held`: the directory's
+    weights kept in memory between applies by its one writer (taken instead of reading the directory
+    when they are of its current version; the new version's kept once it is in place).
     """
     path = Path(path).absolute()
     steps = list(steps)
@@ -68,13 +102,16 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
         _recover_original(path)
         _remove_leftovers(parent, name, keep=_current_target(path))
         current = path.resolve() if path.exists() else None
-        weights, recorded, layout = None, None, None
+        weights, recorded, layout, mapped = None, None, None, False
         if current is not None:
             layout = shard_layout(current)
         if manifest_of(steps[0]).kind == "delta":
             if current is None:
                 raise BaseMismatchError(f"{path}: holds no weights to apply a delta to")
-            weights = read_weights(current)
+            weights = held.take(current) if held is not None else None
+            mapped = weights is None
+            if mapped:
+                weights = read_weights(current)
             recorded = dir_manifest(current)
         weights, shipped = _apply_steps(weights, steps, recorded)
         final = manifest_of(steps[-1])
@@ -94,6 +131,8 @@ def apply_to_dir(path: str | Path, steps: Iterable[DecodedVersion | Step]) -> Ma
         target = parent / f".{name}.v{final.version}-{token}"
         os.rename(partial, target)
         previous = _point(path, target, token)
+        if held is not None:
+            held.keep(target, weights, steps, mapped=mapped)
         log.info("%s now holds %s v%d", path, final.model_id, final.version)
         _remove_leftovers(parent, name, keep=target, previous=previous)
         return final

@@ -35,6 +35,7 @@ import aiohttp
 from deltamesh.delta import (
     CodecError,
     DecodedVersion,
+    HeldWeights,
     Manifest,
     apply_to_dir,
     decode_version,
@@ -63,8 +64,11 @@ RETRY_S = 1.0
 
 
 class WeightSync:
-    def __init__(self, config: PoolSyncConfig, *, on_refusal: Callable[[Refusal], None] | None = None):
+    def __init__(self, config: PoolSyncConfig, *, on_refusal: Callable[[Refusal], None] | None = None,
+                 hold_weights: bool = False):
         self.config = config
+        # A directory-only agent's (`pool sync`): its decoded versions go to the directory alone.
+        self._held = HeldWeights(adopt=True) if hold_weights else None
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.model = config.model
         self.version: int | None = None
@@ -297,7 +301,7 @@ class WeightSync:
         if not versions:
             raise SyncError("nothing to apply")
         self.state = "applying"
-        final = await asyncio.to_thread(apply_to_dir, self.config.dir, versions)
+        final = await asyncio.to_thread(apply_to_dir, self.config.dir, versions, held=self._held)
         # Deltas applied in a row since the last full snapshot, for the periodic full sync.
         self.since_full = len(versions) - 1 if versions[0].kind == "full" else self.since_full + len(versions)
         self.version = final.version

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         stop = stop_on_signals(f"pool {config.name}")
-        async with WeightSync(config) as sync:
+        async with WeightSync(config, hold_weights=True) as sync:
             progress.watch(sync)  # a bar on a terminal, else a line every few seconds (docs/CLI.md)
             if args.once:
                 try:

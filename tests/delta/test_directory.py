@@ -1,5 +1,6 @@
-"""Safetensors directories: sharded read/write, atomic apply of snapshots and delta chains, and
-crash safety (a real subprocess SIGKILLed mid-apply leaves exactly the old or the new version)."""
+"""Safetensors directories: sharded read/write, atomic apply of snapshots and delta chains, crash
+safety (a real subprocess SIGKILLed mid-apply leaves exactly the old or the new version), and the
+weights a writer holds in memory between applies."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from deltamesh.delta import (
-    BaseMismatchError, CodecError, CorruptError, apply_to_dir, decode_version, dir_manifest, encode_delta, encode_full,
+    BaseMismatchError, CodecError, CorruptError, HeldWeights, apply_to_dir, decode_version, dir_manifest, encode_delta, encode_full,
     read_weights, save_keypair, weights_hash, write_weights,
 )
 
@@ -231,3 +232,87 @@ def test_side_files_travel_with_every_version(tmp_path):
     assert (path / "config.json").read_text() == '{"model_type": "llama"}'
     assert (path / "tokenizer.json").exists()
     assert torch.equal(read_weights(path)["w"].view(torch.int16), v1["w"].view(torch.int16))
+
+
+# -- weights held in memory between applies by the directory's one writer (`HeldWeights`, as a
+# `deltamesh pool sync` agent keeps them) -------------------------------------------------------------
+def _versions(key, seed: int, count: int):
+    """Weights v1..v`count` and their encodings: a full snapshot of v1, then a delta per version."""
+    weights = [_model(seed, tensors=3)]
+    for k in range(1, count):
+        weights.append(_next(weights[-1], seed + k))
+    encoded = [encode_full(weights[0], model_id="m", version=1, key=key)]
+    encoded += [encode_delta(weights[k - 1], weights[k], model_id="m", version=k + 1, base_version=k, key=key)
+                for k in range(1, count)]
+    return weights, encoded
+
+
+def _damage(directory) -> None:
+    """Overwrite every weights file of the version `directory` holds with zeros of the same size."""
+    for file in directory.resolve().glob("*.safetensors"):
+        file.write_bytes(bytes(file.stat().st_size))
+
+
+def test_the_next_delta_patches_the_held_weights_not_the_files(tmp_path, key, same_weights):
+    weights, encoded = _versions(key, 40, 4)
+    decoded = [decode_version(e.manifest, e.pieces) for e in encoded]
+    target, held = tmp_path / "w", HeldWeights()
+    apply_to_dir(target, decoded[:2], held=held)
+    # The files are damaged behind the writer's back: only weights held in memory can give v3 and v4
+    # (each apply checks its result against the signed manifest; patched from these files, it fails).
+    _damage(target)
+    assert apply_to_dir(target, [decoded[2]], held=held).version == 3
+    assert apply_to_dir(target, [(encoded[3].manifest, encoded[3].pieces)], held=held).version == 4
+    assert same_weights(read_weights(target), weights[3]) and dir_manifest(target).version == 4
+    # The full snapshot's tensors, which the chain started from, are left as decoded.
+    whole = {encoded[0].manifest.tensors[i].name: t for i, t in decoded[0].whole.items()}
+    assert same_weights(whole, weights[0])
+
+
+def test_without_held_weights_the_damaged_files_are_refused(tmp_path, key):
+    """The converse of the test above: the same damage, read from the files, fails the apply."""
+    _, encoded = _versions(key, 40, 3)
+    target = tmp_path / "w"
+    apply_to_dir(target, [(e.manifest, e.pieces) for e in encoded[:2]])
+    _damage(target)
+    with pytest.raises(CodecError):
+        apply_to_dir(target, [(encoded[2].manifest, encoded[2].pieces)])
+    assert dir_manifest(target).version == 2
+
+
+def test_a_failed_apply_drops_the_held_weights(tmp_path, key, same_weights):
+    weights, encoded = _versions(key, 50, 3)
+    target, held = tmp_path / "w", HeldWeights()
+    apply_to_dir(target, [(encoded[0].manifest, encoded[0].pieces)], held=held)
+    with pytest.raises(BaseMismatchError):  # v3's delta does not apply to v1
+        apply_to_dir(target, [(encoded[2].manifest, encoded[2].pieces)], held=held)
+    assert held.take(target.resolve()) is None
+    assert dir_manifest(target).version == 1
+    # The next apply reads the directory again.
+    assert apply_to_dir(target, [(e.manifest, e.pieces) for e in encoded[1:]], held=held).version == 3
+    assert same_weights(read_weights(target), weights[2])
+
+
+def test_weights_held_for_a_version_the_directory_left_are_not_used(tmp_path, key, same_weights):
+    """Another writer moved the directory on (v2 -> v3) since these weights were held (v2): the next
+    apply (v3 -> v4) reads the directory, where the held v2 would fail its result check."""
+    weights, encoded = _versions(key, 60, 4)
+    target, held = tmp_path / "w", HeldWeights()
+    apply_to_dir(target, [(e.manifest, e.pieces) for e in encoded[:2]], held=held)
+    apply_to_dir(target, [(encoded[2].manifest, encoded[2].pieces)])  # another writer, holding nothing
+    assert apply_to_dir(target, [(encoded[3].manifest, encoded[3].pieces)], held=held).version == 4
+    assert same_weights(read_weights(target), weights[3])
+
+
+def test_decoded_tensors_are_held_uncopied_only_when_adopted(tmp_path, key):
+    """Tensors a full snapshot wrote whole belong to its DecodedVersion, which a caller may have given an
+    engine too: held as copies, unless the writer says its decoded versions are the directory's alone."""
+    _, encoded = _versions(key, 70, 1)
+    for adopt in (False, True):
+        decoded = decode_version(encoded[0].manifest, encoded[0].pieces)
+        target, held = tmp_path / f"w-{adopt}", HeldWeights(adopt=adopt)
+        apply_to_dir(target, [decoded], held=held)
+        kept = held.take(target.resolve())
+        whole = {encoded[0].manifest.tensors[i].name: t for i, t in decoded.whole.items()}
+        assert kept is not None and kept.keys() == whole.keys()
+        assert all((kept[n] is whole[n]) == adopt for n in whole), adopt
