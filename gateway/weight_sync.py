@@ -33,14 +33,7 @@ from typing import Any, Callable, Sequence
 import aiohttp
 
 from deltamesh.delta import (
-    CodecError,
-    DecodedVersion,
-    HeldWeights,
-    Manifest,
-    apply_to_dir,
-    decode_version,
-    dir_manifest,
-    load_public_key,
+    CodecError, DecodedVersion, HeldWeights, Manifest, apply_to_dir, decode_version, dir_manifest, load_public_key,
 )
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
@@ -67,8 +60,7 @@ class WeightSync:
     def __init__(self, config: PoolSyncConfig, *, on_refusal: Callable[[Refusal], None] | None = None,
                  hold_weights: bool = False):
         self.config = config
-        # A directory-only agent's (`pool sync`): its decoded versions go to the directory alone.
-        self._held = HeldWeights(adopt=True) if hold_weights else None
+        self._held = HeldWeights(adopt=True) if hold_weights else None  # `pool sync`'s: no engine shares them
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.model = config.model
         self.version: int | None = None
@@ -125,8 +117,7 @@ class WeightSync:
         if held is not None and (not self.model or held.model_id == self.model):
             self.model, self.version = held.model_id, held.version
             self.guard.hold(held.version, held.weights_hash)
-        # Cold, a first pull starts with the newest full version: its parts are asked for with the first
-        # head poll (`wait_for_head`), not here, where a pool may only be showing its credentials.
+        # Cold: the newest full's parts go with the first head poll, not here (a pool may only be showing credentials).
         self._parts_due = self.version is None and bool(self.model)
         if not self._parts_due:
             # The parallel requests find their connections up (handshakes done beside registration
@@ -198,9 +189,7 @@ class WeightSync:
             self.model = await self._pick_model()
         await self._checked()  # a round whose plan was never asked for
         if self._parts_due:
-            # Asked for on every connection beside the head poll, the plan and the manifest, which say
-            # which version they are (`deltamesh.gateway.fetch_parts`): data flows from the first round
-            # trip of the pull instead of its third.
+            # On every connection beside the head poll, plan and manifest (`deltamesh.gateway.fetch_parts`).
             self._parts_due = False
             self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
