@@ -144,17 +144,10 @@ class _Target:
         self.kept_located = True
         indexed = None if small_index is None else (small_index, written)
         try:
-            if indexed is not None and not self.check_last and self._nothing_to_search(version, small_index):
-                # Per tensor only a little bookkeeping is left, which holds the GIL: threads would
-                # only take turns at it. The byte passes (the result hashes) still run on all cores.
-                done = [self._result_of(version, i, rollback, torch_ops, located, indexed, hash_later=True)
-                        for i in range(len(entries))]
-                later = [k for k, (_, digest) in enumerate(done) if digest is None]
-                for k, digest in zip(later, thread_map(lambda k: tensor_digest(done[k][0]), later)):
-                    done[k] = (done[k][0], digest)
-            else:
-                done = thread_map(lambda i: self._result_of(version, i, rollback, torch_ops, located, indexed),
-                                  range(len(entries)))
+            # Every tensor is written and hashed on all cores: the kernels that locate and write the
+            # changes release the GIL as the hashes do.
+            done = thread_map(lambda i: self._result_of(version, i, rollback, torch_ops, located, indexed),
+                              range(len(entries)))
             if self.check_last:
                 self.check(self.hash())
             wrong = [e.name for e, (_, digest) in zip(entries, done) if digest != e.hash]
@@ -173,29 +166,20 @@ class _Target:
             version.located.setdefault(i, where)
         if small_index is not None:
             try:
-                for i, words in written.items():  # bookkeeping that holds the GIL: no threads
+                # One thread: each move is a short kernel call between bookkeeping that holds the GIL,
+                # and measured on threads it was slower.
+                for i, words in written.items():
                     small_index.move(entries[i].name, located[i], words)
             except Exception:
                 small_index.clear()  # the version is written: an index not moved along is only dropped
         return {e.name: t for e, (t, _) in zip(entries, done)}
 
-    def _nothing_to_search(self, version: DecodedVersion, small_index: SmallWordIndex) -> bool:
-        """Whether every change of `version` is located without a pass over its tensor's words."""
-        for i, updates in version.updates.items():
-            ranked = [u.small_max for u in updates if u.small_ranks is not None]
-            if ranked and i not in version.located and not small_index.covers(self.manifest.tensors[i].name, max(ranked)):
-                return False
-        return True
-
     def _result_of(self, version: DecodedVersion, i: int, rollback: Rollback, torch_ops: bool,
-                   located: dict[int, Located], indexed: _Indexed | None,
-                   hash_later: bool = False) -> tuple[torch.Tensor, str | None]:
-        """Tensor `i` of the result and the digest of its bytes (None for the caller to take, with
-        `hash_later`, where it is not known without a pass over the tensor)."""
+                   located: dict[int, Located], indexed: _Indexed | None) -> tuple[torch.Tensor, str]:
+        """Tensor `i` of the result and the digest of its bytes."""
         entry = self.manifest.tensors[i]
         if i in version.updates:
-            target, digest, base_digest = self._patch(entry, i, version, rollback, torch_ops, located, indexed,
-                                                      hash_later)
+            target, digest, base_digest = self._patch(entry, i, version, rollback, torch_ops, located, indexed)
             if base_digest is not None:
                 self.digests[entry.name] = base_digest
             return target, digest
@@ -203,13 +187,13 @@ class _Target:
             return version.whole[i], entry.hash  # checked when it was decoded
         base = self.tensors.get(entry.name)
         if base is not None and dtype_name(base) == entry.dtype and tuple(base.shape) == entry.shape:
-            return base, self.digests.get(entry.name) if hash_later else self.digest(entry.name)
+            return base, self.digest(entry.name)
         if entry.numel == 0:
             return torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)), entry.hash
         raise CorruptError(f"tensor {entry.name}: no piece writes it and the base does not have it")
 
     def _patch(self, entry: TensorEntry, i: int, version: DecodedVersion, rollback: Rollback, torch_ops: bool,
-               located: dict[int, Located], indexed: _Indexed | None, hash_later: bool = False) -> Patched:
+               located: dict[int, Located], indexed: _Indexed | None) -> Patched:
         base = self.tensors.get(entry.name)
         if base is None or dtype_name(base) != entry.dtype or tuple(base.shape) != entry.shape:
             raise BaseMismatchError(
@@ -232,7 +216,7 @@ class _Target:
             where = known.numpy() if known else locate_cpu(updates, words, small_index)
             patched = patch_cpu(entry, updates, where, base, in_place=self.in_place, rollback=rollback,
                                 hash_base=hash_base, written=None if written is None else written.setdefault(i, []),
-                                hash_result=not hash_later, words=words)
+                                words=words)
         located[i] = where
         return patched
 

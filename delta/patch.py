@@ -39,9 +39,8 @@ from .tensors import tensor_digest
 
 PASS_CHUNK_BYTES = 1 << 20
 
-Patched = tuple[torch.Tensor, "str | None", "str | None"]
-"""A patched tensor, the digest of its bytes (unless left to the caller), and the digest of its base
-when it was asked for."""
+Patched = tuple[torch.Tensor, str, "str | None"]
+"""A patched tensor, the digest of its bytes, and the digest of its base when it was asked for."""
 
 
 class Rollback:
@@ -88,12 +87,10 @@ def locate_torch(updates: Sequence[TensorUpdate], words: torch.Tensor) -> Locate
 
 def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Located, base: torch.Tensor, *,
               in_place: bool, rollback: Rollback, hash_base: bool,
-              written: list[tuple[np.ndarray, np.ndarray]] | None = None, hash_result: bool = True,
-              words: np.ndarray | None = None) -> Patched:
+              written: list[tuple[np.ndarray, np.ndarray]] | None = None, words: np.ndarray | None = None) -> Patched:
     """Write the located changes (numpy) into a CPU tensor or a copy of it, and hash the result. In
-    place, each update's old and new words are appended to `written` when it is given, and without
-    `hash_result` the result's digest is left to the caller (None). `words`: the base's `np_words`,
-    when the caller has them."""
+    place, each update's old and new words are appended to `written` when it is given. `words`: the
+    base's `np_words`, when the caller has them."""
     src = np_words(base) if words is None else words
     floating = is_float(entry.dtype)
     if in_place:
@@ -103,7 +100,7 @@ def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Loca
             rollback.keep(src, p, old)
             if written is not None:
                 written.append((old, new))
-        return base, digest(src) if hash_result else None, base_digest
+        return base, digest(src), base_digest
     positions, values, literal = _merged(entry, updates, located)
     target = empty_tensor(entry.shape, base.dtype)
     dst = np_words(target)
