@@ -8,7 +8,9 @@ A new version is written into `.NAME.partial-TOKEN/`, fsynced, renamed to its ve
 made current by renaming a fresh symlink over the path (atomic on POSIX), then the parent directory is
 fsynced. A process killed at any point leaves the path on the old version; leftovers are removed by
 the next apply, which holds `.NAME.lock` so two appliers never interleave. The previous version's directory
-is kept until the apply after, so a reader that resolved the old symlink can finish reading it.
+is kept until the apply after, so a reader that resolved the old symlink can finish reading it; an
+older one is renamed aside before it is deleted, so a reader slower than that fails whole and starts
+over (`read_weights`), never reading part of a version.
 
 Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
 pieces), decoded here; either way they go through the one applier (apply.py), in place on the weights
@@ -201,8 +203,20 @@ def _remove_leftovers(parent: Path, name: str, keep: Path | None, previous: Path
             continue
         if kind.startswith("link-"):
             entry.unlink(missing_ok=True)
-        elif kind.startswith(("partial-", "v")) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+        elif kind.startswith(("partial-", "v", "removed-")) and entry.is_dir() and not entry.is_symlink():
+            _remove_version(entry, parent / f"{prefix}removed-{secrets.token_hex(4)}")
+
+
+def _remove_version(entry: Path, aside: Path) -> None:
+    """Remove a version's directory by renaming it aside first: a reader still on its old path then
+    fails whole and starts over on the current version (`read_weights`). Deleted in place, it would
+    lose its index before its shards, and a reader between the two would find a few shards and no
+    index: part of a version, read as if whole. A removal killed midway leaves `aside` for the next."""
+    try:
+        os.rename(entry, aside)
+    except OSError:
+        aside = entry
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextmanager

@@ -200,6 +200,48 @@ def test_sigkill_mid_apply_leaves_old_or_new_version(worker_setup, key, same_wei
     assert same_weights(read_weights(target), versions[1])
 
 
+def test_a_reader_of_a_version_being_removed_gets_all_of_it_or_an_error(tmp_path, key, same_weights, monkeypatch):
+    """A reader still on a version's directory while an apply removes it (a reader slower than two
+    applies) must never get part of it: the removal is stopped midway (index and first shard gone,
+    the other shards still there) and the reader reads then, from the path it had resolved: it gets
+    the whole version or an error, never a few of its shards."""
+    import deltamesh.delta.directory as directory
+
+    v1 = _model(30, tensors=4)
+    v2, v3 = _next(v1, 31), _next(_next(v1, 31), 32)
+    target = tmp_path / "model"
+    write_weights(target, v1, max_shard_bytes=2 << 20)  # a plain sharded directory to start from
+    full = encode_full(v1, model_id="m", version=1, key=key)
+    apply_to_dir(target, [(full.manifest, full.pieces)])
+    read_path = target.resolve()  # where a slow reader is
+    assert len(list(read_path.glob("*.safetensors"))) >= 3
+    reads = []
+    real_rmtree = directory.shutil.rmtree
+
+    def rmtree_read_midway(path, *args, **kwargs):
+        path = Path(path)
+        doomed = sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors"))[:1]
+        for file in doomed:
+            file.unlink()
+        try:
+            reads.append(read_weights(read_path))
+        except CodecError as e:
+            reads.append(e)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(directory.shutil, "rmtree", rmtree_read_midway)
+    for version, (old, new) in ((2, (v1, v2)), (3, (v2, v3))):
+        d = encode_delta(old, new, model_id="m", version=version, base_version=version - 1, key=key)
+        apply_to_dir(target, [(d.manifest, d.pieces)])
+    assert len(reads) == 2, "the plain directory (at v2's apply) and v1's (at v3's) were to be removed"
+    for got in reads:
+        assert isinstance(got, CodecError) or same_weights(got, v1), f"a reader got part of a version: {sorted(got)}"
+    # v1's directory went aside whole before its files went: that reader fails whole, and
+    # read_weights, given the symlink, starts over on the current version.
+    assert isinstance(reads[1], CodecError)
+    assert same_weights(read_weights(target), v3)
+
+
 def test_migration_killed_between_its_renames_is_recovered(tmp_path, key, same_weights):
     """A plain directory is moved aside before the symlink takes its place; a kill in between
     leaves no path at all, and the next apply puts the original back before going on."""
