@@ -56,11 +56,6 @@ class SmallWordIndex:
             self.weights_hash = None
             self._entries = {}
 
-    def covers(self, name: str, small_max: int) -> bool:
-        """Whether tensor `name`'s small words up to `small_max` are read off its entry."""
-        entry = self._entries.get(name)
-        return entry is not None and entry.bound >= small_max
-
     def entry(self, name: str) -> tuple[int, np.ndarray] | None:
         """Tensor `name`'s bound and the ascending positions of its words up to it, if it has an entry."""
         entry = self._entries.get(name)
