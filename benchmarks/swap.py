@@ -162,10 +162,13 @@ class Generating:
             self._seen.set()
             self._seen.clear()
 
-    async def first_token_of(self, version: int) -> float:
-        while version not in self.first_served:
-            await self._seen.wait()
-        return self.first_served[version]
+    async def first_token_of(self, version: int, timeout_s: float = 300.0) -> float:
+        async def seen() -> float:
+            while version not in self.first_served:
+                await self._seen.wait()
+            return self.first_served[version]
+
+        return await asyncio.wait_for(seen(), timeout_s)
 
 
 class Trainer:
@@ -301,13 +304,19 @@ async def catch_up(pools) -> None:
         await directory_holds(each, each.engine.version)
 
 
-async def directory_holds(weights: PolicyWeights, version: int) -> float:
+async def directory_holds(weights: PolicyWeights, version: int, timeout_s: float = 300.0) -> float:
     """When (wall clock) the pool's synced directory holds `version` (polled: this harness also runs
-    older code, whose round ended only once the directory was written)."""
+    older code, whose round ended only once the directory was written). Called after a round that
+    ended without an error: a write behind it that fails (the pool reports an error), or none within
+    `timeout_s`, fails the run with the pool's last error."""
+    deadline = time.monotonic() + timeout_s
     while True:
         held = await asyncio.to_thread(dir_manifest, weights.dir)
         if held is not None and held.version >= version:
             return time.time()
+        if weights.status.last_error or time.monotonic() > deadline:
+            raise RuntimeError(f"{weights.model_id}: the synced directory holds v{held.version if held else None}, "
+                               f"not v{version}; {weights.status.last_error or 'no error reported'}")
         await asyncio.sleep(0.01)
 
 

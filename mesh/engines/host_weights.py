@@ -6,6 +6,11 @@ parameters, an SGLang server's GPUs) is handed only the tensors a version change
 tensors it overwrites saved first, so that the pool learns which tensors change and what they become,
 and can put the previous version back, in the copy and in the engine, when the engine fails to take
 the update.
+
+A full snapshot's tensors are adopted as they are (no copy), but they belong to its `DecodedVersion`,
+which the pool also writes to its synced directory, possibly later (a plan of a full snapshot and a
+delta after it is swapped in whole before the directory write reads the snapshot). So the copy never
+writes into an adopted tensor: the first delta that changes one patches a private copy of it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class HostWeights:
         self._spare: dict[str, torch.Tensor] = {}  # tensors a delta changed, as they were before it
         self._before: dict[str, torch.Tensor] = {}  # the previous tensors of the last `apply`
         self._small_index = SmallWordIndex()  # moved along by each delta applied here: see deltamesh.delta
+        self._borrowed: set[str] = set()  # tensors adopted from a full snapshot, not to be written into
 
     def apply(self, version: DecodedVersion, served: int, *, diff: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The weights of `version` (a delta onto version `served`, or a full snapshot) and the names
@@ -42,6 +48,10 @@ class HostWeights:
             for name in changed:
                 if name not in self.weights:
                     raise CorruptError(f"{manifest.model_id} v{manifest.version}: model has no tensor {name!r}")
+            for name in self._borrowed.intersection(changed):
+                self.weights[name] = self.weights[name].clone()
+                self._borrowed.discard(name)
+            for name in changed:
                 spare = self._spare.get(name)
                 if spare is None or spare.shape != self.weights[name].shape or spare.dtype != self.weights[name].dtype:
                     spare = self._spare[name] = torch.empty_like(self.weights[name])
@@ -62,8 +72,10 @@ class HostWeights:
         """The tensors the last `apply` changed, as they were before it."""
         return self._before
 
-    def commit(self, result: dict[str, torch.Tensor], weights_hash: str | None) -> None:
+    def commit(self, result: dict[str, torch.Tensor], weights_hash: str | None, *, adopted: bool = False) -> None:
+        """Make `result` the copy; `adopted`: its tensors are a full snapshot's own (never written into)."""
         self.weights, self.weights_hash = result, weights_hash
+        self._borrowed = set(result) if adopted else set()
 
     def undo(self, version: DecodedVersion) -> None:
         """Put back the tensors a delta wrote into the host copy (a full snapshot never wrote there)."""

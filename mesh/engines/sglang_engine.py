@@ -196,7 +196,7 @@ class SGLangEngine(TokenizedEngine):
             except Exception:
                 host.undo(version)
                 raise
-            host.commit(result, manifest.weights_hash)
+            host.commit(result, manifest.weights_hash, adopted=manifest.kind == "full")
             self._mirrored = True
             self._set_version(manifest.version)
         log.info("%s: SGLang now serving %s v%d (%d of %d tensors sent, %.3f s paused)", self.model_id,

@@ -196,7 +196,7 @@ class VLLMEngine(LocalEngine):
             except Exception:
                 self._host.undo(version)  # the host copy goes back to the version served
                 raise
-            self._host.commit(result, manifest.weights_hash)
+            self._host.commit(result, manifest.weights_hash, adopted=manifest.kind == "full")
             self._set_version(manifest.version)
         log.info("%s: swapped in %s v%d in place (%d of %d tensors to vLLM, %.3f s paused, %.3f s in vLLM)",
                  self.model_id, manifest.kind, manifest.version, len(names), len(result), seconds,
@@ -237,24 +237,25 @@ class VLLMEngine(LocalEngine):
             self._engine.add_request(request_id, prompt, params)
 
     async def _drive(self) -> None:
-        """Step vLLM while requests are pending, routing each step's new tokens to their generations."""
-        while self._requests:
-            try:
+        """Step vLLM while requests are pending, routing each step's new tokens to their generations.
+        Whatever fails here fails every waiting generate call: none is left waiting on a driver that
+        has stopped."""
+        try:
+            while self._requests:
                 async with self._lock:
                     if self._closed:
                         return
                     version = self._version
                     outputs = await asyncio.to_thread(self._engine.step)
-            except Exception as e:  # noqa: BLE001 - every waiting generate call gets the error
-                log.exception("%s: vLLM step failed", self.model_id)
-                for request in self._requests.values():
-                    if not request.done.done():
-                        request.done.set_exception(EngineError(f"{self.model_id}: vLLM step failed: {e}"))
-                return
-            for out in outputs:
-                request = self._requests.get(out.request_id)
-                if request is not None:
-                    self._take(out, request, version)
+                for out in outputs:
+                    request = self._requests.get(out.request_id)
+                    if request is not None:
+                        self._take(out, request, version)
+        except Exception as e:  # noqa: BLE001 - every waiting generate call gets the error
+            log.exception("%s: vLLM step failed", self.model_id)
+            for request in self._requests.values():
+                if not request.done.done():
+                    request.done.set_exception(EngineError(f"{self.model_id}: vLLM step failed: {e}"))
 
     def _take(self, out: Any, request: _Request, version: int) -> None:
         completion, gen = out.outputs[0], request.gen
@@ -265,6 +266,8 @@ class VLLMEngine(LocalEngine):
         if not out.finished:
             return
         self._requests.pop(out.request_id, None)
+        if request.done.done():
+            return  # its generate call was cancelled while this step ran
         if completion.finish_reason not in ("stop", "length") or len(gen.logprobs) != len(gen.tokens):
             request.done.set_exception(EngineError(
                 f"{self.model_id}: vLLM ended a request with {completion.finish_reason!r} "

@@ -9,11 +9,9 @@ runs. Writes run one at a time, in the order queued, each atomic (`WeightSync.pe
 whose base is not what the directory holds (an earlier write failed) is skipped, and `held` falls
 back to the directory's version, so the next round plans from the directory again and brings it up
 to the engine. `flush` waits for every queued write: before the directory is read (an engine
-reload), written in the foreground, or left (a clean stop). `flush_owned` waits only for writes of
-versions that own tensors (a full snapshot's, a delta's new ones): an engine may have taken those as
-its own (the host copy of vLLM and SGLang adopts a full snapshot's) and would patch them in place with
-the next version while the write still reads them. Any other write runs beside the next version's
-engine apply.
+reload), written in the foreground, or left (a clean stop). Any other write runs beside the next
+version's engine apply: the decoded versions a write reads are never written into by an engine (one
+that adopts a full snapshot's tensors patches copies of them: `mesh/engines/host_weights.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ class DirectoryWriter:
         self._on_written = on_written
         self._on_error = on_error
         self._last: asyncio.Task | None = None
-        self._owning: asyncio.Task | None = None  # the newest queued write of versions that own tensors
         self._to: int | None = None  # the version the newest queued write leaves the directory at
 
     @property
@@ -53,18 +50,11 @@ class DirectoryWriter:
         """Queue writing `versions` (a chain from `base`; None for one starting with a full snapshot)."""
         self._to = versions[-1].version
         self._last = asyncio.create_task(self._write(self._last, base, list(versions)))
-        if any(v.whole for v in versions):
-            self._owning = self._last
 
     async def flush(self) -> None:
         """Wait until every queued write is done (their failures are reported, not raised)."""
         if self._last is not None:
             await asyncio.shield(self._last)
-
-    async def flush_owned(self) -> None:
-        """Wait until no queued write holds tensors a version owns (see the module docstring)."""
-        if self._owning is not None:
-            await asyncio.shield(self._owning)
 
     async def _write(self, previous: asyncio.Task | None, base: int | None,
                      versions: list[DecodedVersion]) -> None:

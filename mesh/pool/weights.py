@@ -187,10 +187,6 @@ class PolicyWeights:
             try:
                 versions = await self.sync.fetch_decoded(plan)  # verified, decoded once for both below
                 self._count_fetched(versions)
-                # The write behind runs beside this version's fetch, decode and engine apply, unless it
-                # writes tensors an engine may have adopted and would now patch (a CI run saw a vLLM
-                # host copy patch a full snapshot's tensors while they were being written).
-                await self.writer.flush_owned()
                 if self.hot_swap:
                     await self._update_engine(versions)
                     if self._engine_synced and self.engine.version == versions[-1].version:

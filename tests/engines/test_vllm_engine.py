@@ -178,6 +178,40 @@ def test_failed_updates_keep_the_old_version(engine: VLLMEngine, weights, monkey
     assert engine.version == base + 1 and probe(engine) != before
 
 
+def test_a_generate_cancelled_mid_step_leaves_the_others_served(engine: VLLMEngine, monkeypatch) -> None:
+    """Regression (issue 33, benchmarks/swap.py): a generate call cancelled while vLLM ran the step that
+    finished its request made the driver set a result on the cancelled future, which raised and ended
+    the driver, so every other waiting generate call waited forever."""
+    import threading
+    import time
+
+    stepping = threading.Event()
+    step = engine._engine.step
+
+    def slow_step():
+        stepping.set()
+        time.sleep(0.2)  # the cancellation lands while this step runs
+        return step()
+
+    monkeypatch.setattr(engine._engine, "step", slow_step)
+    # The steps and generate calls contend for the engine's lock, which an earlier test's event loop may
+    # have bound to itself (each test runs its own loop; a pool runs one for its lifetime).
+    monkeypatch.setattr(engine, "_lock", asyncio.Lock())
+
+    async def scenario():
+        prompt = engine.encode("The capital of France is")
+        other = asyncio.create_task(engine.generate([prompt], GREEDY))
+        victim = asyncio.create_task(engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0)))
+        await asyncio.to_thread(stepping.wait)
+        victim.cancel()
+        (gen,) = await asyncio.wait_for(other, 60)
+        return gen, victim
+
+    gen, victim = asyncio.run(scenario())
+    assert victim.cancelled() and len(gen.tokens) == GREEDY.max_new_tokens
+    assert not engine._requests
+
+
 def _bump_in_vllm(engine: VLLMEngine, param: str) -> None:
     """One word of vLLM's own parameter `param` moves by an ulp: inside the engine, not in its host copy
     nor on disk (a fault injection: updates never write parameters directly)."""
