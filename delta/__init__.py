@@ -37,6 +37,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "live": ("SwapStats", "copy_in", "live_hash", "live_tensors", "swap_in_place"),
     "manifest": ("FileEntry", "Manifest", "PieceEntry", "TensorEntry", "load_manifest", "load_manifest_unverified"),
     "side_files": ("read_side_files",),
+    "slices": ("Grid", "Span"),
     "small_index": ("SmallWordIndex",),
     "statement": ("HeadStatement", "StaleStatementError", "check_fresh", "load_statement", "sign_statement"),
     "storage": ("read_weights", "write_weights"),

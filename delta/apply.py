@@ -29,6 +29,7 @@ from .errors import BaseMismatchError, CodecError, CorruptError
 from .manifest import Manifest, TensorEntry, table_hash
 from .parallel import thread_map
 from .patch import Patched, Rollback, locate_cpu, locate_torch, patch_cpu, patch_torch
+from .slices import Grid
 from .small_index import SmallWordIndex
 from .tensors import tensor_digest, tensor_entry
 
@@ -96,6 +97,7 @@ class _Target:
         self.in_place = in_place
         self.tensors: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
+        self.grids: dict[str, Grid] = {}
         self.check_last = False
         self.kept_located = True  # whether every change was located without a small-word index
         if manifest.kind != "delta":
@@ -103,6 +105,8 @@ class _Target:
         if base is None:
             raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} is a delta and needs its base")
         self.tensors = {name: _usable(name, t, in_place) for name, t in base.items()}
+        # The base is hashed as the result is: a version built in parts follows one built the same way.
+        self.grids = {e.name: e.grid for e in manifest.tensors if e.grid is not None}
         if base_digests is not None and self.tensors.keys() <= base_digests.keys():
             # Known digests are only taken once they hash to the delta's base: the check costs no read.
             self.check(table_hash([tensor_entry(n, t, base_digests[n]) for n, t in self.tensors.items()]))
@@ -131,7 +135,10 @@ class _Target:
 
     def digest(self, name: str) -> str:
         if name not in self.digests:
-            self.digests[name] = tensor_digest(self.tensors[name])
+            t, grid = self.tensors[name], self.grids.get(name)
+            fits = grid is not None and t.dim() >= 1 and t.shape[0] == grid.rows[-1] and (
+                not grid.cols or (t.dim() >= 2 and t.shape[1] == grid.cols[-1]))
+            self.digests[name] = tensor_digest(t, grid if fits else None)
         return self.digests[name]
 
     def apply(self, version: DecodedVersion, *, torch_ops: bool = False,

@@ -138,7 +138,7 @@ class VersionDecoder:
                 elif i not in self._whole:
                     raise CorruptError(f"tensor {entry.name}: no piece writes it")
         whole = sorted(self._whole)
-        digests = thread_map(lambda i: tensor_digest(self._whole[i]), whole)
+        digests = thread_map(lambda i: tensor_digest(self._whole[i], m.tensors[i].grid), whole)
         wrong = [m.tensors[i].name for i, d in zip(whole, digests) if d != m.tensors[i].hash]
         if wrong:
             raise CorruptError(f"result does not match the manifest's hash for tensor(s) {wrong[:4]}")

@@ -15,7 +15,7 @@ part of what a gateway imports and a gateway host has no torch.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import blake3
 import xxhash
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 def digest(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """xxh3-128 of a buffer, as 32 hex characters."""
     return xxhash.xxh3_128_hexdigest(_bytes_view(data))
+
+
+def combine_digests(digests: Iterable[str]) -> str:
+    """xxh3-128 of the concatenated 16-byte values of xxh3-128 hex digests: a tensor's hash from its
+    tiles' (slices.py), computed by whoever holds the tile digests, without the tiles' bytes."""
+    return xxhash.xxh3_128_hexdigest(b"".join(bytes.fromhex(d) for d in digests))
 
 
 def piece_digest(data: bytes | bytearray | memoryview | np.ndarray) -> str:

@@ -59,7 +59,8 @@ def live_hash(live: Mapping[str, torch.Tensor], manifest: Manifest) -> str:
     the same names as its result; tied duplicates the model holds under other names are left out).
     Reads the whole model once."""
     check_table(live, manifest)
-    return weights_hash({t.name: live[t.name] for t in manifest.tensors})
+    return weights_hash({t.name: live[t.name] for t in manifest.tensors},
+                        {t.name: t.grid for t in manifest.tensors if t.grid is not None})
 
 
 def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, base_hash: str | None = None,

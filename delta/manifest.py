@@ -12,7 +12,9 @@ piece's length, digest and which tensors it writes to. From format 2 it also lis
 files (config, tokenizer: side_files.py), each with its size, digest and the piece that carries its
 bytes (none in a delta that leaves it unchanged). From format 3 pieces and side files are named by
 BLAKE3-256 (`hashing.piece_digest`), a cryptographic hash, so that the signature binds their bytes;
-formats 1 and 2 (xxh3-128) are still read.
+formats 1 and 2 (xxh3-128) are still read. Format 4 adds what a version built in parts needs (slices.py):
+a hash grid per tensor and the element spans of each piece; a version without either is written in
+format 3, so readers of format 3 keep reading what they can.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from .errors import CodecError, CorruptError
 from .hashing import digest, piece_digest
 from .keys import Ed25519PrivateKey, Ed25519PublicKey
 from .side_files import MAX_SIDE_FILE_BYTES, MAX_SIDE_FILES, MAX_SIDE_TOTAL_BYTES, side_file_problem
+from .slices import MAX_SPANS, MAX_TILES, Grid, Span, check_grid, check_spans, spans_body, spans_from_body
 
 FORMAT_VERSION = 3
-"""The format this codec writes."""
-READABLE_FORMATS = (1, 2, 3)
-"""The formats it reads: 2 is 3 with xxh3-128 piece and side-file digests, 1 is 2 without side files."""
+"""The format this codec writes for a version without grids or spans."""
+PARTS_FORMAT = 4
+"""The format of a version with a hash grid on some tensor or spans on some piece (slices.py)."""
+READABLE_FORMATS = (1, 2, 3, 4)
+"""The formats it reads: 4 is 3 with grids and spans, 2 is 3 with xxh3-128 piece and side-file
+digests, 1 is 2 without side files."""
 Kind = Literal["delta", "full"]
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -67,12 +73,14 @@ FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of the resulting weights: name, safetensors dtype, shape, digest of its bytes."""
+    """One tensor of the resulting weights: name, safetensors dtype, shape, digest of its bytes (or, with a
+    `grid`, of its tiles' digests)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     hash: str
+    grid: Grid | None = None
 
     @property
     def numel(self) -> int:
@@ -88,11 +96,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class PieceEntry:
-    """One piece: its byte length, its digest, and the indices of the tensors it writes to."""
+    """One piece: its byte length, its digest, the indices of the tensors it writes to, and (format 4)
+    the element ranges of those tensors its segments lie in."""
 
     length: int
     hash: str
     tensors: tuple[int, ...]
+    spans: tuple[Span, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,8 +181,10 @@ class Manifest:
             "codec": self.codec,
             "base_hash": self.base_hash,
             "created_ms": self.created_ms,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.hash] for t in self.tensors],
-            "pieces": [[p.length, p.hash, list(p.tensors)] for p in self.pieces],
+            "tensors": [[t.name, t.dtype, list(t.shape), t.hash] + ([t.grid.body()] if t.grid else [])
+                        for t in self.tensors],
+            "pieces": [[p.length, p.hash, list(p.tensors)] + ([spans_body(p.spans)] if p.spans is not None else [])
+                       for p in self.pieces],
         }
         if self.format_version >= 2:  # a format 1 body re-serializes to exactly what was signed
             body["files"] = [[f.name, f.size, f.hash, f.piece] for f in self.files]
@@ -202,14 +214,28 @@ class Manifest:
                 base_hash=b["base_hash"],
                 created_ms=b["created_ms"],
                 format_version=b["format_version"],
-                tensors=tuple(TensorEntry(n, d, tuple(s), h) for n, d, s, h in b["tensors"]),
-                pieces=tuple(PieceEntry(n, h, tuple(t)) for n, h, t in b["pieces"]),
+                tensors=tuple(_tensor_entry(*t) for t in b["tensors"]),
+                pieces=tuple(_piece_entry(*p) for p in b["pieces"]),
                 files=tuple(FileEntry(n, s, h, p) for n, s, h, p in files),
             )
         except CodecError:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptError(f"malformed manifest body: {type(e).__name__}: {e}") from e
+
+
+def _tensor_entry(name, dtype, shape, digest, grid=None) -> TensorEntry:
+    return TensorEntry(name, dtype, tuple(shape), digest, None if grid is None else Grid.from_body(grid))
+
+
+def _piece_entry(length, digest, tensors, spans=None) -> PieceEntry:
+    return PieceEntry(length, digest, tuple(tensors), None if spans is None else spans_from_body(spans))
+
+
+def format_for(tensors: Iterable[TensorEntry], pieces: Iterable[PieceEntry]) -> int:
+    """The format a manifest of these tensors and pieces is written in: 4 only when it needs it."""
+    parts = any(t.grid is not None for t in tensors) or any(p.spans is not None for p in pieces)
+    return PARTS_FORMAT if parts else FORMAT_VERSION
 
 
 class NamedByManifest:
@@ -276,7 +302,8 @@ def _validate(m: Manifest) -> None:
         raise bad("codec must be a non-empty string")
     if not _is_int(m.created_ms):
         raise bad("created_ms must be an integer")
-    names, total = set(), 0
+    parts = m.format_version >= PARTS_FORMAT
+    names, total, tiles = set(), 0, 0
     for t in m.tensors:
         if not isinstance(t.name, str) or not t.name or t.name in names:
             raise bad(f"tensor name {t.name!r} empty or repeated")
@@ -290,9 +317,15 @@ def _validate(m: Manifest) -> None:
         total += t.nbytes
         if not isinstance(t.hash, str) or not _HEX32.match(t.hash):
             raise bad(f"tensor {t.name!r}: bad hash")
+        if t.grid is not None:
+            if not parts:
+                raise bad(f"tensor {t.name!r}: a hash grid needs format {PARTS_FORMAT}")
+            tiles += check_grid(t.name, t.shape, t.hash, t.grid, bad)
+            if tiles > MAX_TILES:
+                raise bad(f"over {MAX_TILES} grid tiles")
     if total > MAX_TOTAL_BYTES:
         raise bad(f"tensors total {total} bytes, over the limit of {MAX_TOTAL_BYTES}")
-    payload, content_hex = 0, _content_hex(m)
+    payload, content_hex, spans = 0, _content_hex(m), 0
     for i, p in enumerate(m.pieces):
         if not _is_int(p.length) or not 0 <= p.length <= MAX_PIECE_BYTES:
             raise bad(f"piece {i}: bad length {p.length!r} (at most {MAX_PIECE_BYTES})")
@@ -301,6 +334,13 @@ def _validate(m: Manifest) -> None:
             raise bad(f"piece {i}: bad hash")
         if not all(_is_int(t) and 0 <= t < len(m.tensors) for t in p.tensors):
             raise bad(f"piece {i}: tensor index out of range")
+        if p.spans is not None:
+            if not parts:
+                raise bad(f"piece {i}: spans need format {PARTS_FORMAT}")
+            spans += len(p.spans)
+            if spans > MAX_SPANS:
+                raise bad(f"over {MAX_SPANS} piece spans")
+            check_spans(i, p.tensors, p.spans, lambda k: m.tensors[k].numel, bad)
     if payload > MAX_TOTAL_BYTES:
         raise bad(f"pieces total {payload} bytes, over the limit of {MAX_TOTAL_BYTES}")
     _validate_files(m, bad)

@@ -31,7 +31,7 @@ from .decode import TensorUpdate, changes_torch
 from .decoded import Located, empty_tensor
 from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
-from .hashing import digest
+from .grid import words_digest
 from .kernels import write_changes
 from .manifest import TensorEntry
 from .small_index import SmallWordIndex
@@ -94,18 +94,20 @@ def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Loca
     src = np_words(base) if words is None else words
     floating = is_float(entry.dtype)
     if in_place:
-        base_digest = digest(src) if hash_base else None
+        base_digest = words_digest(src, entry.shape, entry.grid) if hash_base else None
         for u, p in zip(updates, located.positions):
             old, new = write_changes(src, p, u.values, u.literal, floating)  # all or nothing
             rollback.keep(src, p, old)
             if written is not None:
                 written.append((old, new))
-        return base, digest(src), base_digest
+        return base, words_digest(src, entry.shape, entry.grid), base_digest
     positions, values, literal = _merged(entry, updates, located)
     target = empty_tensor(entry.shape, base.dtype)
     dst = np_words(target)
-    hasher_base = xxhash.xxh3_128() if hash_base else None
-    hasher_out = xxhash.xxh3_128()
+    # A tensor hashed by tiles is hashed after the pass: its tiles are not the pass's chunks.
+    streamed = entry.grid is None
+    hasher_base = xxhash.xxh3_128() if hash_base and streamed else None
+    hasher_out = xxhash.xxh3_128() if streamed else None
     step = max(1, PASS_CHUNK_BYTES // src.itemsize)
     starts = np.arange(0, src.size + step, step)
     bounds = np.searchsorted(positions, starts)
@@ -118,14 +120,18 @@ def patch_cpu(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Loca
         if hi > lo:
             p = positions[lo:hi]
             dst[p] = apply_changes(dst[p], values[lo:hi], None if literal is None else literal[lo:hi], floating)
-        hasher_out.update(dst[s:e])
+        if hasher_out is not None:
+            hasher_out.update(dst[s:e])
+    if not streamed:
+        return (target, words_digest(dst, entry.shape, entry.grid),
+                words_digest(src, entry.shape, entry.grid) if hash_base else None)
     return target, hasher_out.hexdigest(), None if hasher_base is None else hasher_base.hexdigest()
 
 
 def patch_torch(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Located, base: torch.Tensor, *,
                 in_place: bool, rollback: Rollback, hash_base: bool) -> Patched:
     """Write the located changes (torch, on `base`'s device) into `base` or a copy of it, then hash it."""
-    base_digest = tensor_digest(base) if hash_base else None
+    base_digest = tensor_digest(base, entry.grid) if hash_base else None
     target = base if in_place else base.detach().clone()
     dst = word_view(target.detach())
     for u, p in zip(updates, located.positions):
@@ -133,7 +139,7 @@ def patch_torch(entry: TensorEntry, updates: Sequence[TensorUpdate], located: Lo
             rollback.keep(dst, p)
         literal = None if u.literal is None else torch.from_numpy(u.literal).to(dst.device)
         dst[p] = changes_torch(dst[p], u.torch_values(dst.device), literal, entry.dtype)
-    return target, tensor_digest(target), base_digest
+    return target, tensor_digest(target, entry.grid), base_digest
 
 
 def _merged(entry: TensorEntry, updates: Sequence[TensorUpdate],

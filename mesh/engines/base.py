@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
-    from deltamesh.delta import DecodedVersion
+    from deltamesh.delta import DecodedVersion, Grid
 
 FinishReason = Literal["stop", "length"]
 
@@ -139,8 +139,9 @@ class ServedDigests:
 class ReadsBack(Protocol):
     """An engine that can hash the weights it serves, by checkpoint tensor name."""
 
-    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
-        """Digests of `names` as served now, never read during an update."""
+    async def served_digests(self, names: Sequence[str], grids: Mapping[str, Grid] | None = None) -> ServedDigests:
+        """Digests of `names` as served now, never read during an update; a tensor with a hash grid in
+        `grids` (a version built in parts: deltamesh.delta.slices) is hashed by its tiles."""
         ...
 
 

@@ -50,11 +50,11 @@ def read_verified(path: Path, version: int) -> tuple[dict[str, torch.Tensor], Ma
         return weights, None
     if manifest.version != version:
         raise BaseMismatchError(f"{path} holds v{manifest.version}, v{version} was asked for")
-    expected = {t.name: t.hash for t in manifest.tensors}
+    expected = {t.name: t for t in manifest.tensors}
     if set(expected) != set(weights):
         raise CorruptError(f"{path}: tensors differ from its manifest")
     for name, w in weights.items():
-        if tensor_digest(w) != expected[name]:
+        if tensor_digest(w, expected[name].grid) != expected[name].hash:
             raise CorruptError(f"{path}: tensor {name!r} does not match its manifest")
     return weights, manifest
 

@@ -31,14 +31,14 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from deltamesh.delta import BaseMismatchError, DecodedVersion, dir_manifest, read_weights, tensor_digest
+from deltamesh.delta import BaseMismatchError, DecodedVersion, Grid, dir_manifest, read_weights, tensor_digest
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.engines.base import (
     EngineError, FinishReason, Generation, SamplingParams, ServedDigests, TokenizedEngine,
@@ -219,7 +219,7 @@ class SGLangEngine(TokenizedEngine):
                 return str(answer["weight_version"])
         return None
 
-    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+    async def served_digests(self, names: Sequence[str], grids: Mapping[str, Grid] | None = None) -> ServedDigests:
         """xxh3-128 of each tensor as the server holds it (`ReadsBack`), cast back to the checkpoint's
         dtype; None for a tensor not in the host copy, too large to read back, or not answered."""
         host = self._host.weights if self._host is not None else {}
@@ -236,7 +236,7 @@ class SGLangEngine(TokenizedEngine):
                     continue
                 if values.size == host[name].numel():
                     served = torch.from_numpy(values).reshape(host[name].shape).to(host[name].dtype)
-                    digests[name] = tensor_digest(served)
+                    digests[name] = tensor_digest(served, (grids or {}).get(name))
         return ServedDigests(version, digests)
 
     async def close(self) -> None:

@@ -25,7 +25,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import (
     BaseMismatchError,
     DecodedVersion,
+    Grid,
     Manifest,
     SmallWordIndex,
     copy_in,
@@ -174,13 +175,13 @@ class TransformersEngine(LocalEngine):
         else:
             log.info("%s: swapped in full snapshot v%d (%.3f s paused)", self.model_id, manifest.version, seconds)
 
-    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+    async def served_digests(self, names: Sequence[str], grids: Mapping[str, Grid] | None = None) -> ServedDigests:
         """Hash the live tensors the forward pass reads (`ReadsBack`), with no update under way (decode
         steps only read them too: they go on)."""
         self._check_open()
         async with self._write_lock:
             self._check_open()  # closed while this waited
-            digests = await asyncio.to_thread(self._digests, list(names))
+            digests = await asyncio.to_thread(self._digests, list(names), grids or {})
             return ServedDigests(self._version, digests)
 
     async def close(self) -> None:
@@ -214,8 +215,8 @@ class TransformersEngine(LocalEngine):
         self._verified_digests = _digests_of(manifest)
         self.metrics.version.set(version)
 
-    def _digests(self, names: list[str]) -> dict[str, str | None]:
-        found = tensor_digests({name: self._live[name] for name in names if name in self._live})
+    def _digests(self, names: list[str], grids: Mapping[str, Grid]) -> dict[str, str | None]:
+        found = tensor_digests({name: self._live[name] for name in names if name in self._live}, grids)
         return {name: found.get(name) for name in names}
 
     async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

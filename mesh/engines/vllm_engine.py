@@ -39,12 +39,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, dir_manifest, read_weights
+from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, Grid, dir_manifest, read_weights
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
 from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
@@ -202,12 +202,12 @@ class VLLMEngine(LocalEngine):
                  self.model_id, manifest.kind, manifest.version, len(names), len(result), seconds,
                  self._weights.last_reload_s)
 
-    async def served_digests(self, names: Sequence[str]) -> ServedDigests:
+    async def served_digests(self, names: Sequence[str], grids: Mapping[str, Grid] | None = None) -> ServedDigests:
         """Hash vLLM's own parameters by checkpoint tensor (`ReadsBack`), between two engine steps and
         never while an update is under way."""
         self._check_serving()
         async with self._update_lock, self._lock:
-            digests = await asyncio.to_thread(self._weights.digests, list(names), self._host.weights)
+            digests = await asyncio.to_thread(self._weights.digests, list(names), self._host.weights, grids or {})
             return ServedDigests(self._version, digests)
 
     async def close(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from deltamesh.delta import tensor_digest
+from deltamesh.delta import Grid, tensor_digest
 
 # vLLM's reload warns once per layer it was not handed anything for, and lists those weights: on a
 # partial update that is every untouched layer, by design, so those two loggers are quieted then.
@@ -81,12 +81,14 @@ class VLLMWeights:
         self._engine.collective_rpc(_finish_reload)
         self.load(tensors, names)
 
-    def digests(self, names: Iterable[str], checkpoint: Mapping[str, torch.Tensor]) -> dict[str, str | None]:
+    def digests(self, names: Iterable[str], checkpoint: Mapping[str, torch.Tensor],
+                grids: Mapping[str, Grid] | None = None) -> dict[str, str | None]:
         """xxh3-128 of each checkpoint tensor of `names` as vLLM's forward pass reads it (None where it
         cannot be read back), found as a row slice of vLLM's parameter; `checkpoint` gives the shapes
-        and dtypes of every checkpoint tensor (the host copy), which place the parts of fused ones."""
+        and dtypes of every checkpoint tensor (the host copy), which place the parts of fused ones; a
+        tensor with a hash grid in `grids` is hashed by its tiles."""
         where = {name: self._slice_of(name, checkpoint) for name in names}
-        (found,) = self._engine.apply_model(lambda model: _read_back(model, where))
+        (found,) = self._engine.apply_model(lambda model: _read_back(model, where, grids or {}))
         return found
 
     def _slice_of(self, name: str, checkpoint: Mapping[str, torch.Tensor]) -> tuple[str, int, torch.Tensor] | None:
@@ -126,7 +128,8 @@ class VLLMWeights:
         return dict(groups)
 
 
-def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch.Tensor] | None]) -> dict[str, str | None]:
+def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch.Tensor] | None],
+               grids: Mapping[str, Grid]) -> dict[str, str | None]:
     """Runs in the worker: hash rows [first, first + rows) of each vLLM parameter, where its shape and
     dtype show it holds the checkpoint tensor's words as they are (else None: unreadable)."""
     params = dict(model.named_parameters())
@@ -142,7 +145,7 @@ def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch
         if p.dim() == 0:
             found[name] = tensor_digest(p.data) if p.shape == ref.shape else None
         elif p.shape[0] >= first + ref.shape[0]:  # more rows than the parts: vocabulary padding
-            found[name] = tensor_digest(p.data[first:first + ref.shape[0]])
+            found[name] = tensor_digest(p.data[first:first + ref.shape[0]], grids.get(name))
     return found
 
 

@@ -77,7 +77,8 @@ class ServeCheck:
         started = time.perf_counter()
         names = self.plan(manifest, touched)
         try:
-            served = await engine.served_digests(names)  # type: ignore[attr-defined]
+            grids = {t.name: t.grid for t in manifest.tensors if t.grid is not None}
+            served = await engine.served_digests(names, grids)  # type: ignore[attr-defined]
         except EngineError as e:
             return CheckResult(False, manifest.version, reason=f"cannot read the engine's weights back: {e}",
                                seconds=time.perf_counter() - started)

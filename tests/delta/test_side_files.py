@@ -179,8 +179,8 @@ def test_format_1_manifests_are_still_read_and_applied(tmp_path, key, same_weigh
     assert m1.format_version == 1 and m1.files == ()
     apply_to_dir(path, [(m1, delta.pieces)])
     assert (path / "config.json").read_bytes() == CONFIG and same_weights(read_weights(path), v1)
-    with pytest.raises(CorruptError, match="format_version 4"):
-        Manifest.from_body(canonical_json({**json.loads(m1.body_bytes()), "format_version": 4}))
+    with pytest.raises(CorruptError, match="format_version 5"):
+        Manifest.from_body(canonical_json({**json.loads(m1.body_bytes()), "format_version": 5}))
 
 
 def test_a_format_2_version_is_read_and_the_format_3_delta_after_it_reships_its_side_files(tmp_path, key, same_weights):
