@@ -86,13 +86,20 @@ def parse_piece(manifest: Manifest, index: int, data: bytes | memoryview) -> Par
     tables = HEADER.size + n_segments * SEGMENT.size + n_streams * STREAM.size
     if tables > len(view):
         raise CorruptError(f"piece {index}: tables need {tables} bytes, piece has {len(view)}")
-    declared = set(manifest.pieces[index].tensors) if index < len(manifest.pieces) else set()
+    entry = manifest.pieces[index] if index < len(manifest.pieces) else None
+    declared = set(entry.tensors) if entry is not None else set()
+    # A piece with spans (format 4) writes only inside them: a pool rank fetched it for those alone.
+    spans = {s.tensor: (s.start, s.stop) for s in entry.spans} if entry is not None and entry.spans else None
     segments = []
     pos = HEADER.size
     for _ in range(n_segments):
         fields = SEGMENT.unpack_from(view, pos)
         pos += SEGMENT.size
-        segments.append(_check_segment(manifest, index, declared, kind, *fields))
+        segment = _check_segment(manifest, index, declared, kind, *fields)
+        if spans is not None and not spans[segment.tensor][0] <= segment.start < segment.start + segment.count <= spans[segment.tensor][1]:
+            raise CorruptError(f"piece {index}, tensor {segment.tensor}: range [{segment.start}, "
+                               f"{segment.start + segment.count}) outside the piece's span in the manifest")
+        segments.append(segment)
     expected_streams = DELTA_STREAMS if kind == KIND_DELTA else sum(
         DTYPE_SIZES[manifest.tensors[s.tensor].dtype] for s in segments
     )

@@ -4,17 +4,22 @@ A tensor's changes are turned into stream material once, in `TensorChanges.of` (
 tensor, in parallel); cutting them into pieces then only slices and concatenates. Delta pieces
 are cut by number of changes, using the bytes per change measured on the pieces made so far, so
 they stay near `piece_bytes` whatever the change density. Full pieces hold whole tensors, or
-ranges of big ones, of about `piece_bytes` before compression.
+ranges of big ones, of about `piece_bytes` before compression. A tensor held in part (a trainer
+rank's rows) is given with its element `offset` in the whole tensor, so segments name whole-tensor
+element ranges; `bands` (element bounds) cut its segments where a pool rank's share ends, so that no
+segment, and so no piece, crosses into another share (a version in parts: slices.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from . import smallwords, streams
 from .bitdiff import encode_moves
+from .hashing import piece_digest
 from .parallel import thread_map
 from .piece import DELTA_STREAMS, HEADER, KIND_DELTA, KIND_FULL, MAX_WIDTH, STREAM, Segment, pack_piece
 
@@ -28,6 +33,10 @@ class BuiltPiece:
     data: bytes
     tensors: tuple[int, ...]
     """Indices of the tensors the piece writes (for its manifest entry)."""
+    spans: tuple[tuple[int, int, int], ...] = ()
+    """Per tensor it writes, (index, first element, end) of the range its segments lie in."""
+    digest: str = ""
+    """Its content digest (`hashing.piece_digest`), taken where it is built (on the encoder's threads)."""
 
 
 def build_piece(kind: int, segments: list[Segment], raws: list[np.ndarray]) -> BuiltPiece:
@@ -36,7 +45,13 @@ def build_piece(kind: int, segments: list[Segment], raws: list[np.ndarray]) -> B
     for raw in raws:
         codec, data = streams.compress(raw, compressor)
         stored.append((codec, raw.size, data))
-    return BuiltPiece(pack_piece(kind, segments, stored), tuple(sorted({s.tensor for s in segments})))
+    ranges: dict[int, tuple[int, int]] = {}
+    for s in segments:
+        lo, hi = ranges.get(s.tensor, (s.start, s.start + s.count))
+        ranges[s.tensor] = (min(lo, s.start), max(hi, s.start + s.count))
+    spans = tuple((t, lo, hi) for t, (lo, hi) in sorted(ranges.items()))
+    data = pack_piece(kind, segments, stored)
+    return BuiltPiece(data, tuple(sorted(ranges)), spans, piece_digest(data))
 
 
 @dataclass(frozen=True)
@@ -97,19 +112,23 @@ class TensorChanges:
 
     @classmethod
     def of(cls, tensor: int, base: np.ndarray, positions: np.ndarray, old: np.ndarray, new: np.ndarray,
-           floating: bool, sample: smallwords.MagnitudeSample | None = None) -> "TensorChanges":
-        """`sample`: the base's magnitude sample if the scan already took it."""
+           floating: bool, sample: smallwords.MagnitudeSample | None = None, *, offset: int = 0,
+           small_words: bool = True) -> "TensorChanges":
+        """`sample`: the base's magnitude sample if the scan already took it. `base` and `positions` are
+        of the words held, which start at element `offset` of the tensor. `small_words`: whether
+        changes may be located by rank among small words (a receiver that holds only some columns of
+        each row cannot count them: slices.py)."""
         moves = encode_moves(old, new, floating)
-        small_max = smallwords.choose_small_max(base, old, sample) if floating else None
+        small_max = smallwords.choose_small_max(base, old, sample) if floating and small_words else None
         if small_max is None:
-            return cls(tensor, positions, None, None, 0, Group.of(positions, moves, new), None)
+            return cls(tensor, positions + offset, None, None, 0, Group.of(positions + offset, moves, new), None)
         is_small = smallwords.is_small(old, small_max)
         words_before = smallwords.small_words_before(base, positions, small_max)
         small_before = np.concatenate([[0], np.cumsum(is_small, dtype=np.int64)])
         plain, small = ~is_small, is_small
         return cls(
-            tensor, positions, small_before, words_before, small_max,
-            Group.of(positions[plain], moves[plain], new[plain]),
+            tensor, positions + offset, small_before, words_before, small_max,
+            Group.of(positions[plain] + offset, moves[plain], new[plain]),
             Group.of(words_before[small], moves[small], new[small]),
         )
 
@@ -141,10 +160,11 @@ class DeltaPieceCutter:
         self._pending: list[tuple[TensorChanges, int, int]] = []
         self._made_bytes, self._made_changes = 0, 0
 
-    def add(self, changes: TensorChanges) -> None:
-        at = 0
-        while at < changes.count:
-            take = min(self._room, changes.count - at)
+    def add(self, changes: TensorChanges, lo: int = 0, hi: int | None = None) -> None:
+        """Cut changes lo..hi-1 (default: all) of `changes` into the pieces being made."""
+        at, end = lo, changes.count if hi is None else hi
+        while at < end:
+            take = min(self._room, end - at)
             self._pending.append((changes, at, at + take))
             at += take
             self._room -= take
@@ -184,30 +204,41 @@ def _delta_piece(cuts: list[tuple[TensorChanges, int, int]]) -> BuiltPiece:
     return build_piece(KIND_DELTA, segments, raws)
 
 
-def full_pieces(words: list[np.ndarray], which: list[int], piece_bytes: int) -> list[BuiltPiece]:
+def full_pieces(words: Sequence[np.ndarray] | Mapping[int, np.ndarray], which: list[int], piece_bytes: int,
+                ranges: Sequence[Sequence[tuple[int, int]]] | None = None, offsets: Sequence[int] | None = None
+                ) -> list[BuiltPiece]:
+    """Full pieces of the tensors `which` (indices into the table, and keys of `words`: each tensor's
+    words held). `ranges`:
+    per tensor of `which`, the (first, end) element ranges of the words held that no segment may cross
+    (default: all of them); `offsets`: per tensor, the element of the whole tensor the words held
+    start at (default 0)."""
     plans: list[list[Segment]] = []
     current: list[Segment] = []
     room = piece_bytes
-    for i in which:
+    for k, i in enumerate(which):
         width = words[i].itemsize
         per_segment = max(1, piece_bytes // width)
-        for start in range(0, words[i].size, per_segment):
-            count = min(per_segment, words[i].size - start)
-            if current and count * width > room:
-                plans.append(current)
-                current, room = [], piece_bytes
-            current.append(Segment(i, start, count))
-            room -= count * width
+        offset = 0 if offsets is None else offsets[k]
+        for lo, hi in ([(0, words[i].size)] if ranges is None else ranges[k]):
+            for start in range(lo, hi, per_segment):
+                count = min(per_segment, hi - start)
+                if current and count * width > room:
+                    plans.append(current)
+                    current, room = [], piece_bytes
+                current.append(Segment(i, start + offset, count))
+                room -= count * width
     if current:
         plans.append(current)
-    return thread_map(lambda plan: _full_piece(plan, words), plans)
+    held = {i: 0 if offsets is None else offsets[k] for k, i in enumerate(which)}
+    return thread_map(lambda plan: _full_piece(plan, words, held), plans)
 
 
-def _full_piece(segments: list[Segment], words: list[np.ndarray]) -> BuiltPiece:
+def _full_piece(segments: list[Segment], words: Sequence[np.ndarray] | Mapping[int, np.ndarray],
+                offsets: dict[int, int]) -> BuiltPiece:
     raws = []
     for s in segments:
-        chunk = words[s.tensor][s.start : s.start + s.count]
-        raws += byte_planes(chunk)
+        start = s.start - offsets[s.tensor]
+        raws += byte_planes(words[s.tensor][start : start + s.count])
     return build_piece(KIND_FULL, segments, raws)
 
 

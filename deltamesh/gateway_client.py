@@ -32,6 +32,11 @@ def version_url(base: str, model: str, version: int, kind: str) -> str:
     return f"{base.rstrip('/')}/v1/models/{model}/versions/{version}/{kind}"
 
 
+def staged_url(base: str, model: str, piece_hash: str) -> str:
+    """Where the origin at `base` takes (PUT) a piece of `model` before the manifest that names it."""
+    return f"{base.rstrip('/')}/v1/models/{model}/staged/{piece_hash}"
+
+
 def statement_url(base: str, model: str) -> str:
     """Where a gateway at `base` serves (GET) and, the origin, takes (PUT) `model`'s signed head statement."""
     return f"{base.rstrip('/')}/v1/models/{model}/statement"

@@ -45,6 +45,7 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", _MODEL + "/newest/{kind}/parts/{part}"): READ_WEIGHTS,
     ("PUT", _VERSION + "/manifest"): ("trainer",),
     ("PUT", _VERSION + "/pieces/{index}"): ("trainer",),
+    ("PUT", _MODEL + "/staged/{digest}"): ("trainer",),
     ("GET", _MODEL + "/statement"): ("pool", "gateway", "admin"),
     ("PUT", _MODEL + "/statement"): ("trainer",),
     ("POST", "/v1/pools"): ("pool",),

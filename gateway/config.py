@@ -90,6 +90,11 @@ class GatewayConfig:
     """Period of RTT probes to upstreams, downstream gateways and pool endpoints."""
     max_piece_bytes: int = 256 * 1024 * 1024
     """Largest piece a publisher may upload or a manifest may declare."""
+    staging_max_gib: float = 64.0
+    """Most bytes (GiB) of pieces a trainer's ranks may hold staged (uploaded before the manifest that
+    names them: a version built in parts) at once on an origin; past it a staged piece is refused with 507."""
+    staging_ttl_s: float = 600.0
+    """How long a staged piece waits for the manifest that claims it before it is deleted."""
     max_downstreams: int = 256
     """Most downstream gateways whose announcements are held at once."""
     downstream_ttl_s: float = 60.0
@@ -131,6 +136,8 @@ class GatewayConfig:
             raise ValueError("link_delay_ms must be in [0, 60000] (0 for none)")
         if self.max_piece_bytes < 1:
             raise ValueError("max_piece_bytes must be >= 1")
+        if self.staging_max_gib < 0 or self.staging_ttl_s <= 0:
+            raise ValueError("staging_max_gib must be >= 0 and staging_ttl_s > 0")
         if self.pool_expire_s and self.pool_expire_s < self.heartbeat_timeout_s:
             raise ValueError("pool_expire_s must be 0 (never) or at least heartbeat_timeout_s")
         if self.max_downstreams < 1 or not self.downstream_ttl_s > 0:

@@ -15,10 +15,9 @@ it (`deltamesh.delta.statement`) follows, and `publish_statement` signs a fresh 
 version between versions, so pools that require fresh statements see the trainer is alive (its
 failure is logged, never fatal: the version is published). A publisher that starts without a base
 (a new process) asks the gateway for its head and continues the numbering with a full snapshot,
-which is always a valid plan for every pool. It speaks to the gateway as the trainer: with its
-`token` (role trainer) on every request, and over TLS as `tls` says (its certificate, common name
-trainer/NAME, serves as the credential on an mTLS gateway). The origin refuses a version below its
-head or one it accepted before (409).
+which is always a valid plan for every pool. It speaks to the gateway as the trainer, through its
+`link` (origin_link.py: the kept session, the `token` and `tls`). The origin refuses a version below
+its head or one it accepted before (409).
 
 Each version carries the model directory's side files (`side_files`: config, tokenizer, generation
 settings; `deltamesh.delta.side_files`), hashed and signed in its manifest, so a fresh pool's directory
@@ -43,23 +42,15 @@ from typing import Callable, Mapping
 import aiohttp
 import torch
 
-from deltamesh.delta import (
-    Encoded,
-    encode_delta,
-    encode_full,
-    read_weights,
-    sign_statement,
-    weights_hash,
-    write_weights,
-)
+from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, weights_hash, write_weights
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Manifest
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.gateway_client import GatewayClient, statement_url
-from deltamesh.http import HttpError, bearer, client_session, request_bytes
-from deltamesh.tls import TlsSettings, check_token_transport
+from deltamesh.gateway.origin_link import OriginLink
 from deltamesh.gateway.upload import upload_version
+from deltamesh.http import HttpError
+from deltamesh.tls import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +84,13 @@ class Publisher:
     _base_hash: str | None = field(default=None, init=False)
     _base_files: dict[str, str] | None = field(default=None, init=False)
     """name -> digest of the base version's side files, when known: a delta does not re-ship those."""
-    _session: aiohttp.ClientSession | None = field(default=None, init=False)
-    _holder: asyncio.Task | None = field(default=None, init=False)
-    """The task that closes `_session` when cancelled (by `aclose`, or by the end of its event loop)."""
+    link: OriginLink = field(init=False)
 
     def __post_init__(self) -> None:
         if self.full_every < 0:
             raise ValueError("full_every must be >= 0 (0: only the first version is full)")
-        self.gateway = self.gateway.rstrip("/")
-        if self.token:
-            check_token_transport(self.gateway, self.tls.insecure if self.tls is not None else False)
-        self.token = self.token or None
+        self.link = OriginLink(self.gateway, self.model_id, self.token, self.tls, self.connections)
+        self.gateway, self.token = self.link.gateway, self.link.token
 
     def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None,
                  side_files: Mapping[str, str] | None = None) -> None:
@@ -112,31 +99,17 @@ class Publisher:
         self.base, self._base_hash = (version, weights), weights_hash
         self._base_files = dict(side_files) if side_files is not None else None
 
-    def session(self, **kw):
-        """A session to the gateway: TLS as configured, the trainer's token on every request."""
-        return client_session(tls=self.tls, headers=bearer(self.token) if self.token else None, **kw)
+    def session(self, **kw) -> aiohttp.ClientSession:
+        """A new session to the gateway: TLS as configured, the trainer's token on every request."""
+        return self.link.session(**kw)
 
     async def connection(self) -> aiohttp.ClientSession:
-        """The session kept open to the origin across versions, opened on first use (again after
-        `aclose`, a connection failure, or in another event loop than the one that opened it)."""
-        loop = asyncio.get_running_loop()
-        if self._session is not None and not self._session.closed and self._holder is not None \
-                and not self._holder.done() and self._holder.get_loop() is loop:
-            return self._session
-        await self.aclose()
-        self._session = self.session(connections=max(4, self.connections), timeout_s=None)
-        self._holder = loop.create_task(_hold(self._session), name=f"publisher-{self.model_id}-session")
-        return self._session
+        """The session kept open to the origin across versions (`OriginLink.connection`)."""
+        return await self.link.connection()
 
     async def aclose(self) -> None:
         """Close the kept session (the next publish opens a fresh one)."""
-        holder, self._holder, self._session = self._holder, None, None
-        if holder is None or holder.done():
-            return
-        if holder.get_loop() is not asyncio.get_running_loop():
-            return  # its loop ended (and closed it) or is not ours to run it on
-        holder.cancel()
-        await asyncio.wait([holder])
+        await self.link.aclose()
 
     async def __aenter__(self) -> "Publisher":
         return self
@@ -145,8 +118,7 @@ class Publisher:
         await self.aclose()
 
     async def gateway_head(self) -> int | None:
-        async with self.session(timeout_s=30.0) as s:
-            return await GatewayClient(self.gateway, s, peer=f"trainer/{self.model_id}").head(self.model_id)
+        return await self.link.head()
 
     async def publish(self, weights: Mapping[str, torch.Tensor], version: int | None = None) -> Published:
         """Publish `weights` as `version` (default: one after the base, or after the gateway's head).
@@ -182,7 +154,7 @@ class Publisher:
             stages["uploaded"] = time.time()
             # Remembering the hashes spares hashing the base again, and re-shipping its side files.
             self.set_base(version, weights, first.manifest.weights_hash, {f.name: f.hash for f in first.manifest.files})
-            await self._put_statement(session)
+            await self._put_statement()
             manifests = [first.manifest]
             if full_too:
                 full = await asyncio.to_thread(
@@ -194,8 +166,7 @@ class Publisher:
                 stages["full_uploaded"] = time.time()
                 manifests.append(full.manifest)
         except HttpError as e:
-            if e.status == 0:
-                await self.aclose()  # a dropped connection: the next publish connects afresh
+            await self.link.dropped(e)  # a dropped connection: the next publish connects afresh
             raise
         return Published(version, manifests, sent, stages)
 
@@ -213,33 +184,13 @@ class Publisher:
         say, False). A trainer calls this every so often between versions; True once the origin has it."""
         if self.base is None:
             return False
-        return await self._put_statement(await self.connection())
+        return await self._put_statement()
 
-    async def _put_statement(self, session: aiohttp.ClientSession) -> bool:
+    async def _put_statement(self) -> bool:
         version, weights = self.base
         if self._base_hash is None:
             self._base_hash = await asyncio.to_thread(weights_hash, weights)
-        body = sign_statement(self.key, self.model_id, version, self._base_hash)
-        try:
-            await request_bytes(session, "PUT", statement_url(self.gateway, self.model_id), data=body,
-                                headers={"Content-Type": "application/json"}, timeout_s=30.0)
-        except HttpError as e:
-            # The version is published whatever happens here; pools that require statements will report
-            # the gateway stale until one gets through.
-            log.warning("head statement of %s v%d not accepted by %s: %s", self.model_id, version, self.gateway, e)
-            if e.status == 0:
-                await self.aclose()
-            return False
-        return True
-
-
-async def _hold(session: aiohttp.ClientSession) -> None:
-    """Keep `session` until cancelled, then close it. asyncio.run cancels the tasks left when its main
-    coroutine ends, so a one-shot caller that never calls `aclose` still has the session closed."""
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await session.close()
+        return await self.link.put_statement(self.key, version, self._base_hash)
 
 
 class PublishState:

@@ -2,7 +2,9 @@
 of the newest whole version (for a fetcher that does not know it yet).
 
 Publishing (origin only) is `PUT .../manifest` with the signed envelope, then `PUT .../pieces/{i}`
-with raw bytes. The version is announced as soon as its manifest is stored; a `GET` of a piece that
+with raw bytes; or, for a version built in parts, its pieces staged first (routes_staging.py) and then
+`PUT .../manifest?staged=1`, accepted only with every piece staged. The version is announced as soon
+as its manifest is stored; a `GET` of a piece that
 is announced but not yet here waits (bounded) for it, so consumers downstream see pieces the moment
 they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. On
 a relay, plans also use what the upstream can serve, and a manifest or piece of a version that is
@@ -25,6 +27,7 @@ from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
 from deltamesh.gateway.service import Gateway
 from deltamesh.gateway.disk import DiskFullError
 from deltamesh.gateway.ledger import ConflictError
+from deltamesh.gateway.staging import StagingIncomplete
 from deltamesh.gateway.stored_version import KINDS, StoredVersion
 from deltamesh.gateway.validators import not_modified, not_modified_response, piece_etag, range_applies
 from deltamesh.gateway.version_requests import (INT_RE, Reject, entries_of, entry_of, float_param, index_of,
@@ -198,8 +201,11 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             raise Reject(400, f"manifest is {m.model_id} v{m.version} {m.kind}, URL says {model} v{version} {kind}")
         if any(p.length > cfg.max_piece_bytes for p in m.pieces):
             raise Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
+        staged = request.query.get("staged") in ("1", "true")
         try:
-            entry, new = await gw.store.put_manifest(raw, published=True)
+            entry, new = await gw.store.put_manifest(raw, published=True, staged=staged)
+        except StagingIncomplete as e:
+            raise Reject(409, str(e)) from None
         except ConflictError as e:
             raise Reject(409, str(e)) from None
         except DiskFullError as e:

@@ -20,6 +20,7 @@ from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import json_errors, listen_socket, parse_listen, serve
 from deltamesh.tls import server_context
 from deltamesh.gateway.routes_control import add_control_routes
+from deltamesh.gateway.routes_staging import add_staging_routes
 from deltamesh.gateway.routes_statements import add_statement_routes
 from deltamesh.gateway.routes_versions import add_version_routes
 from deltamesh.gateway.service import Gateway
@@ -39,6 +40,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     add_version_routes(app, gw)
     add_statement_routes(app, gw)
     add_control_routes(app, gw)
+    add_staging_routes(app, gw)
 
     async def start(_app: web.Application) -> None:
         await gw.start()

@@ -46,7 +46,9 @@ class Gateway:
         self.instance = uuid.uuid4().hex
         self.trusted_keys = [load_public_key(p) for p in config.trusted_keys]
         self.store = VersionStore(config.store, self.trusted_keys,
-                                  disk_margin_bytes=int(config.disk_margin_mib * 2**20))
+                                  disk_margin_bytes=int(config.disk_margin_mib * 2**20),
+                                  staging_max_bytes=int(config.staging_max_gib * 2**30),
+                                  staging_ttl_s=config.staging_ttl_s)
         # A new statement moves the store's epoch: followers long-polling the heads pick it up at once.
         self.statements = StatementStore(config.store, self.trusted_keys, self.store.ledger, on_change=self.store.touch)
         self.pools = PoolRegistry(config.heartbeat_timeout_s, expire_s=config.pool_expire_s)

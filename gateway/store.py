@@ -32,6 +32,7 @@ from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
 from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
 from deltamesh.gateway.ledger import ConflictError, VersionLedger
+from deltamesh.gateway.staging import Staging, StagingIncomplete
 from deltamesh.gateway.stored_version import KINDS, StoredVersion
 from deltamesh.signals import wait_event
 
@@ -42,11 +43,14 @@ class VersionStore:
     """All versions a gateway holds, with async waits for new heads and for pieces to arrive."""
 
     def __init__(self, root: str | Path, trusted_keys: Iterable[Ed25519PublicKey], *,
-                 disk_margin_bytes: int = 64 * 2**20):
+                 disk_margin_bytes: int = 64 * 2**20, staging_max_bytes: int = 64 * 2**30,
+                 staging_ttl_s: float = 600.0):
         self.root = Path(root)
         self.trusted_keys = list(trusted_keys)
         self.disk = DiskSpace(self.root, disk_margin_bytes)
         """Free space, reservations and the disk-full state: see `deltamesh.gateway.disk`."""
+        self.staging = Staging(self.root / "staging", self.disk, max_bytes=staging_max_bytes, ttl_s=staging_ttl_s)
+        """Pieces of versions built in parts, uploaded before their manifest: see `deltamesh.gateway.staging`."""
         self.ledger = VersionLedger(self.root / "ledger.jsonl")
         """(model, version) -> weights hash of everything ever accepted: see `deltamesh.gateway.ledger`."""
         self._models: dict[str, dict[tuple[int, str], StoredVersion]] = {}
@@ -63,6 +67,7 @@ class VersionStore:
         models_dir = self.root / "models"
         models_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(models_dir)
+        self.staging.load()
         self.ledger.load()
         found = 0
         for model_dir in sorted(models_dir.iterdir()):
@@ -210,28 +215,37 @@ class VersionStore:
         self._changed = asyncio.Event()
 
     # -- writing ---------------------------------------------------------------------------------
-    async def put_manifest(self, raw: bytes, *, published: bool = False) -> tuple[StoredVersion, bool]:
+    async def put_manifest(self, raw: bytes, *, published: bool = False,
+                           staged: bool = False) -> tuple[StoredVersion, bool]:
         """Verify and store a signed manifest; returns (entry, whether it is new).
 
         Raises SignatureError (untrusted or bad signature), CorruptError (malformed) or
         ConflictError (a different manifest for the same version and kind is already stored, or
         another weights hash for the version was accepted before; `published`, from a publisher:
-        also a version below the newest accepted, or a collected one sent again). Nothing is written
-        or announced for a refused manifest, and the epoch stays.
+        also a version below the newest accepted, or a collected one sent again). `staged`: every
+        piece must be staged already (StagingIncomplete otherwise); they are moved into the version
+        before its manifest is written, so it is announced whole. Nothing is written or announced for
+        a refused manifest, and the epoch stays.
         """
         manifest = load_manifest(raw, self.trusted_keys)
         async with self._manifest_lock:  # check, write and index as one step (manifests are rare)
             existing = self._same_as_stored(manifest)
             if existing is not None:
                 return existing, False
+            missing = self.staging.missing(manifest) if staged else []
+            if missing:
+                raise StagingIncomplete(missing)
             self.ledger.admit(manifest, published=published)
             path = self.root / "models" / manifest.model_id / str(manifest.version) / manifest.kind
-            await asyncio.to_thread(self._write_manifest, path, manifest, raw, self.reserved_bytes())
+            checked = await asyncio.to_thread(self.staging.claim, manifest, path / "pieces") if staged else {}
+            await asyncio.to_thread(self._write_manifest, path, manifest, raw, self.reserved_bytes(), not staged)
             await asyncio.to_thread(self.ledger.record, manifest)
             entry = StoredVersion(manifest, raw, path)
+            entry.present.update(checked)
+            entry.checked.update(checked)
             self._models.setdefault(manifest.model_id, {})[(manifest.version, manifest.kind)] = entry
         self._bump()
-        if not manifest.pieces:
+        if entry.complete:
             self._completed(entry)
         return entry, True
 
@@ -287,11 +301,11 @@ class VersionStore:
             reserved = 0
         return self.disk.describe(reserved)
 
-    def _write_manifest(self, path: Path, manifest: Manifest, raw: bytes, reserved: int) -> None:
-        """(In a worker thread.) Reserve room for the manifest and every piece, then write the manifest;
-        DiskFullError, leaving nothing behind, when they do not fit."""
+    def _write_manifest(self, path: Path, manifest: Manifest, raw: bytes, reserved: int, pieces: bool = True) -> None:
+        """(In a worker thread.) Reserve room for the manifest and (`pieces`: they are not on disk yet)
+        every piece, then write the manifest; DiskFullError, leaving nothing behind, when they do not fit."""
         what = f"{manifest.model_id} v{manifest.version} {manifest.kind}"
-        need = self.disk.on_disk([len(raw), *(p.length for p in manifest.pieces)], self.disk.block_bytes())
+        need = self.disk.on_disk([len(raw), *(p.length for p in manifest.pieces if pieces)], self.disk.block_bytes())
         self.disk.reserve(need, reserved, what)
         try:
             write_manifest(path, raw)
@@ -356,6 +370,7 @@ class VersionStore:
         still be arriving): without it a relay could serve no first pull from its own store."""
         now = time.monotonic()
         removed = []
+        self.staging.expire()
         for model, entries in self._models.items():
             head = self.head(model)
             anchor = max((e for e in entries.values() if e.kind == "full" and e.complete),

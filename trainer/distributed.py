@@ -136,6 +136,27 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a dim of `rows` that FSDP2's even sharding (torch.chunk: shares of
+    ceil(rows / world), the last ones shorter or empty) gives `rank` of `world`."""
+    share = -(-rows // world) if rows else 0
+    return min(rank * share, rows), min((rank + 1) * share, rows)
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of dim 0 of a (possibly FSDP2-sharded) tensor that this rank holds; a
+    plain tensor is held whole (a 0-d tensor: its one "row")."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return (0, t.shape[0]) if t.dim() else (0, 1)
+    placements = t.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ValueError(f"a tensor sharded as {placements} is not one dim-0 shard per rank")
+    mesh = t.device_mesh
+    return shard_rows(t.shape[0], mesh.size(), mesh.get_local_rank())
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly FSDP-sharded) tensor; a plain tensor is its own shard."""
     from torch.distributed.tensor import DTensor

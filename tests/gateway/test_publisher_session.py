@@ -155,22 +155,27 @@ def test_stages_are_ordered_and_the_delta_is_stored_before_the_full(spawn_gatewa
 def test_no_tensor_is_hashed_twice(spawn_gateway, kit, monkeypatch):
     """After the first version, a delta hashes only the new weights (in its scan: the base's hash is
     remembered) and a periodic full takes its tensor hashes from the delta's table."""
-    from deltamesh.delta import encode, tensors
+    from deltamesh.delta import parts, tensors
 
     gw = spawn_gateway("origin")
     hashed, base_hashed = [], []
-    digest, scan = tensors.tensor_digest, encode.scan_changes
+    digest, tiles, scan = tensors.tensor_digest, parts._tiles, parts.scan_changes
 
-    def counting_digest(t):
+    def counting_digest(t, grid=None):
         hashed.append(t.numel())
-        return digest(t)
+        return digest(t, grid)
+
+    def counting_tiles(words, shape, h, one_tile):
+        hashed.append(words.size)
+        return tiles(words, shape, h, one_tile)
 
     def watching_scan(base, new, hash_base, hash_new, sample=None):
         base_hashed.append(hash_base is not None)
         return scan(base, new, hash_base, hash_new, sample)
 
     monkeypatch.setattr(tensors, "tensor_digest", counting_digest)
-    monkeypatch.setattr(encode, "scan_changes", watching_scan)
+    monkeypatch.setattr(parts, "_tiles", counting_tiles)
+    monkeypatch.setattr(parts, "scan_changes", watching_scan)
 
     async def run() -> list[list[str]]:
         async with Publisher(gw.url, kit.key.key, MODEL, full_every=2, piece_bytes=PIECE) as pub:
