@@ -38,7 +38,7 @@ class Assembled:
 
 def assemble(table: Sequence[TensorSpec], parts: Sequence[dict[str, Any]]) -> Assembled:
     """The tables of the version whose tensors are `table`, from the parts' descriptions in part order.
-    Pieces carry spans when the version has more than one part or a tensor cut by pool layouts."""
+    Pieces carry spans when the version has more than one part or was cut for pool layouts."""
     holders: dict[int, list[tuple[list[int], list[int], list[str], list[str] | None]]] = {}
     for k, part in enumerate(parts):
         try:
@@ -55,13 +55,14 @@ def assemble(table: Sequence[TensorSpec], parts: Sequence[dict[str, Any]]) -> As
         entry, base = _entry(spec, sorted(holders.get(index, []), key=lambda h: h[0][0] if h[0] else 0))
         tensors.append(entry)
         bases.append(base)
-    grids = any(t.grid is not None for t in tensors)
+    # Pieces a pool rank may fetch alone carry their spans: those of parts, or of a version cut for pools.
+    spanned = len(parts) > 1 or any(part.get("cut") for part in parts) or any(t.grid is not None for t in tensors)
     pieces, offsets = [], []
     for part in parts:
         offsets.append(len(pieces))
         for length, piece_hash, written, spans in part["pieces"]:
             pieces.append(PieceEntry(length, piece_hash, tuple(written),
-                                     tuple(Span(*s) for s in spans) if grids or len(parts) > 1 else None))
+                                     tuple(Span(*s) for s in spans) if spanned else None))
     base_tensors = tuple(bases) if all(b is not None for b in bases) else None
     return Assembled(tuple(tensors), tuple(pieces), tuple(offsets), base_tensors)
 

@@ -98,6 +98,8 @@ class Part:
 
     held: tuple[HeldTiles, ...]
     pieces: list[BuiltPiece] = field(repr=False)
+    cut: bool = False
+    """Encoded for pool layouts (some tensor had cuts): its pieces are fetched by their spans."""
 
     def describe(self) -> dict:
         """The part without its pieces' bytes: what rank 0 needs to assemble the manifest (JSON)."""
@@ -107,6 +109,8 @@ class Part:
         }
         if self.held and all(h.base_tiles is not None for h in self.held):
             described["base"] = {str(h.index): list(h.base_tiles) for h in self.held}
+        if self.cut:
+            described["cut"] = True
         return described
 
 
@@ -157,7 +161,7 @@ def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
     pieces = [p for cutter in cutters.values() for p in cutter.finish()]
     for key, ranges in whole.items():
         pieces += _whole_pieces(ranges, piece_bytes, {h.index: h.start * h.spec.row_elements for h in holdings})
-    return Part(tuple(held), pieces)
+    return Part(tuple(held), pieces, cut=bool(cuts))
 
 
 @dataclass(frozen=True)

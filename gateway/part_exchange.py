@@ -27,6 +27,10 @@ class PartExchange(Protocol):
         """The value of `key`, waiting up to `timeout_s` for it to be set (TimeoutError)."""
         ...
 
+    def delete(self, key: str) -> None:
+        """Forget `key` (no rank reads it again)."""
+        ...
+
 
 class LocalBoard:
     """The shared store of `LocalExchange`s: ranks that are threads of one process."""
@@ -46,6 +50,13 @@ class LocalBoard:
                 raise TimeoutError(f"no value for {key!r} within {timeout_s:g} s")
             return self._values[key]
 
+    def delete(self, key: str) -> None:
+        with self._changed:
+            self._values.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
 
 class LocalExchange:
     """One rank's view of a `LocalBoard`."""
@@ -60,3 +71,6 @@ class LocalExchange:
 
     def get(self, key: str, timeout_s: float) -> bytes:
         return self.board.get(key, timeout_s)
+
+    def delete(self, key: str) -> None:
+        self.board.delete(key)

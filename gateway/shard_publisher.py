@@ -73,12 +73,16 @@ class ShardPublisher:
     """The model directory's side files (rank 0 ships them)."""
     cuts: Mapping[str, Cuts] | None = None
     part_timeout_s: float = 300.0
-    """How long rank 0 waits for every rank's part (and the others for rank 0's outcome)."""
+    """How long rank 0 waits for every rank's part (the others wait twice as long for its outcome)."""
     base: tuple[int, Mapping[str, torch.Tensor]] | None = field(default=None, init=False)
     """(version, rows held) of the last published version: what this rank's next part is encoded against."""
     link: OriginLink = field(init=False)
     _base_hash: str | None = field(default=None, init=False)
     _base_files: dict[str, str] | None = field(default=None, init=False)
+    _calls: int = field(default=0, init=False)
+    """Publishes begun: every rank begins the same ones in the same order, so it names their exchange keys."""
+    _spent: list[str] = field(default_factory=list, init=False)
+    """Rank 0: exchange keys of the last publish, forgotten once every rank has moved past it."""
 
     def __post_init__(self) -> None:
         if self.full_every < 0:
@@ -102,6 +106,7 @@ class ShardPublisher:
         if self.base is not None and version <= self.base[0]:
             raise ValueError(f"version {version} is not after the last published {self.base[0]}")
         stages: dict[str, float] = {}
+        self._calls += 1
         base = self.base[1] if self.base is not None else None
         kind: Kind = "delta" if base is not None else "full"
         try:
@@ -134,10 +139,15 @@ class ShardPublisher:
         sent = await stage_pieces(session, self.link.gateway, self.model_id, [p.data for p in part.pieces],
                                   [p.digest for p in part.pieces], connections=self.connections)
         stages[prefix + "staged"] = time.time()
-        key = f"{self.model_id}/v{version}/{kind}"
+        key = f"{self.model_id}/{self._calls}/v{version}/{kind}"
         self.exchange.put(f"{key}/part/{self.rank}", json.dumps(part.describe()).encode())
         if self.rank != 0:
-            outcome = json.loads(await asyncio.to_thread(self.exchange.get, f"{key}/outcome", self.part_timeout_s))
+            try:
+                # Rank 0 waits up to part_timeout_s for the parts, then assembles, signs and sends.
+                raw = await asyncio.to_thread(self.exchange.get, f"{key}/outcome", 2 * self.part_timeout_s)
+            except TimeoutError as e:
+                raise PartsError(f"rank 0 told no outcome of {self.model_id} v{version} {kind}") from e
+            outcome = json.loads(raw)
             if not outcome["ok"]:
                 raise PartsError(f"{self.model_id} v{version} {kind} was not published: {outcome['error']}")
             stages[prefix + "uploaded"] = time.time()
@@ -161,6 +171,10 @@ class ShardPublisher:
                 raise PartsError(f"rank {r} did not describe its part of {self.model_id} v{version} {kind} "
                                  f"within {self.part_timeout_s:g} s") from e
             descriptions.append(json.loads(raw))
+        # Every rank has described its part of this publish, so each has read the last one's outcome.
+        for spent in self._spent:
+            self.exchange.delete(spent)
+        self._spent = [f"{key}/part/{r}" for r in range(self.exchange.world)] + [f"{key}/outcome"]
         assembled = await asyncio.to_thread(assemble, table, descriptions)
         files = dict(self.side_files or {})
         manifest = manifest_of_parts(assembled, model_id=self.model_id, version=version,

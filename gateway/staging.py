@@ -70,6 +70,10 @@ class Staging:
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def staged(self) -> list[tuple[str, str]]:
+        """(model, digest) of every staged piece, sorted."""
+        return sorted(self._pieces)
+
     def has(self, model: str, piece_hash: str, length: int) -> bool:
         staged = self._pieces.get((model, piece_hash))
         return staged is not None and staged.length == length

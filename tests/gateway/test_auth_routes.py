@@ -14,7 +14,7 @@ from deltamesh.gateway.auth_policy import ROUTES, gateway_policy
 from deltamesh.gateway.server import GATEWAY_KEY, create_app
 
 from deltamesh.auth import OPEN, unlisted_routes
-from deltamesh.delta import sign_statement
+from deltamesh.delta import piece_digest, sign_statement
 from deltamesh.http import bearer, client_session, serving
 from deltamesh.tokens import ROLES, TokenSpec, add_token, revoke_token
 
@@ -72,7 +72,7 @@ def state(gw) -> tuple:
     pools = [(p.name, p.version, p.state, p.last_seen) for p in gw.pools.pools()]
     statement = gw.statements.get(MODEL)
     return (versions, gw.store.epoch, pools, sorted(d.region for d in gw.downstreams), gw.store.ledger.top(MODEL),
-            statement.raw if statement is not None else None)
+            statement.raw if statement is not None else None, gw.store.staging.staged())
 
 
 def statement(kit, issued_ms: int) -> bytes:
@@ -91,6 +91,7 @@ def requests(kit) -> dict[tuple[str, str], dict]:
                                                                   f"/v1/models/{MODEL}/versions/2/delta/manifest"),
         "/v1/models/{model}/versions/{version}/{kind}/pieces/{index}": (one + "/pieces/0", one + "/pieces/1"),
         "/v1/models/{model}/newest/{kind}/parts/{part}": (f"/v1/models/{MODEL}/newest/full/parts/0?of=2",) * 2,
+        "/v1/models/{model}/staged/{digest}": (f"/v1/models/{MODEL}/staged/{piece_digest(pieces1[1])}",) * 2,
     }
     out = {}
     for method, route in ROUTES:
@@ -199,6 +200,7 @@ def test_each_role_reaches_its_routes(kit, tmp_path, tokens):
                                        "trainer", 201),
                                       (("PUT", "/v1/models/{model}/versions/{version}/{kind}/manifest"), "trainer", 201),
                                       (("PUT", "/v1/models/{model}/statement"), "trainer", 201),
+                                      (("PUT", "/v1/models/{model}/staged/{digest}"), "trainer", 201),
                                       (("POST", "/v1/pools/{name}/heartbeat"), "pool", 200),
                                       (("POST", "/v1/gateways"), "gateway", 200),
                                       (("DELETE", "/v1/pools/{name}"), "pool", 200)]:

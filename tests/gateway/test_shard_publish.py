@@ -1,0 +1,168 @@
+"""Versions built in parts: trainer ranks each encode, stage and describe the rows they hold, rank 0 signs one
+manifest, and the origin announces the version only whole. A real `deltamesh gateway` process, ranks as
+threads of this process (each with its own event loop and connections, their exchange in memory), and a
+pool's weight sync checking every version bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deltamesh.delta import read_weights
+from deltamesh.delta.encode import table_of
+from deltamesh.delta.parts import encode_part
+from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.part_exchange import LocalBoard, LocalExchange
+from deltamesh.gateway.shard_publisher import PartsError, ShardPublisher
+from deltamesh.gateway.upload import stage_pieces
+from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.http import HttpError, client_session, request_bytes
+from deltamesh.trainer.distributed import shard_rows
+
+MODEL = "tiny"
+
+
+def publishers(url: str, key, world: int, board: LocalBoard | None = None, **kw) -> list[ShardPublisher]:
+    board = board or LocalBoard()
+    return [ShardPublisher(url, MODEL, LocalExchange(board, r, world), key=key if r == 0 else None,
+                           piece_bytes=4096, **kw) for r in range(world)]
+
+
+def rows_of(weights, world: int, rank: int) -> dict[str, tuple[int, int]]:
+    return {s.name: shard_rows(s.rows, world, rank) for s in table_of(weights) if s.shape}
+
+
+def run_ranks(pubs: list[ShardPublisher], weights, version: int, ranks: list[int] | None = None) -> list:
+    """Every rank (or those of `ranks`) publishes its rows of `weights` as `version`, each in its own thread."""
+    table = table_of(weights)
+
+    def one(rank: int):
+        rows = rows_of(weights, len(pubs), rank)
+        held = {n: t[slice(*rows[n])] if n in rows else t for n, t in weights.items()}
+        try:
+            return asyncio.run(pubs[rank].publish(table, held, rows, version))
+        except Exception as e:  # noqa: BLE001 - returned for the test to look at
+            return e
+
+    ranks = list(range(len(pubs))) if ranks is None else ranks
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(one, ranks))
+
+
+def pool_config(kit, tmp_path, url: str) -> PoolSyncConfig:
+    return PoolSyncConfig(gateways=[url], token="region-token-1", name="p", dir=str(tmp_path / "pool"),
+                          trusted_keys=[str(kit.key.public)], model=MODEL, give_up_s=10.0)
+
+
+def listing(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/models/{MODEL}/versions", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_ranks_publish_their_own_parts_and_a_pool_takes_each_version(spawn_gateway, kit, tmp_path):
+    gw = spawn_gateway("origin")
+    board = LocalBoard()
+    pubs = publishers(gw.url, kit.key.key, 3, board, full_every=2)
+    versions = [kit.tiny_weights()]
+    for v in (1, 2):
+        versions.append(kit.next_step(versions[-1], v))
+
+    async def pool_takes(v: int) -> None:
+        async with WeightSync(pool_config(kit, tmp_path, gw.url)) as sync:
+            assert await sync.sync_once(wait_s=5) is True and sync.version == v
+        assert kit.same_bits(read_weights(tmp_path / "pool"), versions[v])
+
+    kinds = []
+    for v, weights in enumerate(versions):
+        results = run_ranks(pubs, weights, v)
+        assert not any(isinstance(r, Exception) for r in results), results
+        assert all(r.bytes_sent > 0 for r in results)  # every rank uploaded its own pieces
+        kinds.append([m.kind for m in results[0].manifests])
+        asyncio.run(pool_takes(v))
+    assert kinds == [["full"], ["delta"], ["delta", "full"]]
+    entries = {(e["version"], e["kind"]): e for e in listing(gw.url)["versions"]}
+    assert all(e["complete"] for e in entries.values()) and (2, "full") in entries
+    assert entries[(2, "full")]["weights_hash"] == entries[(2, "delta")]["weights_hash"]
+    assert len(board) <= 2 * (3 + 1)  # the exchange keeps the last publish's keys (a delta and a full) only
+    for pub in pubs:
+        asyncio.run(pub.aclose())
+
+
+def test_a_rank_that_dies_mid_upload_leaves_no_half_version(spawn_gateway, kit, tmp_path):
+    gw = spawn_gateway("origin")
+    pubs = publishers(gw.url, kit.key.key, 3, part_timeout_s=2.0)
+    v0 = kit.tiny_weights()
+    v1 = kit.next_step(v0, 1)
+    assert not any(isinstance(r, Exception) for r in run_ranks(pubs, v0, 0))
+
+    # Rank 1 stages half its pieces of v1 and dies before it describes its part.
+    table, rows = table_of(v1), rows_of(v1, 3, 1)
+    held = {n: t[slice(*rows[n])] if n in rows else t for n, t in v1.items()}
+    base = {n: t[slice(*rows[n])] if n in rows else t for n, t in v0.items()}
+    part = encode_part(table, held, base=base, rows=rows, piece_bytes=4096)
+    half = part.pieces[: max(1, len(part.pieces) // 2)]
+
+    async def die_half_way():
+        async with client_session(timeout_s=10) as s:
+            await stage_pieces(s, gw.url, MODEL, [p.data for p in half], [p.digest for p in half])
+
+    asyncio.run(die_half_way())
+    results = run_ranks(pubs, v1, 1, ranks=[0, 2])
+    assert isinstance(results[0], PartsError) and "rank 1" in str(results[0])
+    assert isinstance(results[1], PartsError)  # rank 2 learns it from rank 0's outcome
+    assert [(e["version"], e["kind"]) for e in listing(gw.url)["versions"]] == [(0, "full")]
+
+    async def pool_sees_nothing_new():
+        async with WeightSync(pool_config(kit, tmp_path, gw.url)) as sync:
+            assert await sync.sync_once() is True and sync.version == 0
+            assert await sync.sync_once(wait_s=1) is False
+
+    asyncio.run(pool_sees_nothing_new())
+    # The job restarts its ranks (a fresh exchange, no bases): v1 goes as a full snapshot, announced whole.
+    results = run_ranks(publishers(gw.url, kit.key.key, 3), v1, 1)
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert [m.kind for m in results[0].manifests] == ["full"]
+    assert listing(gw.url)["head"] == 1
+
+
+def test_a_manifest_whose_pieces_are_not_all_staged_is_refused_whole(spawn_gateway, kit, tmp_path):
+    gw = spawn_gateway("origin")
+    relay = spawn_gateway("relay", upstreams=[gw.url])
+    v0 = kit.tiny_weights()
+    table = table_of(v0)
+    part = encode_part(table, v0, piece_bytes=4096)
+    from deltamesh.delta.assemble import assemble
+    from deltamesh.delta.encode import manifest_of_parts
+
+    manifest = manifest_of_parts(assemble(table, [part.describe()]), model_id=MODEL, version=0, base_version=None,
+                                 base_hash=None, files={})
+    envelope = manifest.signed(kit.key.key)
+    pieces = [p.data for p in part.pieces]
+    digests = [p.digest for p in part.pieces]
+
+    async def main():
+        async with client_session(timeout_s=10) as s:
+            manifest_url = f"{gw.url}/v1/models/{MODEL}/versions/0/full/manifest?staged=1"
+            await stage_pieces(s, gw.url, MODEL, pieces[1:], digests[1:])
+            with pytest.raises(HttpError) as refused:
+                await request_bytes(s, "PUT", manifest_url, data=envelope)
+            assert refused.value.status == 409 and "not staged" in str(refused.value)
+            with pytest.raises(HttpError) as forged:  # bytes that are not the digest they are staged under
+                await stage_pieces(s, gw.url, MODEL, [pieces[1]], [digests[0]])
+            assert forged.value.status == 400
+            with pytest.raises(HttpError) as on_relay:
+                await stage_pieces(s, relay.url, MODEL, pieces[:1], digests[:1])
+            assert on_relay.value.status == 405
+            with pytest.raises(urllib.error.HTTPError):  # nothing of the model is announced
+                urllib.request.urlopen(f"{gw.url}/v1/models/{MODEL}/versions", timeout=10)
+            await stage_pieces(s, gw.url, MODEL, pieces[:1], digests[:1])
+            await request_bytes(s, "PUT", manifest_url, data=envelope)
+
+    asyncio.run(main())
+    assert [(e["version"], e["complete"]) for e in listing(gw.url)["versions"]] == [(0, True)]
