@@ -33,6 +33,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .errors import CodecError
 from .parts import ALL, Cuts, TensorSpec
+from .share_plan import Share
 
 VOCAB_PADDING = 64
 """vLLM pads a vocabulary-parallel embedding's rows to a multiple of this before splitting them."""
@@ -41,29 +42,6 @@ _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj|w1|w2|w3|w13_weight|w2_weight)$")
-
-
-@dataclass(frozen=True)
-class Share:
-    """What a rank holds of one tensor: all of it (`dim` None), or rows (`dim` 0) or columns (`dim` 1)
-    [start, stop)."""
-
-    dim: int | None = None
-    start: int = 0
-    stop: int = 0
-
-    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        if self.dim is None:
-            return tuple(shape)
-        out = list(shape)
-        out[self.dim] = self.stop - self.start
-        return tuple(out)
-
-    def take(self, tensor):
-        """This share of a whole tensor (a view)."""
-        if self.dim is None:
-            return tensor
-        return tensor.narrow(self.dim, self.start, self.stop - self.start)
 
 
 WHOLE = Share()

@@ -25,39 +25,11 @@ from .dtypes import is_float, np_words
 from .errors import BaseMismatchError, CodecError, CorruptError
 from .grid import tile_digests
 from .kernels import write_changes
-from .layouts import Share
+from .share_plan import Share
 from .manifest import Manifest, TensorEntry
 from .parallel import thread_map
 from .patch import Rollback
 from .tensors import tensor_digest
-
-
-def pieces_for(manifest: Manifest, shares: Mapping[str, Share]) -> list[int]:
-    """Indices of the codec pieces that write into `shares` (tensor name -> share): by their spans when
-    the manifest has them, else every piece writing a tensor held. Side-file pieces are never needed."""
-    index = manifest.tensor_index()
-    held = {index[name]: share for name, share in shares.items() if name in index}
-    files = manifest.file_pieces()
-    wanted = []
-    for i, piece in enumerate(manifest.pieces):
-        if i in files:
-            continue
-        if piece.spans is None:
-            if any(t in held for t in piece.tensors):
-                wanted.append(i)
-            continue
-        if any(s.tensor in held and _reaches(manifest.tensors[s.tensor], held[s.tensor], s.start, s.stop)
-               for s in piece.spans):
-            wanted.append(i)
-    return wanted
-
-
-def _reaches(entry: TensorEntry, share: Share, start: int, stop: int) -> bool:
-    """Whether elements [start, stop) of the tensor meet the share (columns meet every row range)."""
-    if share.dim != 0:
-        return True
-    row = entry.numel // entry.shape[0] if entry.shape and entry.shape[0] else 1
-    return start < share.stop * row and share.start * row < stop
 
 
 def decode_pieces(manifest: Manifest, pieces: Mapping[int, bytes]) -> dict[int, list[TensorUpdate]]:

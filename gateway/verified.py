@@ -11,9 +11,10 @@ so the fetcher turns to another gateway for it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from deltamesh.delta import CorruptError, Manifest, load_manifest
+from deltamesh.delta.share_plan import Share, pieces_for
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch import Fetcher, Inline
 from deltamesh.gateway.fetch_parts import EarlyParts
@@ -60,6 +61,31 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
             on_piece(len(data))
 
     await fetcher.pieces(manifest, range(len(pieces)), connections, keep, parts)
+    return manifest, pieces
+
+
+async def fetch_share(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
+                      connections: int, shares: Mapping[str, Share],
+                      check: Callable[[Manifest], None] | None = None) -> tuple[Manifest, dict[int, bytes]]:
+    """A pool rank's part of `step`: the verified manifest, and only the pieces that reach its `shares`
+    (tensor name -> the slice it holds: `deltamesh.delta.shares.pieces_for`), each hash-checked. Nothing
+    is asked for ahead of the manifest, so no byte outside the rank's shares is requested."""
+
+    async def accept(raw: bytes) -> Manifest:
+        m = load_manifest(raw, trusted_keys)
+        if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
+            raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
+        if check is not None:
+            check(m)
+        return m
+
+    manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=0)
+    pieces: dict[int, bytes] = {}
+
+    async def keep(index: int, data: bytes) -> None:
+        pieces[index] = bytes(data)
+
+    await fetcher.pieces(manifest, pieces_for(manifest, shares), connections, keep)
     return manifest, pieces
 
 

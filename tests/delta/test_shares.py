@@ -16,7 +16,8 @@ from deltamesh.delta.assemble import assemble
 from deltamesh.delta.encode import encode_delta, encode_full, manifest_of_parts, table_of
 from deltamesh.delta.layouts import PoolLayout, cuts_for, shares_of
 from deltamesh.delta.parts import encode_part
-from deltamesh.delta.shares import apply_share, decode_pieces, pieces_for
+from deltamesh.delta.share_plan import pieces_for
+from deltamesh.delta.shares import apply_share, decode_pieces
 from deltamesh.trainer.distributed import shard_rows
 
 KEY = generate_key()
