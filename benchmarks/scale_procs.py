@@ -1,0 +1,163 @@
+"""The processes of benchmarks/scale.py: trainer ranks (sharded, or gathering to rank 0) and in-memory pools.
+
+A trainer rank builds its rows of the synthetic model (scale_model.py), then for each version the
+parent asks for: steps them, and publishes either its own part (`ShardPublisher`, the ranks meeting
+on a TCPStore exchange) or, on the rank-0 path, sends them to rank 0 over gloo, which publishes the
+whole model with today's `Publisher`. It reports the step's end, the publisher's stages and the peak
+resident memory publishing added (sampled every few milliseconds, over the rank's memory with only its
+live rows). A pool follows its region's gateway, fetches each new version, verifies it and applies it
+in place to the weights it holds in memory (every result tensor checked against the signed manifest),
+and reports when it serves it; it has no engine and writes no directory, so its time is what a
+pool's verified fetch and apply cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from deltamesh.delta import apply_version, load_private_key, tensor_digest
+from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.publisher import Publisher
+from deltamesh.gateway.shard_publisher import ShardPublisher
+from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.trainer.distributed import shard_rows
+from deltamesh.trainer.part_exchange import store_exchange
+
+import scale_model
+
+MODEL = "scale"
+
+
+class PeakRss:
+    """The largest resident set size of this process seen since `reset`, sampled on a thread."""
+
+    def __init__(self, every_s: float = 0.005) -> None:
+        self.peak = self.baseline = rss_bytes()
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, args=(every_s,), daemon=True).start()
+
+    def _sample(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.peak = max(self.peak, rss_bytes())
+
+    def reset(self) -> None:
+        self.peak = self.baseline = rss_bytes()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def trainer_rank(rank: int, world: int, mode: str, cfg: dict[str, Any], orders, reports) -> None:
+    """One trainer rank: publish every version `orders` names (None: stop), reporting on `reports`."""
+    torch.set_num_threads(1)
+    specs = scale_model.table(cfg["shapes"])
+    rows = {s.name: shard_rows(s.rows, world, rank) for s in specs}
+    live = dict(scale_model.blocks(specs, rows))
+    shard_bytes = sum(t.numel() * t.element_size() for t in live.values())
+    rss = PeakRss()  # the baseline: the rank's live rows, which a trainer holds whether it publishes or not
+    key = load_private_key(cfg["key"]) if rank == 0 else None
+    if mode == "sharded":
+        exchange = store_exchange("127.0.0.1", cfg["store_port"], rank, world)
+        publisher = ShardPublisher(cfg["gateway"], MODEL, exchange, key=key, full_every=0, connections=4)
+    else:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['store_port']}",
+                                             rank=rank, world_size=world)
+        publisher = Publisher(cfg["gateway"], key, MODEL, full_every=0, connections=4) if rank == 0 else None
+    loop = asyncio.new_event_loop()
+    try:
+        while (version := orders.get()) is not None:
+            if version > 0:
+                live = {n: scale_model.step_block(t, n, rows[n][0], version) for n, t in live.items()}
+            step_end = time.time()
+            if mode == "sharded":
+                published = loop.run_until_complete(publisher.publish(specs, live, rows, version))
+            else:
+                published = _publish_gathered(loop, publisher, specs, live, rank, world, version)
+            reports.put({"who": f"rank{rank}", "version": version, "step_end": step_end,
+                         "stages": published.stages if published else {}, "shard_bytes": shard_bytes,
+                         "added_peak": rss.peak - rss.baseline,
+                         "bytes_sent": published.bytes_sent if published else 0})
+        reports.put({"who": f"rank{rank}", "digests": {n: tensor_digest(t) for n, t in live.items()}, "rows": rows})
+    finally:
+        if publisher is not None:
+            loop.run_until_complete(publisher.aclose())
+        loop.close()
+        rss.close()
+        if mode != "sharded":
+            torch.distributed.destroy_process_group()
+
+
+def _publish_gathered(loop, publisher, specs, live, rank: int, world: int, version: int):
+    """Today's path: every tensor gathered to rank 0 (gloo), which encodes and publishes it whole."""
+    whole = {} if rank == 0 else None
+    for spec in specs:
+        mine = live[spec.name].contiguous()
+        if rank == 0:
+            parts = [torch.empty((shard_rows(spec.rows, world, r)[1] - shard_rows(spec.rows, world, r)[0],
+                                  *spec.shape[1:]), dtype=mine.dtype) for r in range(world)]
+            torch.distributed.gather(mine, parts, dst=0)
+            whole[spec.name] = torch.cat(parts)
+        else:
+            torch.distributed.gather(mine, None, dst=0)
+    if rank != 0:
+        return None
+    gathered = time.time()
+    published = loop.run_until_complete(publisher.publish(whole, version))
+    published.stages["gathered"] = gathered
+    return published
+
+
+def pool(name: str, gateway: str, trusted_key: str, workdir: str, reports, stop) -> None:
+    """An in-memory pool: every new version fetched, verified, applied in place and reported."""
+    torch.set_num_threads(1)
+    # The benchmark's gateways are anonymous (loopback, this run's alone): the token is not checked.
+    config = PoolSyncConfig(gateways=[gateway], token="scale-bench", name=name, dir=os.path.join(workdir, name),
+                            trusted_keys=[trusted_key], model=MODEL, connections=8, give_up_s=600)
+    asyncio.run(_follow(config, reports, stop))
+
+
+async def _follow(config: PoolSyncConfig, reports, stop) -> None:
+    held: dict[str, torch.Tensor] | None = None
+    manifest = None
+    async with WeightSync(config) as sync:
+        while not stop.is_set():
+            head = await sync.wait_for_head(1.0, after=None if manifest is None else manifest.version)
+            if head is None:
+                continue
+            seen = time.time()
+            plan = await sync.fetch_plan(head, base=None if manifest is None else manifest.version)
+            versions = await sync.fetch_decoded(plan)
+            fetched = time.time()
+            for decoded in versions:
+                digests = None if manifest is None else {e.name: e.hash for e in manifest.tensors}
+                held = await asyncio.to_thread(apply_version, decoded, held if decoded.kind == "delta" else None,
+                                               base_digests=digests, in_place=True)
+                manifest = decoded.manifest
+            reports.put({"who": config.name, "version": manifest.version, "head_seen": seen, "fetched": fetched,
+                         "serving": time.time(), "bytes": sum(d.manifest.payload_bytes for d in versions)})
+        if held is not None:
+            reports.put({"who": config.name, "digests_of": _rows_digests(held)})
+
+
+def _rows_digests(held: dict[str, torch.Tensor]) -> dict[str, dict[str, str]]:
+    """Per tensor, the digest of each rank's rows for 1 and 2 ranks (what the ranks report of theirs)."""
+    out: dict[str, dict[str, str]] = {}
+    for name, t in held.items():
+        rows = t.shape[0] if t.dim() else 1
+        out[name] = {f"{a}:{b}": tensor_digest(t[a:b] if t.dim() else t)
+                     for world in (1, 2) for a, b in [shard_rows(rows, world, r) for r in range(world)] if b > a}
+    return out
