@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from .errors import CodecError
 from .parts import ALL, Cuts, TensorSpec
@@ -165,6 +165,12 @@ def _owned_experts(layout: PoolLayout, rank: int, experts: int | None) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def layouts_from(specs: Iterable[Mapping[str, int]]) -> list[PoolLayout]:
-    """Layouts from config tables ({"tp": 2, "ep": 1, "kv_heads": 8})."""
-    return [PoolLayout(**dict(spec)) for spec in specs]
+def parse_layout(text: str) -> PoolLayout:
+    """A layout from its name: `tp2`, `ep4`, `tp2-ep2`, `tp4-kv2` (key/value heads, when fewer than tp)."""
+    fields = {"tp": 1, "ep": 1}
+    for part in text.strip().lower().split("-"):
+        match = re.fullmatch(r"(tp|ep|kv)([1-9][0-9]*)", part)
+        if match is None:
+            raise ValueError(f"pool layout {text!r}: parts are tpN, epN and kvN joined by '-', e.g. tp2 or tp4-kv2")
+        fields["kv_heads" if match.group(1) == "kv" else match.group(1)] = int(match.group(2))
+    return PoolLayout(**fields)

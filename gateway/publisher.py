@@ -37,13 +37,15 @@ import os
 import time
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import aiohttp
 import torch
 
 from deltamesh.delta import Encoded, encode_delta, encode_full, read_weights, weights_hash, write_weights
+from deltamesh.delta.encode import table_of
 from deltamesh.delta.keys import Ed25519PrivateKey
+from deltamesh.delta.layouts import PoolLayout, cuts_for
 from deltamesh.delta.manifest import Manifest
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
@@ -79,6 +81,9 @@ class Publisher:
     tls: TlsSettings | None = None
     side_files: Mapping[str, bytes] | None = None
     """The model directory's side files (name -> bytes), shipped with every version; None: none."""
+    layouts: Sequence[PoolLayout] = ()
+    """Layouts of the tensor- or expert-parallel pools that follow the model: each version is cut and
+    hashed for them (`deltamesh.delta.layouts`), so each of their ranks fetches and checks its share."""
     base: tuple[int, Mapping[str, torch.Tensor]] | None = field(default=None, init=False)
     """(version, weights) of the last published version: what the next delta is encoded against."""
     _base_hash: str | None = field(default=None, init=False)
@@ -139,14 +144,16 @@ class Publisher:
         full_too = self.base is not None and bool(self.full_every) and version % self.full_every == 0
         try:
             session = await self.connection()
+            cuts = cuts_for(table_of(weights), self.layouts) if self.layouts else None
             if self.base is not None:
                 first = await asyncio.to_thread(
                     encode_delta, self.base[1], weights, model_id=self.model_id, version=version,
                     base_version=self.base[0], key=None, base_hash=self._base_hash,
-                    piece_bytes=self.piece_bytes, files=self.side_files, base_files=self._base_files)
+                    piece_bytes=self.piece_bytes, files=self.side_files, base_files=self._base_files, cuts=cuts)
             else:
                 first = await asyncio.to_thread(encode_full, weights, model_id=self.model_id, version=version,
-                                                key=None, piece_bytes=self.piece_bytes, files=self.side_files)
+                                                key=None, piece_bytes=self.piece_bytes, files=self.side_files,
+                                                cuts=cuts)
             stages["encoded"] = time.time()
             first = first.signed(self.key)
             stages["signed"] = stages["upload_start"] = time.time()
@@ -159,7 +166,7 @@ class Publisher:
             if full_too:
                 full = await asyncio.to_thread(
                     encode_full, weights, model_id=self.model_id, version=version, key=self.key,
-                    piece_bytes=self.piece_bytes, files=self.side_files,
+                    piece_bytes=self.piece_bytes, files=self.side_files, cuts=cuts,
                     hashes={t.name: t.hash for t in first.manifest.tensors})
                 stages["full_encoded"] = time.time()
                 sent += await self._upload(session, full)

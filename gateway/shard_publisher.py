@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -74,6 +74,8 @@ class ShardPublisher:
     cuts: Mapping[str, Cuts] | None = None
     part_timeout_s: float = 300.0
     """How long rank 0 waits for every rank's part (the others wait twice as long for its outcome)."""
+    on_encoded: Callable[[], None] | None = None
+    """Called once this rank has encoded its part of a version (its upload goes on)."""
     base: tuple[int, Mapping[str, torch.Tensor]] | None = field(default=None, init=False)
     """(version, rows held) of the last published version: what this rank's next part is encoded against."""
     link: OriginLink = field(init=False)
@@ -97,6 +99,13 @@ class ShardPublisher:
 
     async def aclose(self) -> None:
         await self.link.aclose()
+
+    async def publish_statement(self) -> bool:
+        """Rank 0: sign and upload a fresh head statement for the last published version (between
+        versions, so pools that require fresh statements see the trainer is alive); False elsewhere."""
+        if self.rank != 0 or self.base is None or self._base_hash is None:
+            return False
+        return await self.link.put_statement(self.key, self.base[0], self._base_hash)
 
     async def publish(self, table: Sequence[TensorSpec], weights: Mapping[str, torch.Tensor], rows: Rows,
                       version: int) -> Published:
@@ -134,6 +143,8 @@ class ShardPublisher:
         part = await asyncio.to_thread(encode_part, table, weights, base=base, rows=rows, cuts=self.cuts,
                                        piece_bytes=self.piece_bytes, known=known)
         stages[prefix + "encoded"] = time.time()
+        if self.on_encoded is not None and not prefix:
+            self.on_encoded()
         session = await self.link.connection()
         stages[prefix + "upload_start"] = time.time()
         sent = await stage_pieces(session, self.link.gateway, self.model_id, [p.data for p in part.pieces],

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deltamesh.delta.parts import TensorSpec
+
 log = logging.getLogger(__name__)
 
 # Broadcast headers describe a tensor of at most this many dimensions.
@@ -192,6 +194,29 @@ def full_state_dict(
             # A snapshot: it must not alias the live parameters that the next step updates.
             out[name] = whole.to("cpu", target, copy=whole.device.type == "cpu" and target == whole.dtype)
     return out
+
+
+def local_state(model: nn.Module, dtype: torch.dtype | None = None
+                ) -> tuple[list[TensorSpec], dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """This rank's share of the model's state, with no collective: the whole model's tensor table (name,
+    dtype, whole shape; sorted), a CPU copy of the rows this rank holds of each tensor (floating ones
+    cast to `dtype`), and which rows they are. Tied tensors appear once, under their first name."""
+    from deltamesh.delta.dtypes import DTYPE_NAMES
+
+    table, local, rows = [], {}, {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        t = t.detach()
+        mine = local_tensor(t)
+        target = dtype if dtype is not None and mine.is_floating_point() else mine.dtype
+        # A snapshot: it must not alias the live parameters that the next step updates.
+        local[name] = mine.to("cpu", target, copy=True).contiguous()
+        rows[name] = local_rows(t)
+        table.append(TensorSpec(name, DTYPE_NAMES[target], tuple(t.shape)))
+    return sorted(table, key=lambda s: s.name), local, rows
 
 
 def broadcast_tensors(

@@ -40,12 +40,10 @@ from typing import Callable
 import torch
 
 from deltamesh.data import Batch
-from deltamesh.delta import load_private_key, read_side_files
 from deltamesh.trainer.checkpoint import CheckpointError, resume_latest, save_checkpoint
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors, init_distributed, shard_model, shutdown
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.loss_inputs import LossInputs, broadcast_inputs, inputs_from_batch
-from deltamesh.trainer.mesh_client import MeshClient
 from deltamesh.trainer.metrics import TrainerMetrics
 from deltamesh.trainer.mismatch import MismatchWatch, PoolMismatch, pool_mismatch
 from deltamesh.trainer.models import load_causal_lm
@@ -53,11 +51,11 @@ from deltamesh.trainer.step import (
     TrainState,
     batch_logprobs,
     build_optimizer,
-    published_weights,
     seed_everything,
     train_step,
 )
 from deltamesh.trainer.step_log import StepLog, step_record
+from deltamesh.trainer.version_stream import VersionStream
 
 log = logging.getLogger(__name__)
 
@@ -177,28 +175,22 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
             raise CheckpointError(f"{ckpt.dir} holds checkpoints of {meta['extra']['model_id']!r}, "
                                   f"not of {cfg.model_id!r}")
     checkpointed = state.version
-    weights = published_weights(model, ctx)
     encode_first = cfg.encode_first == "on" or (cfg.encode_first == "auto" and
                                                  resolve_device(cfg.device, ctx).type == "cpu")
 
-    client = records = watch = None
+    records = watch = None
     if ctx.is_main:
         records = StepLog(cfg.metrics_file)
-        client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
-                            gateway_token=cfg.gateway_token, tls=cfg.tls,
-                            statement_every_s=cfg.statement_every_s,
-                            model_id=cfg.model_id, key=load_private_key(cfg.key), full_every=cfg.full_every,
-                            piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
-                            on_published=records.published, side_files=read_side_files(cfg.model))
         served = TrainerMetrics()
         watch = MismatchWatch(cfg.mismatch, cfg.model_id, served)
+    stream = VersionStream(cfg, ctx, model, on_published=records.published if records is not None else None)
+    client = stream.client
     try:
         if client is not None and cfg.metrics_listen:
             log.info("%s: metrics at %s/metrics", cfg.model_id, client.serve_metrics(served.registry,
                                                                                      cfg.metrics_listen))
-        started = client.start(state.version, weights, stop) if client is not None else None
-        counter = _share_int(-1 if started is None else started.version, ctx)
-        if counter < 0:
+        counter = stream.start(state.version, stop)
+        if counter is None:
             return
         state.version = counter
         steps = 0
@@ -212,7 +204,7 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                 break
             wait_s = time.monotonic() - poll_start
             # The version's encode has the cores first (TrainLoopConfig.encode_first): a publish stall.
-            encode_wait_s = client.wait_encoded() if client is not None and encode_first else 0.0
+            encode_wait_s = stream.wait_encoded() if encode_first else 0.0
             trained_on = state.version
             inputs = broadcast_inputs(None if batch is None else pad_rows(inputs_from_batch(batch), ctx.world_size),
                                       ctx)
@@ -222,14 +214,9 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
             step_end = time.time()  # wall clock: the publish stages it starts are compared across processes
             if batch is not None:
                 trained.append(batch.batch_id)
-            new_weights = published_weights(model, ctx)
-            cast_end = time.time()
             train_s = time.monotonic() - poll_start - wait_s - encode_wait_s
             steps += 1
-            stall_s = encode_wait_s
-            if client is not None:
-                assert new_weights is not None
-                stall_s += client.publish(new_weights, state.version, {"step_end": step_end, "cast": cast_end})
+            stall_s = encode_wait_s + stream.publish(state.version, {"step_end": step_end})
             if ckpt.dir is not None and state.version % ckpt.every == 0:
                 if client is not None:
                     client.wait_published()  # a checkpoint must not get ahead of the gateway
@@ -246,8 +233,7 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                 records.add(step_record(step=state.step, version=state.version, batch=batch, metrics=metrics,
                                         trained_on=trained_on, wait_s=wait_s, train_s=train_s, stall_s=stall_s,
                                         step_s=step_s, mismatch=mismatch))
-        if client is not None:
-            client.wait_published()
+        stream.wait_published()
         if ckpt.dir is not None and steps and checkpointed != state.version:
             save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
         if client is not None and trained:
@@ -255,5 +241,4 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
         log.info("%s: stopped at step %d, version %d (%d steps this run)", cfg.model_id, state.step, state.version,
                  steps)
     finally:
-        if client is not None:
-            client.close()
+        stream.close()

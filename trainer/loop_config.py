@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltamesh.config import http_url, http_urls
+from deltamesh.delta.layouts import parse_layout
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
 from deltamesh.tls import TlsSettings
@@ -59,6 +60,13 @@ class TrainLoopConfig(TrainerConfig):
     """Size of the published pieces."""
     upload_connections: int = 4
     """Parallel uploads to the gateway."""
+    publish_parts: Literal["auto", "on", "off"] = "auto"
+    """on: every rank encodes and uploads its own rows of each version, and rank 0 signs one manifest
+    of them (a version built in parts: no rank holds the whole model); off: the weights are gathered to
+    rank 0, which publishes them whole; auto: on when the trainer runs on several ranks."""
+    pool_layouts: list[str] = field(default_factory=list, metadata=flag("--pool-layout", metavar="LAYOUT"))
+    """Layouts of the tensor- or expert-parallel pools that follow this model (`tp2`, `ep4`, `tp4-kv2`):
+    each version is hashed and cut so that every rank of them fetches and checks its share alone."""
     encode_first: Literal["auto", "on", "off"] = "auto"
     """on: the next step's compute waits until the version just published is encoded (its upload goes
     on beside the step), so the trainer's own threads do not slow the encode, which every pool waits
@@ -98,5 +106,7 @@ class TrainLoopConfig(TrainerConfig):
             raise ValueError(f"upload_connections must be >= 1, got {self.upload_connections}")
         if self.metrics_listen:
             parse_listen(self.metrics_listen)
+        for layout in self.pool_layouts:
+            parse_layout(layout)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

@@ -1,15 +1,17 @@
 """Rank 0's dealings with the mesh, off the training thread: batches in, versions out, timings reported.
 
 The training loop is synchronous (every rank runs the same collectives in step), but the broker and
-the gateway speak asyncio HTTP. `MeshClient` runs one event loop in a background thread and offers
-the loop blocking calls for what it must wait for (the next batch, the start of the weight stream)
-and fire-and-forget calls for what it must not: a version's publish (encode, sign, upload, then
-report the version to the broker) runs in the background while the next batch is polled and
-trained, with at most one publish in flight, so versions reach the gateway in order and a slow
-upload delays training by at most the part of it that outlasts a whole step. Step timings and batch
-acknowledgements go to the broker the same way (an acknowledgement that does not get through goes
-again with the next poll). The same loop serves the trainer's Prometheus metrics when asked
-(`serve_metrics`). Only rank 0 creates one.
+the gateway speak asyncio HTTP. `MeshClient` runs one event loop in a background thread
+(`deltamesh.trainer.publishing`) and offers the loop blocking calls for what it must wait for (the
+next batch, the start of the weight stream) and fire-and-forget calls for what it must not: a
+version's publish (encode, sign, upload, then report the version to the broker) runs in the
+background while the next batch is polled and trained, with at most one publish in flight, so
+versions reach the gateway in order and a slow upload delays training by at most the part of it
+that outlasts a whole step. The version goes out through a `Publisher` of the whole weights, or, for
+a trainer that publishes in parts, through rank 0's `ShardedVersions` (its own rows, and the manifest
+it signs for every rank's). Step timings and batch acknowledgements go to the broker the same way (an
+acknowledgement that does not get through goes again with the next poll). The same loop serves the
+trainer's Prometheus metrics when asked (`serve_metrics`). Only rank 0 creates one.
 """
 
 from __future__ import annotations
@@ -20,61 +22,27 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Mapping, TypeVar
+from typing import Callable, Mapping, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
+from deltamesh.delta.layouts import PoolLayout
 from deltamesh.http import HttpError, serving
 from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
-from deltamesh.trainer.publish import StreamStart, start_stream
+from deltamesh.trainer.publish import StreamStart, start_sharded, start_stream
+from deltamesh.trainer.publishing import LoopThread, PublishOutcome, Publishing, ShardedVersions
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 RETRY_S = 1.0
-
-
-@dataclass
-class PublishOutcome:
-    """How one version's publish went: `ok`, seconds from its start to its end, bytes and kinds sent, and
-    the wall-clock time (time.time()) each stage ended: "step_end" (the optimizer step) and "cast" (the
-    bf16 copy ready) as the trainer passed them, then the publisher's stages (`Published.stages`)."""
-
-    version: int
-    ok: bool
-    seconds: float
-    bytes_sent: int = 0
-    kinds: list[str] = field(default_factory=list)
-    error: str = ""
-    stages: dict[str, float] = field(default_factory=dict)
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread, fed coroutines from other threads."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
+__all__ = ["MeshClient", "PublishOutcome"]
 
 
 class MeshClient:
@@ -87,20 +55,27 @@ class MeshClient:
                  piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
                  tls: TlsSettings | None = None, statement_every_s: float = 0.0,
                  on_published: Callable[[PublishOutcome], None] | None = None, broker_failover_s: float = 60.0,
-                 side_files: Mapping[str, bytes] | None = None):
+                 side_files: Mapping[str, bytes] | None = None, sharded: ShardedVersions | None = None,
+                 thread: LoopThread | None = None, layouts: Sequence[PoolLayout] = ()):
         self.model_id = model_id
         self.on_published = on_published
         """Called (on the client's thread) as each publish ends, successful or not."""
         self.trusted_keys = [key.public_key()]
-        self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
-                                   connections=connections, token=gateway_token, tls=tls,
-                                   side_files=side_files,  # config and tokenizer travel with every version
-                                   on_encoded=lambda _: self._encoded.set())
-        self._thread = _LoopThread(f"mesh-{model_id}")
+        self._owns_thread = thread is None
+        self._thread = thread or LoopThread(f"mesh-{model_id}")
+        self._publishing = Publishing(self._thread, self._publish)
+        self.sharded = sharded
+        """Rank 0's part of a trainer that publishes in parts (None: it publishes the whole weights)."""
+        self.publisher: Publisher | ShardedVersions
+        if sharded is not None:
+            self.publisher = sharded
+            sharded.shards.on_encoded = self._publishing.encoded
+        else:
+            self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
+                                       connections=connections, token=gateway_token, tls=tls,
+                                       side_files=side_files,  # config and tokenizer travel with every version
+                                       on_encoded=lambda _: self._publishing.encoded(), layouts=layouts)
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
-        self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
-        self._encoded = threading.Event()  # the publish in flight has encoded its version (or ended)
-        self._encoded.set()
         self._reports: list[concurrent.futures.Future[None]] = []
         self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))
                             if statement_every_s > 0 else None)
@@ -116,7 +91,7 @@ class MeshClient:
         frozen gateway from a trainer that is between steps (a statement also goes with each version)."""
         while True:
             await asyncio.sleep(every_s)
-            if self._publishing is None or self._publishing.done():  # a version in flight brings its own
+            if not self._publishing.in_flight:  # a version in flight brings its own
                 await self.publisher.publish_statement()
 
     async def _open(self, broker: str, token: str, tls: TlsSettings | None, failover_s: float) -> BatchClient:
@@ -126,12 +101,10 @@ class MeshClient:
     def close(self) -> None:
         """Finish the publish in flight and the pending reports, then stop the thread."""
         try:
-            if self._publishing is not None:
-                try:
-                    self._publishing.result()
-                except Exception:  # noqa: BLE001 - closing after a failure; say what else went wrong
-                    log.exception("%s: the last publish failed", self.model_id)
-                self._publishing = None
+            try:
+                self._publishing.wait_published()
+            except Exception:  # noqa: BLE001 - closing after a failure; say what else went wrong
+                log.exception("%s: the last publish failed", self.model_id)
             concurrent.futures.wait(self._reports)
             if self._batches.unconfirmed_acks:  # one more try: unacknowledged, they are served again
                 self._thread.call(self._ack([]))
@@ -141,16 +114,23 @@ class MeshClient:
             self._thread.call(self.publisher.aclose())  # the connections kept open to the origin
             self._thread.call(self._served.aclose())
             self._thread.call(self._batches.close())
-            self._thread.close()
+            if self._owns_thread:
+                self._thread.close()
 
     # -- the weight stream -------------------------------------------------------------------------
-    def start(self, version: int, weights: Mapping[str, torch.Tensor], stop: threading.Event) -> StreamStart | None:
+    def start(self, version: int, weights: Mapping[str, torch.Tensor] | None, stop: threading.Event) -> StreamStart | None:
         """Join the gateway's stream with the trainer's `version` (see `start_stream`); tell the broker.
+        Publishing in parts, only the version the ranks' full snapshot takes is chosen (`start_sharded`;
+        `weights` are not used).
 
         An unreachable gateway is retried every second until `stop` is set (then None).
         """
         while True:
             try:
+                if self.sharded is not None:
+                    at = self._thread.call(start_sharded(self.sharded.shards.link, version))
+                    # The ranks publish it next, all at once; its publish reports it to the broker.
+                    return StreamStart(at, at, None, "every rank publishes its rows as a full snapshot")
                 start = self._thread.call(start_stream(self.publisher, version, weights, self.trusted_keys))
                 break
             except HttpError as e:
@@ -166,33 +146,22 @@ class MeshClient:
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int,
                 stages: Mapping[str, float] | None = None) -> float:
-        """Start publishing `weights` as `version` in the background, once the previous publish has ended.
-        `stages` are the trainer's own stage times ("step_end", "cast"), carried into the outcome.
+        """Start publishing `weights` (rank 0's rows, when publishing in parts) as `version` in the
+        background, once the previous publish has ended. `stages` are the trainer's own stage times
+        ("step_end", "cast"), carried into the outcome.
 
         Returns how many seconds this call waited for the previous publish (0 when it had ended).
         """
-        stalled = self.wait_published()
-        # One event per publish: the previous one's done-callback may still be on its way.
-        self._encoded = encoded = threading.Event()
-        self._publishing = self._thread.submit(self._publish(weights, version, dict(stages or {})))
-        self._publishing.add_done_callback(lambda _: encoded.set())  # a failed publish encodes nothing
-        return stalled
+        return self._publishing.publish(weights, version, stages)
 
     def wait_encoded(self) -> float:
         """Wait until the publish in flight has encoded its version (its upload may still be under way)
         or has ended; returns the seconds waited."""
-        start = time.monotonic()
-        self._encoded.wait()
-        return time.monotonic() - start
+        return self._publishing.wait_encoded()
 
     def wait_published(self) -> float:
         """Wait for the publish in flight, if any; returns the seconds waited."""
-        if self._publishing is None:
-            return 0.0
-        start = time.monotonic()
-        self._publishing.result()
-        self._publishing = None
-        return time.monotonic() - start
+        return self._publishing.wait_published()
 
     async def _publish(self, weights: Mapping[str, torch.Tensor], version: int,
                        stages: dict[str, float]) -> PublishOutcome:

@@ -21,6 +21,10 @@ the pools can follow:
 
 Only when n's weights cannot be obtained or do not fit the model is a full snapshot published
 after the head instead, with the reason logged.
+
+A trainer that publishes in parts (each rank its own rows) starts simpler, with `start_sharded`: its
+ranks publish their weights as a full snapshot, numbered `version` or after the gateway's head, which
+is always a valid plan for every pool (no rank holds the whole model to compare with the gateway's).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from deltamesh.gateway.verified import fetch_verified
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 from deltamesh.gateway.plan import Plan
+from deltamesh.gateway.origin_link import OriginLink
 from deltamesh.gateway.publisher import Published, Publisher
 
 log = logging.getLogger(__name__)
@@ -116,6 +121,16 @@ async def start_stream(
     published = await publisher.publish(weights, at)
     return StreamStart(at, at, published, f"the gateway's newest complete version is v{newest}; "
                                           f"published the trainer's weights as v{at}")
+
+
+async def start_sharded(link: OriginLink, version: int) -> int:
+    """The version a trainer that publishes in parts starts its stream at (a full snapshot of the
+    trainer's `version`): `version` itself, or one past the gateway's head if that is not below it."""
+    head = await link.head()
+    at = version if head is None or head < version else head + 1
+    log.info("%s: every rank publishes its rows of v%d as v%d, a full snapshot (the gateway's head: %s)",
+             link.model_id, version, at, head)
+    return at
 
 
 def _our_full_at(listing: dict[str, Any], version: int, ours: str) -> bool:

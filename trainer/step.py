@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from deltamesh.trainer.config import OptimizerConfig, TrainerConfig
-from deltamesh.trainer.distributed import SINGLE, DistContext, all_reduce_sum, full_state_dict, local_tensor
+from deltamesh.trainer.distributed import (
+    SINGLE, DistContext, all_reduce_sum, full_state_dict, local_state, local_tensor,
+)
 from deltamesh.trainer.loss_inputs import LossInputs
 from deltamesh.trainer.losses import (
     SUM_NAMES,
@@ -240,6 +242,12 @@ def train_step(
     }
     log.debug("step %d: %s", state.step, metrics)
     return metrics
+
+
+def published_shard(model: nn.Module) -> tuple[list, dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """What this rank publishes of a version built in parts (no collective): the model's tensor table,
+    the rows it holds cast to bf16, and which rows (`distributed.local_state`)."""
+    return local_state(model, PUBLISH_DTYPE)
 
 
 def published_weights(model: nn.Module, ctx: DistContext = SINGLE) -> dict[str, torch.Tensor] | None:

@@ -340,7 +340,7 @@ def test_wait_encoded_returns_once_the_version_is_encoded_while_its_upload_goes_
             client.publish(weights_at(1), 1)
             client.wait_encoded()
             time.sleep(0.3)
-            assert not client._publishing.done(), "the upload is still under way"
+            assert client._publishing.in_flight, "the upload is still under way"
             silent.close()  # the connections are reset: the publish fails
             client.wait_published()
             client.publisher.gateway = url
