@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from .bitdiff import scan_changes
+from .device_scan import on_device, scan_on_device
 from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
 from .hashing import piece_digest
@@ -75,6 +76,7 @@ def encode_delta(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, model_id: str, version: int,
     base_version: int, key: Ed25519PrivateKey | None, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
     files: Mapping[str, bytes] | None = None, base_files: Mapping[str, str] | None = None,
+    device_passes: bool = False,
 ) -> Encoded:
     """The delta that turns `old` (version `base_version`) into `new` (version `version`).
 
@@ -82,7 +84,9 @@ def encode_delta(
     saves hashing `old` again. `files` are the new version's side files (name -> bytes); those whose
     digest `base_files` (name -> digest: the base version's, from its manifest) already lists are not
     shipped again. Without `base_files` every side file is shipped. Without `key` the manifest is
-    left unsigned (`Encoded.signed`).
+    left unsigned (`Encoded.signed`). A tensor on a device other than the CPU is compared with its
+    base there (device_scan.py); `device_passes` takes that torch path for CPU tensors too. Either
+    way the output is the same.
     """
     _check_piece_bytes(piece_bytes)
     names = sorted(new)
@@ -96,7 +100,7 @@ def encode_delta(
     sizes = [new[name].numel() * new[name].element_size() for name in names]
     ahead = max(SCAN_AHEAD_BYTES, SCAN_AHEAD_LARGEST * max(sizes, default=0))
     scans = thread_stream(
-        lambda i: _scan(i, old.get(names[i]), cpu_tensor(new[names[i]]), names[i], base_hash is None),
+        lambda i: _scan(i, old.get(names[i]), new[names[i]], names[i], base_hash is None, device_passes),
         range(len(names)), ahead, weight=lambda i: sizes[i])
     for i, scan in enumerate(scans):
         entries.append(scan.entry)
@@ -122,17 +126,25 @@ class _Scan:
     """One tensor of the new version compared with its base."""
 
     entry: TensorEntry
-    words: np.ndarray
+    words: np.ndarray | None
+    """The new words, kept for a tensor written whole."""
     full: bool
     changes: TensorChanges | None = None
     base_entry: TensorEntry | None = None
 
 
-def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_base: bool) -> _Scan:
-    w = np_words(t)
+def _scan(i: int, base: torch.Tensor | None, t: torch.Tensor, name: str, hash_base: bool,
+          device_passes: bool) -> _Scan:
     if base is None or base.dtype != t.dtype or tuple(base.shape) != tuple(t.shape):
-        return _Scan(tensor_entry(name, t), w, full=True)
-    base = cpu_tensor(base)
+        t = cpu_tensor(t)
+        return _Scan(tensor_entry(name, t), np_words(t), full=True)
+    if device_passes or on_device(base, t):
+        scan = scan_on_device(i, base, t, hash_base=hash_base)
+        entry = TensorEntry(name, dtype_name(t), tuple(t.shape), scan.digest)
+        base_entry = None if scan.base_digest is None else replace(entry, hash=scan.base_digest)
+        return _Scan(entry, None, False, scan.changes, base_entry)
+    t, base = cpu_tensor(t), cpu_tensor(base)
+    w = np_words(t)
     # Hashing rides along with the scan while each chunk is in cache (the base only if needed).
     hash_new, hash_old = xxhash.xxh3_128(), (xxhash.xxh3_128() if hash_base else None)
     floating = is_float(dtype_name(t))

@@ -99,12 +99,19 @@ class TensorChanges:
     def of(cls, tensor: int, base: np.ndarray, positions: np.ndarray, old: np.ndarray, new: np.ndarray,
            floating: bool, sample: smallwords.MagnitudeSample | None = None) -> "TensorChanges":
         """`sample`: the base's magnitude sample if the scan already took it."""
-        moves = encode_moves(old, new, floating)
         small_max = smallwords.choose_small_max(base, old, sample) if floating else None
+        words_before = None if small_max is None else smallwords.small_words_before(base, positions, small_max)
+        return cls.coded(tensor, positions, old, new, floating, small_max, words_before)
+
+    @classmethod
+    def coded(cls, tensor: int, positions: np.ndarray, old: np.ndarray, new: np.ndarray, floating: bool,
+              small_max: int | None, words_before: np.ndarray | None) -> "TensorChanges":
+        """`of`, with the small-word bound (None: none) and the base's small words before each change
+        (`smallwords.small_words_before`) already found, by a scan that did not hold the base here."""
+        moves = encode_moves(old, new, floating)
         if small_max is None:
             return cls(tensor, positions, None, None, 0, Group.of(positions, moves, new), None)
         is_small = smallwords.is_small(old, small_max)
-        words_before = smallwords.small_words_before(base, positions, small_max)
         small_before = np.concatenate([[0], np.cumsum(is_small, dtype=np.int64)])
         plain, small = ~is_small, is_small
         return cls(
