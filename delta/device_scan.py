@@ -60,8 +60,9 @@ def scan_on_device(tensor: int, base: torch.Tensor, new: torch.Tensor, *, hash_b
     width = b.element_size()
     chunk = chunk_bytes or (CPU_CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES)
     step = max(1, chunk // 8) * (8 // width)  # words, in whole 8-byte blocks so they compare 8 bytes at a time
-    digest = StreamedDigest(device, step * width)
-    base_digest = StreamedDigest(device, step * width) if hash_base else None
+    held = min(step, b.numel()) * width  # a small tensor needs no chunk-sized host buffers
+    digest = StreamedDigest(device, held)
+    base_digest = StreamedDigest(device, held) if hash_base else None
     found = []
     for s in range(0, b.numel(), step):
         digest.feed(b[s : s + step])

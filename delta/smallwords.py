@@ -178,7 +178,8 @@ def small_words_before_torch(words: torch.Tensor, positions: torch.Tensor, small
             continue
         upto = torch.cumsum(small, 0, dtype=torch.int32)  # small words up to and including each word
         local = positions[lo:hi] - s
-        out[lo:hi] = seen + (upto[local] - small[local].to(torch.int32))
+        # Widened before `seen` is added: a 0-d int64 does not widen an int32 tensor in torch's promotion.
+        out[lo:hi] = (upto[local] - small[local].to(torch.int32)).to(torch.int64) + seen
         seen += upto[-1]
     return out
 
