@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delta_bytes": sum(map(len, pieces)),
         "repeats": r,
         "torch_threads": torch.get_num_threads(),
+        "host_cores": os.cpu_count(),
     }
     out.update({f"{k}_gbps": gbps(case.model_bytes, s) for k, s in times.items()})
     out.update({f"{k}_ratio": times[f"cpu_{k}"] / times[f"device_{k}"] for k in ("encode", "apply", "scan")})

@@ -37,10 +37,10 @@ CPU_CHUNK_BYTES = 2 << 20  # on the CPU: both chunks and the mask stay in cache,
 @dataclass(frozen=True)
 class DeviceScan:
     """What the scan of one tensor sends to the host: its changes, ready to cut into pieces (None when
-    no word changed), the digest of its new bytes, and that of its base's when it was asked for."""
+    no word changed), and the digests of its new and its base's bytes, each when it was asked for."""
 
     changes: TensorChanges | None
-    digest: str
+    digest: str | None
     base_digest: str | None
 
 
@@ -49,11 +49,16 @@ def on_device(*tensors: torch.Tensor) -> bool:
     return any(t.device.type != "cpu" for t in tensors)
 
 
-def scan_on_device(tensor: int, base: torch.Tensor, new: torch.Tensor, *, hash_base: bool,
-                   chunk_bytes: int | None = None) -> DeviceScan:
+def scan_on_device(tensor: int, base: torch.Tensor, new: torch.Tensor, *, hash_new: bool = True, hash_base: bool,
+                   offset: int = 0, small_words: bool = True, chunk_bytes: int | None = None) -> DeviceScan:
     """Compare tensor number `tensor` of a version, `new`, with its `base` (same dtype and shape) on
     the device `new` lives on (or `base`, if `new` is on the CPU; the other is moved there).
-    `chunk_bytes`: bytes of each version read per step (default by device)."""
+
+    `hash_new`, `hash_base`: take the digest of the new words, of the base's. `offset`: the element
+    of the whole tensor that the words held start at (changes are named by whole-tensor positions);
+    `small_words`: whether changes may be located by rank among small words (as `TensorChanges.of`).
+    `chunk_bytes`: bytes of each version read per step (default by device).
+    """
     device = new.device if new.device.type != "cpu" else base.device
     a = word_view(base.detach().to(device).contiguous())
     b = word_view(new.detach().to(device).contiguous())
@@ -61,31 +66,37 @@ def scan_on_device(tensor: int, base: torch.Tensor, new: torch.Tensor, *, hash_b
     chunk = chunk_bytes or (CPU_CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES)
     step = max(1, chunk // 8) * (8 // width)  # words, in whole 8-byte blocks so they compare 8 bytes at a time
     held = min(step, b.numel()) * width  # a small tensor needs no chunk-sized host buffers
-    digest = StreamedDigest(device, held)
+    new_digest = StreamedDigest(device, held) if hash_new else None
     base_digest = StreamedDigest(device, held) if hash_base else None
+    hashed = [(digest, words) for digest, words in ((new_digest, b), (base_digest, a)) if digest is not None]
     found = []
     for s in range(0, b.numel(), step):
-        digest.feed(b[s : s + step])
-        if base_digest is not None:
-            base_digest.feed(a[s : s + step])
+        for digest, words in hashed:
+            digest.feed(words[s : s + step])
         positions, old_words, new_words = changed_words_torch(a[s : s + step], b[s : s + step])
         if positions.numel():
             found.append((positions + s, old_words, new_words))
-    changes = _changes(tensor, a, *(torch.cat(parts) for parts in zip(*found)), is_float(dtype_name(new)),
-                       step) if found else None
-    return DeviceScan(changes, digest.hexdigest(), None if base_digest is None else base_digest.hexdigest())
+    changes = None
+    if found:
+        positions, old_words, new_words = (torch.cat(parts) for parts in zip(*found))
+        changes = _changes(tensor, a, positions, old_words, new_words, is_float(dtype_name(new)), small_words,
+                           offset, step)
+    return DeviceScan(changes, None if new_digest is None else new_digest.hexdigest(),
+                      None if base_digest is None else base_digest.hexdigest())
 
 
 def _changes(tensor: int, base: torch.Tensor, positions: torch.Tensor, old_words: torch.Tensor,
-             new_words: torch.Tensor, floating: bool, chunk_words: int) -> TensorChanges:
+             new_words: torch.Tensor, floating: bool, small_words: bool, offset: int,
+             chunk_words: int) -> TensorChanges:
     old_host, new_host = np_words(old_words.cpu()), np_words(new_words.cpu())
     small_max, words_before = None, None
-    if floating:
+    if floating and small_words:
         n = base.numel()
         sample = MagnitudeSample(base.element_size(), sample_stride(n))
         sample.add_torch(base)
         small_max = small_max_of_sample(n, old_host, sample)
         if small_max is not None:
+            # Counted in the words held; only the stored positions are named from the tensor's start.
             words_before = small_words_before_torch(base, positions, small_max, chunk_words).cpu().numpy()
-    host_positions: np.ndarray = positions.cpu().numpy()
+    host_positions: np.ndarray = positions.cpu().numpy() + offset
     return TensorChanges.coded(tensor, host_positions, old_host, new_host, floating, small_max, words_before)

@@ -137,6 +137,22 @@ def test_changes_crowded_into_small_words_are_counted_alike(dtype, seed, chunk, 
     assert _same_changes(scan.changes, changes)
 
 
+def test_rows_held_from_an_offset_and_without_small_words():
+    """A process holding rows from element `offset` on names its changes from the tensor's start (ranks
+    among small words stay counted in the words held), and may be told not to locate by rank at all."""
+    old, moved = _small_crowded(np.random.default_rng(11), "BF16", 9000)
+    base, new = _tensor(old, "BF16"), _tensor(moved, "BF16")
+    whole = scan_on_device(3, base, new, hash_base=False).changes
+    shifted = scan_on_device(3, base, new, hash_new=False, hash_base=False, offset=1000).changes
+    assert whole.small is not None and np.array_equal(shifted.positions, whole.positions + 1000)
+    assert np.array_equal(shifted.plain.locations, whole.plain.locations + 1000)
+    assert _same_field(shifted.small, whole.small)
+    plain = scan_on_device(3, base, new, hash_new=False, hash_base=False, small_words=False)
+    assert plain.digest is None and plain.base_digest is None
+    positions, old_words, new_words = scan_changes(old, moved)
+    assert _same_changes(plain.changes, TensorChanges.coded(3, positions, old_words, new_words, True, None, None))
+
+
 @pytest.mark.parametrize("chunk_words", [1, 63, 64, 65, 4096, 1 << 20])
 def test_small_words_before_in_torch_counts_as_numpy_does(chunk_words):
     rng = np.random.default_rng(7)
