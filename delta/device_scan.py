@@ -30,7 +30,7 @@ from .piece_writer import TensorChanges
 from .smallwords import MagnitudeSample, sample_stride, small_max_of_sample, small_words_before_torch
 from .streamed_hash import StreamedDigest
 
-# Per version per step on a GPU: launches and waits stay few (~60 per GB), and the pinned host buffers
+# Per version per step on a GPU: launches and waits stay few (~60 chunks per GB), and the pinned host buffers
 # the digests stream through stay small (two per digest per scanning thread: 256 MiB at 8 threads).
 GPU_CHUNK_BYTES = 16 << 20
 CPU_CHUNK_BYTES = 2 << 20  # on the CPU: both chunks and the mask stay in cache, as in bitdiff.scan_changes
