@@ -80,23 +80,25 @@ def qwen3_shapes(layers: int = 28, hidden: int = 1024, intermediate: int = 3072,
 
 
 def synthetic_case(shapes: dict[str, tuple[int, ...]], *, changed: float = 0.01, seed: int = 0,
-                   name: str = "qwen3-0.6b shapes, synthetic") -> Case:
-    """Seeded random bf16 weights and a version in which ~`changed` of the words move by 1-2 ulps."""
-    gen = torch.Generator().manual_seed(seed)
+                   name: str = "qwen3-0.6b shapes, synthetic", device: str = "cpu") -> Case:
+    """Seeded random bf16 weights and a version in which ~`changed` of the words move by 1-2 ulps,
+    made on `device` (where they then live; a seed gives other weights on another device)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     old, new = {}, {}
     for tensor_name, shape in shapes.items():
         if len(shape) == 1:  # norm gains sit near 1, matrices near 0, as in trained models
-            values = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+            values = 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
         else:
-            values = 0.02 * torch.randn(shape, generator=gen)
+            values = 0.02 * torch.randn(shape, generator=gen, device=device)
         o = values.to(torch.bfloat16)
+        del values
         n = o.clone()
         w_old, w_new = o.view(torch.int16).reshape(-1), n.view(torch.int16).reshape(-1)
         # Unique positions: a repeated index in one scatter makes the winning write nondeterministic.
-        pos = torch.unique(torch.randint(o.numel(), (round(o.numel() * changed),), generator=gen))
+        pos = torch.unique(torch.randint(o.numel(), (round(o.numel() * changed),), generator=gen, device=device))
         count = pos.numel()
-        step = torch.randint(1, 3, (count,), generator=gen, dtype=torch.int16)
-        step = torch.where(torch.rand(count, generator=gen) < 0.5, step, -step)
+        step = torch.randint(1, 3, (count,), generator=gen, dtype=torch.int16, device=device)
+        step = torch.where(torch.rand(count, generator=gen, device=device) < 0.5, step, -step)
         # A word whose magnitude bits are tiny only grows, so no step crosses zero into another sign.
         step = torch.where((w_old[pos] & 0x7FFF) <= 2, step.abs(), step)
         w_new[pos] = w_old[pos] + step

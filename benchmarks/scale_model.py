@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from deltamesh.delta.parts import TensorSpec
+from deltamesh.delta.cuts import TensorSpec
 
 from inputs import qwen3_shapes
 

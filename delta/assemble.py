@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from .errors import CodecError
 from .hashing import digest
 from .manifest import PieceEntry, TensorEntry
-from .parts import TensorSpec
+from .cuts import TensorSpec
 from .slices import Grid, Span
 
 

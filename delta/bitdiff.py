@@ -6,7 +6,9 @@ bits of negative words are flipped, so that consecutive representable values hav
 dtypes are their own key. The change of a word is the key difference modulo 2**bits, zigzagged so
 that +-1 ulp becomes 2 or 1; since a changed word never has difference 0, the stored value is
 zigzag - 1 (so +-1 ulp is 1 or 0); pieces code values below 15 and store any other change as its
-new word (a literal). Everything works on unsigned numpy words, whose arithmetic wraps by definition.
+new word (a literal). Everything works on unsigned numpy words, whose arithmetic wraps by definition;
+`changed_words_torch` is the change scan in torch, on the signed word views of tensors on any device
+(device_scan.py), and finds the same words (equality of words is a matter of bits either way).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import torch
 
 
 SCAN_CHUNK_BYTES = 1 << 21  # per array per step: both chunks and the mask stay in L2/L3
@@ -73,6 +76,34 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hash_old=None, hash_new=None,
         return np.empty(0, dtype=np.int64), old[:0].copy(), new[:0].copy()
     positions = np.concatenate([f[0] for f in found]).astype(np.int64, copy=False)
     return positions, np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found])
+
+
+def changed_words_torch(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_changes` of two signed word views of the same size, in torch on their own device, where
+    the results stay: (ascending int64 positions, old words, new words).
+
+    Compares 8 bytes at a time where both views start 8-byte aligned, then resolves the words inside
+    differing blocks; the callers pass chunks, so the mask is a chunk's, never the tensor's.
+    """
+    width = old.element_size()
+    per = 8 // width
+    n = old.numel()
+    body = n - n % per if per > 1 and _aligned(old, per) and _aligned(new, per) else 0
+    found = []
+    if body:
+        a, b = old[:body].view(torch.int64), new[:body].view(torch.int64)
+        blocks = torch.nonzero(a != b).squeeze(1)
+        old_words, new_words = a[blocks].view(old.dtype), b[blocks].view(old.dtype)
+        inner = torch.nonzero(old_words != new_words).squeeze(1)
+        found.append((blocks[inner // per] * per + inner % per, old_words[inner], new_words[inner]))
+    rest = torch.nonzero(old[body:] != new[body:]).squeeze(1) + body
+    found.append((rest, old[rest], new[rest]))
+    return tuple(torch.cat(parts) for parts in zip(*found))
+
+
+def _aligned(words: torch.Tensor, per: int) -> bool:
+    # A view as 8-byte words must start on an 8-byte boundary (torch checks the offset, CUDA the address).
+    return words.storage_offset() % per == 0 and words.data_ptr() % 8 == 0
 
 
 def to_key(words: np.ndarray, is_float: bool) -> np.ndarray:

@@ -30,7 +30,8 @@ from .hashing import piece_digest
 from .keys import Ed25519PrivateKey
 from .manifest import FileEntry, Kind, Manifest, PieceEntry, TensorEntry, format_for, table_hash
 from .parallel import thread_map
-from .parts import Cuts, Part, TensorSpec, encode_part
+from .cuts import Cuts, TensorSpec
+from .parts import Part, encode_part
 from .piece import CODEC
 from .tensors import cpu_tensor, tensor_entry
 
@@ -79,7 +80,7 @@ def encode_delta(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, model_id: str, version: int,
     base_version: int, key: Ed25519PrivateKey | None, base_hash: str | None = None, piece_bytes: int = PIECE_BYTES,
     files: Mapping[str, bytes] | None = None, base_files: Mapping[str, str] | None = None,
-    cuts: Mapping[str, Cuts] | None = None,
+    cuts: Mapping[str, Cuts] | None = None, device_passes: bool = False,
 ) -> Encoded:
     """The delta that turns `old` (version `base_version`) into `new` (version `version`).
 
@@ -87,11 +88,14 @@ def encode_delta(
     saves hashing `old` again. `files` are the new version's side files (name -> bytes); those whose
     digest `base_files` (name -> digest: the base version's, from its manifest) already lists are not
     shipped again. Without `base_files` every side file is shipped. Without `key` the manifest is
-    left unsigned (`Encoded.signed`).
+    left unsigned (`Encoded.signed`). A tensor on a device other than the CPU is compared with its
+    base there (device_scan.py); `device_passes` takes that torch path for CPU tensors too. Either
+    way the output is the same.
     """
     _check_piece_bytes(piece_bytes)
     table = table_of(new)
-    part = encode_part(table, new, base=old, cuts=cuts, piece_bytes=piece_bytes, hash_base=base_hash is None)
+    part = encode_part(table, new, base=old, cuts=cuts, piece_bytes=piece_bytes, hash_base=base_hash is None,
+                       device_passes=device_passes)
     return _whole_version(table, part, model_id, version, base_version, base_hash, files or {}, base_files or {},
                           key, old)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .errors import CodecError
-from .parts import ALL, Cuts, TensorSpec
+from .cuts import ALL, Cuts, TensorSpec
 from .share_plan import Share
 
 VOCAB_PADDING = 64

@@ -17,7 +17,6 @@ a tensor are one band of one tile, hashed in the same pass that finds the change
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -26,6 +25,8 @@ import torch
 import xxhash
 
 from .bitdiff import scan_changes
+from .cuts import ALL, NO_CUTS, Cuts, TensorSpec
+from .device_scan import on_device, scan_on_device
 from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
 from .grid import tile_digests
@@ -37,46 +38,6 @@ from .tensors import cpu_tensor
 
 SCAN_AHEAD_BYTES = 256 << 20  # tensor bytes scanned ahead of cutting their changes into pieces ...
 SCAN_AHEAD_LARGEST = 3  # ... or this many times the largest tensor, so it never stalls the other cores
-ALL = "*"
-"""The key of a band every pool rank needs (and of every band when a version has no pool layouts)."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the whole version, as every process knows it (name, dtype, whole shape)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def row_elements(self) -> int:
-        """Elements per row of dim 0 (1 for a 0-d tensor)."""
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return n
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-
-@dataclass(frozen=True)
-class Cuts:
-    """Where pool ranks' shares of one tensor end: interior bounds of dim 0 (`rows`) and of dim 1 (`cols`),
-    and per row band (len(rows) + 1 of them) the key of the pool ranks that need it."""
-
-    rows: tuple[int, ...] = ()
-    cols: tuple[int, ...] = ()
-    keys: tuple[str, ...] = ()
-
-    def key(self, row: int) -> str:
-        """The key of the band that row `row` lies in."""
-        return self.keys[bisect.bisect_right(self.rows, row)] if self.keys else ALL
-
-
-NO_CUTS = Cuts()
 
 
 @dataclass(frozen=True)
@@ -117,7 +78,7 @@ class Part:
 def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
                 base: Mapping[str, torch.Tensor] | None = None, rows: Mapping[str, tuple[int, int]] | None = None,
                 cuts: Mapping[str, Cuts] | None = None, piece_bytes: int, hash_base: bool = False,
-                known: Mapping[str, tuple[str, ...]] | None = None) -> Part:
+                known: Mapping[str, tuple[str, ...]] | None = None, device_passes: bool = False) -> Part:
     """Encode what this process holds of the version whose tensors are `table` (sorted by name).
 
     `new`: name -> the rows held (dim 0 [start, stop) as `rows` says; a tensor without an entry in
@@ -125,6 +86,8 @@ def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
     missing from it, or of another shape or dtype, is sent whole). `cuts`: the pool layouts' cuts by
     tensor name. `hash_base`: also hash the base's tiles (to name the base when its hash is not known).
     `known`: tiles of the new rows already hashed (a full snapshot after a delta to the same weights).
+    Rows held off the CPU are compared with their base on their device (device_scan.py);
+    `device_passes` takes that torch path for CPU tensors too, with the same output.
     """
     cuts, known = cuts or {}, known or {}
     holdings = []
@@ -140,8 +103,8 @@ def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
     sizes = [new[h.spec.name].numel() * new[h.spec.name].element_size() for h in holdings]
     ahead = max(SCAN_AHEAD_BYTES, SCAN_AHEAD_LARGEST * max(sizes, default=0))
     scans = thread_stream(
-        lambda h: _scan(h, cpu_tensor(new[h.spec.name]), None if base is None else base.get(h.spec.name),
-                        hash_base, known.get(h.spec.name)),
+        lambda h: _scan(h, new[h.spec.name], None if base is None else base.get(h.spec.name),
+                        hash_base, known.get(h.spec.name), device_passes),
         holdings, ahead, weight=lambda h: new[h.spec.name].numel() * new[h.spec.name].element_size())
     cutters: dict[str, DeltaPieceCutter] = {}
     whole: dict[str, list[tuple[int, int, int, np.ndarray]]] = {}  # key -> (index, first, end, words held)
@@ -186,23 +149,28 @@ class _Holding:
 @dataclass(frozen=True)
 class _Scan:
     tiles: HeldTiles
-    words: np.ndarray
+    words: np.ndarray | None
+    """The new words held, kept for a tensor written whole."""
     full: bool
     changes: TensorChanges | None = None
 
 
 def _scan(h: _Holding, t: torch.Tensor, base: torch.Tensor | None, hash_base: bool,
-          known: tuple[str, ...] | None) -> _Scan:
+          known: tuple[str, ...] | None, device_passes: bool) -> _Scan:
     """Compare the rows held of one tensor with its base, hashing them tile by tile."""
     spec = h.spec
     expected = (h.stop - h.start, *spec.shape[1:]) if spec.shape else ()
     if tuple(t.shape) != expected or dtype_name(t) != spec.dtype:
         raise CodecError(f"tensor {spec.name}: holds {dtype_name(t)}{list(t.shape)}, its rows [{h.start}, "
                          f"{h.stop}) of {spec.dtype}{list(spec.shape)} are {spec.dtype}{list(expected)}")
-    words, bands, cols = np_words(t), h.bands, h.cols
+    bands, cols = h.bands, h.cols
     one_tile = len(bands) == 2 and not cols
     if base is not None and (base.dtype != t.dtype or tuple(base.shape) != tuple(t.shape)):
         base = None
+    if base is not None and (device_passes or on_device(base, t)):
+        return _scan_on_device(h, t, base, hash_base, known, one_tile)
+    t = cpu_tensor(t)
+    words = np_words(t)
     if base is None:
         tiles = known or _tiles(words, t.shape, h, one_tile)
         base_tiles = None
@@ -226,6 +194,21 @@ def _scan(h: _Holding, t: torch.Tensor, base: torch.Tensor | None, hash_base: bo
     if hash_base:
         base_tiles = (hash_old.hexdigest(),) if hash_old is not None else tuple(_tiles(base_words, t.shape, h, False))
     return _Scan(HeldTiles(h.index, tuple(bands), cols, tuple(tiles), base_tiles), words, False, changes)
+
+
+def _scan_on_device(h: _Holding, t: torch.Tensor, base: torch.Tensor, hash_base: bool,
+                    known: tuple[str, ...] | None, one_tile: bool) -> _Scan:
+    """`_scan` with the dense passes on the tensor's own device: a single tile's digests are streamed
+    to the host while the device scans; a grid of tiles is hashed from a host copy of the rows."""
+    scan = scan_on_device(h.index, base, t, hash_new=one_tile and known is None, hash_base=hash_base and one_tile,
+                          offset=h.start * h.spec.row_elements, small_words=not h.cols)
+    tiles = known or ((scan.digest,) if scan.digest is not None else
+                      tuple(_tiles(np_words(cpu_tensor(t)), t.shape, h, False)))
+    base_tiles = None
+    if hash_base:
+        base_tiles = ((scan.base_digest,) if scan.base_digest is not None else
+                      tuple(_tiles(np_words(cpu_tensor(base)), t.shape, h, False)))
+    return _Scan(HeldTiles(h.index, tuple(h.bands), h.cols, tuple(tiles), base_tiles), None, False, scan.changes)
 
 
 def _tiles(words: np.ndarray, shape: Sequence[int], h: _Holding, one_tile: bool) -> list[str]:

@@ -118,17 +118,25 @@ class TensorChanges:
         of the words held, which start at element `offset` of the tensor. `small_words`: whether
         changes may be located by rank among small words (a receiver that holds only some columns of
         each row cannot count them: slices.py)."""
-        moves = encode_moves(old, new, floating)
         small_max = smallwords.choose_small_max(base, old, sample) if floating and small_words else None
+        words_before = None if small_max is None else smallwords.small_words_before(base, positions, small_max)
+        return cls.coded(tensor, positions + offset, old, new, floating, small_max, words_before)
+
+    @classmethod
+    def coded(cls, tensor: int, positions: np.ndarray, old: np.ndarray, new: np.ndarray, floating: bool,
+              small_max: int | None, words_before: np.ndarray | None) -> "TensorChanges":
+        """`of`, with the small-word bound (None: none) and the base's small words before each change
+        (`smallwords.small_words_before`, counted in the words held) already found, by a scan that did
+        not hold the base here; `positions` are whole-tensor element positions."""
+        moves = encode_moves(old, new, floating)
         if small_max is None:
-            return cls(tensor, positions + offset, None, None, 0, Group.of(positions + offset, moves, new), None)
+            return cls(tensor, positions, None, None, 0, Group.of(positions, moves, new), None)
         is_small = smallwords.is_small(old, small_max)
-        words_before = smallwords.small_words_before(base, positions, small_max)
         small_before = np.concatenate([[0], np.cumsum(is_small, dtype=np.int64)])
         plain, small = ~is_small, is_small
         return cls(
-            tensor, positions + offset, small_before, words_before, small_max,
-            Group.of(positions[plain] + offset, moves[plain], new[plain]),
+            tensor, positions, small_before, words_before, small_max,
+            Group.of(positions[plain], moves[plain], new[plain]),
             Group.of(words_before[small], moves[small], new[small]),
         )
 

@@ -23,6 +23,7 @@ from .errors import CorruptError
 CHUNK_WORDS = 1 << 20
 SAMPLE_STRIDE = 61  # base words sampled to estimate how many small words each bound admits ...
 SAMPLE_WORDS = 1 << 14  # ... but no more than about this many per tensor: the histogram is as good
+MIN_SMALL_WORDS = 4096  # tensors smaller than this locate all changes by plain position
 
 
 def sample_stride(n: int) -> int:
@@ -64,6 +65,15 @@ class MagnitudeSample:
         self.counts += np.bincount((sample & mask) >> shift, minlength=self.counts.size)
         self.size += sample.size
 
+    def add_torch(self, words: torch.Tensor) -> None:
+        """Count every `stride`-th word of a whole tensor's signed word view on its own device; only
+        the histogram comes to the host. (Masking the sign bit off makes the signed words' classes
+        the unsigned words' classes.)"""
+        sample = words[:: self.stride]
+        classes = ((sample & magnitude_mask(self.width)) >> _class_shift(self.width)).long()
+        self.counts += torch.bincount(classes, minlength=self.counts.size).cpu().numpy()
+        self.size += sample.numel()
+
 
 def _classes(width: int) -> int:
     return (magnitude_mask(width) >> _class_shift(width)) + 1
@@ -75,13 +85,21 @@ def choose_small_max(base: np.ndarray, changed_base: np.ndarray, sample: Magnitu
     `base` are the tensor's unsigned base words, `changed_base` the base words that changed, `sample`
     the base's `MagnitudeSample` if already taken (else it is taken here).
     """
-    width, n, k = base.itemsize, base.size, changed_base.size
-    if k == 0 or n < 4096:
+    if changed_base.size == 0 or base.size < MIN_SMALL_WORDS:
         return None
     if sample is None:
-        sample = MagnitudeSample(width, sample_stride(n))
+        sample = MagnitudeSample(base.itemsize, sample_stride(base.size))
         sample.add_words(base[:: sample.stride])
-    dtype = base.dtype.type
+    return small_max_of_sample(base.size, changed_base, sample)
+
+
+def small_max_of_sample(n: int, changed_base: np.ndarray, sample: MagnitudeSample) -> int | None:
+    """`choose_small_max` for a base of `n` words known only by its `sample` (the base itself may be
+    on another device)."""
+    width, k = changed_base.itemsize, changed_base.size
+    if k == 0 or n < MIN_SMALL_WORDS:
+        return None
+    dtype = changed_base.dtype.type
     shift, mask = dtype(_class_shift(width)), dtype(magnitude_mask(width))
     classes = _classes(width)
     words_le = np.cumsum(sample.counts) * (n / max(1, sample.size))
@@ -133,6 +151,36 @@ def small_words_before(words: np.ndarray, positions: np.ndarray, small_max: int)
             out[done:upto] = seen + before[block] + np.bitwise_count(blocks64[block] & below)
         seen += int(counts.sum(dtype=np.int64))
         done = upto
+    return out
+
+
+def small_words_before_torch(words: torch.Tensor, positions: torch.Tensor, small_max: int,
+                             chunk_words: int = CHUNK_WORDS) -> torch.Tensor:
+    """`small_words_before` on a signed word view and ascending int64 `positions`, both on the words'
+    device, where the result (int64) stays: a chunk's small-word mask is summed cumulatively and read
+    at the positions inside it, so the temporaries are a chunk's, never the tensor's."""
+    out = torch.empty_like(positions)
+    total = positions.numel()
+    if total == 0:
+        return out
+    n = words.numel()
+    starts = torch.arange(0, n, chunk_words, dtype=torch.int64, device=positions.device)
+    bounds = torch.searchsorted(positions, starts).tolist() + [total]  # the one wait for the device
+    seen = torch.zeros((), dtype=torch.int64, device=words.device)
+    mask = magnitude_mask(words.element_size())
+    for c, s in enumerate(range(0, n, chunk_words)):
+        lo, hi = bounds[c], bounds[c + 1]
+        if lo == total:
+            break
+        small = (words[s : s + chunk_words] & mask) <= small_max
+        if hi == lo:
+            seen += small.sum()
+            continue
+        upto = torch.cumsum(small, 0, dtype=torch.int32)  # small words up to and including each word
+        local = positions[lo:hi] - s
+        # Widened before `seen` is added: a 0-d int64 does not widen an int32 tensor in torch's promotion.
+        out[lo:hi] = (upto[local] - small[local].to(torch.int32)).to(torch.int64) + seen
+        seen += upto[-1]
     return out
 
 

@@ -36,7 +36,8 @@ from deltamesh.delta.assemble import assemble
 from deltamesh.delta.encode import manifest_of_parts, shipped_files
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Kind, Manifest
-from deltamesh.delta.parts import Cuts, Part, TensorSpec, encode_part
+from deltamesh.delta.cuts import Cuts, TensorSpec
+from deltamesh.delta.parts import Part, encode_part
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.gateway.origin_link import OriginLink
 from deltamesh.gateway.part_exchange import PartExchange

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deltamesh.delta.parts import TensorSpec
+from deltamesh.delta.cuts import TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeV
 
 import torch
 
-from deltamesh.delta.parts import TensorSpec
+from deltamesh.delta.cuts import TensorSpec
 from deltamesh.gateway.publisher import Published
 from deltamesh.gateway.shard_publisher import ShardPublisher
 
