@@ -65,6 +65,10 @@ class MiniMesh:
     published: int = -1
     publisher: Publisher | None = None
 
+    @staticmethod
+    def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        return wait_for(predicate, timeout, what)
+
     def url(self, name: str) -> str:
         return self.processes[name].url
 
@@ -85,9 +89,9 @@ class MiniMesh:
         asyncio.run(self.publisher.publish(weights_at(self.published)))
         return self.published
 
-    def snapshot(self, token: str | None = None) -> dict:
+    def snapshot(self, console: str = "console", token: str | None = None) -> dict:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        request = urllib.request.Request(f"{self.url('console')}/api/snapshot", headers=headers)
+        request = urllib.request.Request(f"{self.url(console)}/api/snapshot", headers=headers)
         with urllib.request.urlopen(request, timeout=5) as resp:
             return json.loads(resp.read())
 
@@ -97,13 +101,14 @@ class MiniMesh:
         path.chmod(0o600)
         return path
 
-    def start_console(self, *extra: str) -> Process:
+    def start_console(self, *extra: str, name: str = "console", token: str = "admin", scheme: str = "http") -> Process:
+        """`deltamesh console` on this mesh with `token` at the gateways and the broker (admin by default)."""
         port = free_port()
-        return self.start("console", ["console", "--listen", f"127.0.0.1:{port}", "--gateway", self.url("origin"),
-                                      "--gateway", self.url("relay"), "--token-file", str(self.write_token("admin")),
-                                      "--broker", self.url("broker"), "--broker-token-file",
-                                      str(self.write_token("admin")), "--poll-s", "0.3", "--stale-after-s", "3",
-                                      *extra], url=f"http://127.0.0.1:{port}")
+        return self.start(name, ["console", "--listen", f"127.0.0.1:{port}", "--gateway", self.url("origin"),
+                                 "--gateway", self.url("relay"), "--token-file", str(self.write_token(token)),
+                                 "--broker", self.url("broker"), "--broker-token-file", str(self.write_token(token)),
+                                 "--poll-s", "0.3", "--stale-after-s", "3", *extra],
+                          url=f"{scheme}://127.0.0.1:{port}" if scheme == "http" else "")
 
 
 def wait_answering(p: Process, path: str, timeout: float = 60.0) -> None:
@@ -126,19 +131,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     last = None
     while time.monotonic() < deadline:
         try:
-            last = predicate()
-        except (OSError, KeyError, ValueError) as e:
+            value = predicate()
+        except (OSError, KeyError, ValueError) as e:  # not up yet, or not that far
             last = e
-        if last:
-            return last
+        else:
+            if value:
+                return value
+            last = value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
-@pytest.fixture
-def mini_mesh(tmp_path: Path) -> MiniMesh:
-    """Origin `us` and relay `eu` gateways, a broker, and pools `pool-us`, `pool-eu` (each on its region's
+@pytest.fixture(scope="module")
+def mini_mesh(tmp_path_factory: pytest.TempPathFactory) -> MiniMesh:
+    """One per test module: origin `us` and relay `eu` gateways, a broker, and pools `pool-us`, `pool-eu` (each on its region's
     gateway, with a status server as its endpoint), v0 published and synced; the console not started."""
+    tmp_path = tmp_path_factory.mktemp("mesh")
     tokens_file = tmp_path / "tokens.toml"
     specs = {"trainer": TokenSpec("policy-trainer", "trainer", [MODEL]), "admin": TokenSpec("ops", "admin"),
              "metrics": TokenSpec("prometheus", "metrics"), "eu": TokenSpec("eu", "gateway"),
