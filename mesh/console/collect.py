@@ -43,6 +43,7 @@ class Collector:
         self._pools: dict[str, dict[str, Any]] = {}
         self._behind_since: dict[str, float] = {}
         self._seen_version: dict[str, int] = {}
+        self._regions: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._open: aiohttp.ClientSession | None = None
         self._broker: BrokerClient | None = None
@@ -86,6 +87,11 @@ class Collector:
                                                                insecure=cfg.tls.insecure, timeout_s=cfg.timeout_s)
                                           for url in cfg.gateways))
         now = time.time()
+        for g in gateways:  # a gateway that stops answering keeps the region it had
+            if g["region"]:
+                self._regions[g["url"]] = g["region"]
+            else:
+                g["region"] = self._regions.get(g["url"], "")
         self._remember_pools(gateways, now)
         statuses, broker, trainers = await asyncio.gather(self._read_pools(), self._read_broker(), self._read_trainers())
         self._note_versions(gateways, statuses, now)
@@ -99,12 +105,23 @@ class Collector:
             "gateways": [{k: g[k] for k in ("url", "region", "origin", "ok", "error", "access", "heads")}
                          for g in gateways],
             "graph": graph, "pools": pools,
-            "models": {m: {"head": heads.get(m), "versions": self.history.describe(m, origin, parents)}
+            "models": {m: self._model_panel(m, heads.get(m), origin, parents, graph, pools)
                        for m in sorted(set(heads) | set(self.history.models()))},
             "broker": panels.broker_panel(broker, self.rates),
         }
         self.snapshot_json = json.dumps(self.snapshot).encode()
         return self.snapshot
+
+    def _model_panel(self, model: str, head: int | None, origin: str, parents: dict[str, str],
+                     graph: dict[str, Any], pools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The model's head and version timelines; the head's names the places it has not reached yet."""
+        versions = self.history.describe(model, origin, parents)
+        places = [n["id"] for n in graph["nodes"] if n["kind"] == "gateway"]
+        places += [f"pool:{p['name']}" for p in pools if p["model"] == model]
+        for v in versions:
+            if v["version"] == head:
+                v["missing"] = sorted(set(places) - set(v["after_s"]))
+        return {"head": head, "versions": versions}
 
     def _remember_pools(self, gateways: list[dict[str, Any]], now: float) -> None:
         for g in gateways:
@@ -213,7 +230,9 @@ class Collector:
             rows.append({
                 "name": name, "region": p["region"], "model": model, "version": version, "head": head,
                 "behind": behind, "state": state, "why": why, "up": up, "gateway_ok": p["gateway_ok"],
-                "engine": record.get("engine", ""), "last_seen_s": record.get("last_seen_s"),
+                "engine": record.get("engine", ""),
+                "last_seen_s": None if record.get("last_seen_s") is None
+                else record["last_seen_s"] + time.time() - p["seen_at"],
                 "status_read": status is not None, "proof": panels.proof(status, model),
                 "mismatch": trainers.get((model, pool_name)),
                 "leased_per_min": self.rates.per_minute(f"leased:{endpoint}") if worker else None,

@@ -144,8 +144,10 @@ function drawVersions(models) {
         bar.append(mark);
       }
       row.append(bar);
+      const missing = (v.missing || []).map(label);
+      const reached = missing.length ? `not yet at ${missing.join(", ")}; the rest in` : "everywhere in";
       const what = v.everywhere_s === null ? "not yet at the origin's listing"
-        : `everywhere in ${v.everywhere_s.toFixed(2)} s` + (v.slowest ? ` · slowest ${label(v.slowest.from)} → ${label(v.slowest.to)} ${v.slowest.seconds.toFixed(2)} s` : "");
+        : `${reached} ${v.everywhere_s.toFixed(2)} s` + (v.slowest ? ` · slowest ${label(v.slowest.from)} → ${label(v.slowest.to)} ${v.slowest.seconds.toFixed(2)} s` : "");
       row.append(el("span", { class: "what" }, what));
       rows.push(row);
     }
