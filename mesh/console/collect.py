@@ -83,6 +83,7 @@ class Collector:
 
     async def read(self) -> dict[str, Any]:
         cfg = self.config
+        started = time.perf_counter()
         gateways = await asyncio.gather(*(sources.read_gateway(url, self._session, token=cfg.token,
                                                                insecure=cfg.tls.insecure, timeout_s=cfg.timeout_s)
                                           for url in cfg.gateways))
@@ -109,6 +110,7 @@ class Collector:
                        for m in sorted(set(heads) | set(self.history.models()))},
             "broker": panels.broker_panel(broker, self.rates),
         }
+        self.snapshot["read_s"] = round(time.perf_counter() - started, 4)
         self.snapshot_json = json.dumps(self.snapshot).encode()
         return self.snapshot
 
