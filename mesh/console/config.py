@@ -25,7 +25,8 @@ class ConsoleConfig:
     listen: str = field(default="127.0.0.1:8790", metadata=flag(metavar="HOST:PORT"))
     """Address the console serves its page on. Anything but loopback needs tls cert/key and a login token."""
     gateways: list[str] = field(default_factory=list, metadata=flag("--gateway", metavar="URL"))
-    """Gateway base URLs to read; relays announced to them and their pools are found from there."""
+    """Gateway base URLs to read with `token` (only these get it); their pools are found from their listings,
+    and a relay announced to them is drawn from their links."""
     token: str = field(default="", metadata=flag("--token", metavar="TOKEN", secret_env="DELTAMESH_TOKEN"))
     """The console's token at the gateways: an admin token shows every panel (pools, links, version
     listings are admin routes); a metrics token shows what the gateways' /metrics carry."""

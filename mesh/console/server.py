@@ -2,7 +2,7 @@
 
 Routes: `GET /` (the page), `GET /static/{name}` (the files in static/, nothing else), `GET
 /api/snapshot` (the newest snapshot, JSON), `GET /healthz` (`{"ok": true}`, nothing else), and with a
-login token `GET`/`POST /login`. The browser only ever gets these: the tokens the console reads the
+login token `GET`/`POST /login` and the login form's `GET /login.css`. The browser only ever gets these: the tokens the console reads the
 mesh with stay in this process.
 
 With a login token set (required off loopback: mesh/console/config.py), every route but `/healthz`
@@ -34,7 +34,7 @@ STATIC_FILES = {"console.js": "text/javascript", "console.css": "text/css"}
 COOKIE = "deltamesh_console"
 SESSION_S = 12 * 3600.0
 MAX_SESSIONS = 1024
-OPEN_PATHS = ("/healthz", "/login")
+OPEN_PATHS = ("/healthz", "/login", "/login.css")
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                                "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
@@ -94,7 +94,7 @@ def build_app(collector: Collector, *, secure_cookie: bool) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if request.path not in OPEN_PATHS and request.path != "/login.css" and not sessions.allows(request):
+        if request.path not in OPEN_PATHS and not sessions.allows(request):
             if request.path == "/" and request.method == "GET":
                 resp: web.StreamResponse = see_other("/login")
             else:
