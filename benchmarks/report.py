@@ -31,6 +31,8 @@ LINK_CEILING = 0.956
 
 
 def codec_ratio(results: dict[str, Any], ax) -> bool:
+    from matplotlib.ticker import FuncFormatter
+
     cases = []
     for case in (results.get("codec") or {}).get("cases", []):
         found = re.fullmatch(r"smollm2-135m adam lr=([0-9.e-]+)", case["name"])
@@ -47,11 +49,14 @@ def codec_ratio(results: dict[str, Any], ax) -> bool:
     floor = [c["full_bytes"] / c["order0_entropy_bytes"] for _, c in cases if c.get("order0_entropy_bytes")]
     if len(floor) == len(cases):
         ax.plot(lrs, floor, linestyle="--", color="gray", label="order-0 entropy (no context)")
-    for lr, case in cases:
+    for i, (lr, case) in enumerate(cases):
         ax.annotate(f"{100 * case['changed_fraction']:.2f}% of words changed", (lr, case["results"]["deltamesh"]["ratio_vs_full"]),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+                    textcoords="offset points", xytext=(0, -16), fontsize=8,
+                    ha="left" if i == 0 else "right" if i == len(cases) - 1 else "center")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if str(v)[0] in "2358" else ""))
     ax.set_xlabel("learning rate of the Adam step")
     ax.set_ylabel("times smaller than full bf16 safetensors")
     ax.set_title("SmolLM2-135M, one real Adam step: delta size against the checkpoint")

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 from deltamesh.cache import cache_dir
 
-RECORDED = {"lr": 5e-6, "delta_bytes": 811_112, "full_bytes": 182_544_522, "raw_bytes": 269_060_520,
-            "source": "benchmarks/codec.py on 2026-11-30 (BENCHMARKS.md)"}
+RECORDED = {"lr": 5e-6, "delta_bytes": 810_993, "full_bytes": 182_547_141, "raw_bytes": 269_060_520,
+            "source": "benchmarks/codec.py on 2026-12-04 (BENCHMARKS.md)"}
 """SmolLM2-135M-Instruct, the first Adam step at lr 5e-6: deltamesh's delta, its full snapshot, raw bf16."""
 
 
