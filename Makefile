@@ -24,12 +24,13 @@ $(STAMP): pyproject.toml setup.py delta/_kernels.c
 
 # The WAN emulator's correctness tests are part of the suite, so its system packages are set up here;
 # so is PostgreSQL, which the broker's store tests run against beside SQLite, and bubblewrap, the sandbox's.
-# Prometheus runs deploy/prometheus's config and rules against a mini-mesh.
+# Prometheus runs deploy/prometheus's config and rules against a mini-mesh; chromium loads the web console.
 test: $(STAMP)
 	bash benchmarks/wan/setup.sh
 	bash benchmarks/setup_postgres.sh
 	bash benchmarks/setup_sandbox.sh
 	bash benchmarks/setup_prometheus.sh
+	bash benchmarks/setup_browser.sh
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

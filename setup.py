@@ -21,4 +21,7 @@ for part in COMPONENTS:
 
 kernels = Extension("deltamesh.delta._kernels", sources=["delta/_kernels.c"], extra_compile_args=["-O3"], optional=True)
 
-setup(packages=packages, package_dir=package_dir, ext_modules=[kernels])
+# The web console's page, script and style sheet (mesh/console/static/) ship inside the package.
+package_data = {"deltamesh.mesh.console": ["static/*.html", "static/*.js", "static/*.css"]}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data, ext_modules=[kernels])

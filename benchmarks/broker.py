@@ -226,6 +226,9 @@ def main() -> int:
     parser.add_argument("--backends-only", action="store_true",
                         help="only the default configuration, on SQLite and on PostgreSQL")
     parser.add_argument("--no-postgres", action="store_true", help="skip PostgreSQL (where it is not installed)")
+    parser.add_argument("--sweep", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        metavar="N,N,...", help="also the default configuration at each of these groups per "
+                                                "submission (JSON: \"sweep\", what benchmarks/report.py plots)")
     args = parser.parse_args()
     configs = [DEFAULT] if args.only_default else [DEFAULT, POSTGRES] if args.backends_only else CONFIGS
     configs = [c for c in configs if not (c.postgres and args.no_postgres)]
@@ -245,6 +248,7 @@ def main() -> int:
                     proc.terminate()
                     proc.wait(timeout=30)
             results.append((c, figures))
+        sweep = [sweep_point(n, args) for n in args.sweep]
     finally:
         if cluster is not None:
             cluster.close()
@@ -256,6 +260,8 @@ def main() -> int:
             if c.postgres:
                 out.update(ingest_traj_per_s_postgres=f["ingest_traj_per_s"],
                            batch_latency_ms_p50_postgres=f["batch_latency_ms_p50"])
+        if sweep:
+            out["sweep"] = sweep
         print(json.dumps(out))
         return 0
     from rich.console import Console
@@ -269,7 +275,25 @@ def main() -> int:
         table.add_row(c.name, f"{f['ingest_traj_per_s']:,.0f}", f"{f['broker_cpu_us_per_traj']:.0f}",
                       f"{f['batch_latency_ms_p50']:.1f}", f"{f['batch_latency_ms_p99']:.1f}")
     Console().print(table)
+    for point in sweep:
+        print(f"{point['trajectories_per_submission']} trajectories per submission: {point['ingest_traj_per_s']:,.0f} "
+              f"traj/s, ready batch p50 {point['batch_latency_ms_p50']:.1f} ms")
     return 0
+
+
+def sweep_point(per_submission: int, args: argparse.Namespace) -> dict:
+    """The default configuration with `per_submission` groups in each pool's submissions."""
+    with tempfile.TemporaryDirectory(prefix="bench-broker-") as tmp:
+        proc, access = start_broker(Path(tmp), DEFAULT.settings, False, str(Path(tmp) / "broker.db"))
+        try:
+            f = asyncio.run(run_config(access, proc.pid, args.groups_per_pool, per_submission, False,
+                                       args.latency_batches, args.rounds))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return {"groups_per_submission": per_submission, "trajectories_per_submission": per_submission * GROUP,
+            "ingest_traj_per_s": f["ingest_traj_per_s"], "batch_latency_ms_p50": f["batch_latency_ms_p50"],
+            "broker_cpu_us_per_traj": f["broker_cpu_us_per_traj"]}
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def run_mesh(args: argparse.Namespace, console: Console) -> tuple[DemoResult, di
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="deltamesh-e2e-") as tmp:
         run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "run"
-        config = DemoConfig(model=args.model, steps=args.steps, lr=args.lr, run_dir=str(run_dir))
+        # No web console: its reads of every service each second would be load on the mesh measured.
+        config = DemoConfig(model=args.model, steps=args.steps, lr=args.lr, run_dir=str(run_dir), console=False)
         result = asyncio.run(run_demo(config, console=console, live=False))
     return result, {"cpus": os.cpu_count(), "load_average": [round(load_start, 1), round(os.getloadavg()[0], 1)]}
 

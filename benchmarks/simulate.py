@@ -41,7 +41,7 @@ RESULTS = cache_dir("transfer", "results.json")
 LATENCY = cache_dir("latency", "results.json")
 """benchmarks/latency.py's last `--json` run here, whose stage costs the latency budget takes."""
 RECORDED = Path(__file__).resolve().with_name("transfer_recorded.json")
-"""The transfer runs recorded in BENCHMARKS.md (## Transfer), for machines where the emulator has not run."""
+"""The transfer runs recorded in BENCHMARKS.md (## Transfer over WAN), for machines where the emulator has not run."""
 
 
 def load_measured(path: Path | None) -> tuple[dict[str, dict], str, list[dict]]:

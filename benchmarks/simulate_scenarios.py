@@ -17,7 +17,7 @@ from simulate_model import Link, Path, Tcp, connections_for, control_s, fetch, r
 
 GB = 1e9
 HOST_SERVE_GBPS = 0.59
-"""What this 2-core machine serves from one gateway to 16 verifying pullers on loopback (BENCHMARKS.md, ## Gateway)."""
+"""What this 2-core machine serves from one gateway to 16 verifying pullers on loopback (BENCHMARKS.md, ## Gateway and relays)."""
 
 
 def _bisect(f, lo: float, hi: float, target: float, *, geometric: bool = False, rounds: int = 40) -> float:

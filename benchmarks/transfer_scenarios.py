@@ -78,6 +78,8 @@ class Sample:
     origin_egress_bytes: int
     origin_wire_bytes: int
     extra: dict = field(default_factory=dict)
+    timeline: list = field(default_factory=list)
+    """[seconds since the clock started, bytes received] as each tenth of the version arrived (where known)."""
 
 
 def summarize(samples: list[Sample], payload_bytes: int, mbit: float) -> dict:
@@ -95,6 +97,9 @@ def summarize(samples: list[Sample], payload_bytes: int, mbit: float) -> dict:
         values = [s.extra[key] for s in samples if s.extra.get(key) is not None]
         if values:
             out[key] = round(statistics.median(values), 3)
+    timed = [s for s in samples if s.timeline]
+    if timed:  # the median run's arrival of each tenth: the link's utilization over time (benchmarks/report.py)
+        out["timeline"] = min(timed, key=lambda s: abs(s.seconds - seconds)).timeline
     return out
 
 
@@ -238,7 +243,9 @@ def long_link(settings: Settings) -> dict:
                     result["t_start"] = results["publish"]["t_start"]
                 if "t_start" in result:  # warm: only the second fetch counts, and only its bytes
                     seconds, out, wire = result["t_done"] - result["t_start"], out // 2, wire // 2
-                samples[method].append(Sample(seconds, out, wire, {"steady_mbit": steady_mbit(result)}))
+                t0 = result.get("t_start", result["t_go"])
+                tenths = [[round(t - t0, 3), n] for t, n in result.get("progress") or []]
+                samples[method].append(Sample(seconds, out, wire, {"steady_mbit": steady_mbit(result)}, tenths))
                 log.info("long_link: %s %.2fs; %s", method, seconds, _timeline(result))
         scenario = scenario_json("long_link", link, samples, settings)
         scenario["tls_minus_plain_points"] = tls_gap(scenario["methods"])

@@ -17,6 +17,7 @@ from deltamesh.config_flags import ALIASES, settings
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.broker.config import BrokerConfig
+from deltamesh.mesh.console.config import ConsoleConfig
 from deltamesh.mesh.cli import build_parser
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.pool.config import PoolConfig
@@ -25,7 +26,7 @@ from deltamesh.trainer.loop_config import TrainLoopConfig
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "CONFIG.md"
 TABLES = {"gateway": GatewayConfig, "pool": PoolConfig, "broker": BrokerConfig, "trainer": TrainLoopConfig,
-          "autoscale": AutoscaleConfig, "demo": DemoConfig}
+          "autoscale": AutoscaleConfig, "demo": DemoConfig, "console": ConsoleConfig}
 OLD = "# older layout"
 
 

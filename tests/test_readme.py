@@ -23,6 +23,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
 
 
+# The README's web console, once up, shows the pool that synced through the relay, at the published version.
+CONSOLE_SHOWS_POOL = """import json, sys, time, urllib.request
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    snap = json.load(urllib.request.urlopen("http://127.0.0.1:8790/api/snapshot", timeout=5))
+    if [(p["name"], p["region"], p["version"]) for p in snap.get("pools", [])] == [("eu-1", "eu", 0)]:
+        sys.exit(0)
+    time.sleep(0.5)
+sys.exit(f"the console does not show pool eu-1 at v0: {snap.get('pools')}")
+"""
+
+
 def doc_lines(doc: str) -> list[str]:
     """The lines of the one bash block of `doc` that sets up a mesh."""
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
@@ -54,7 +66,8 @@ def test_the_documented_mesh_runs_as_written(tmp_path, run_documented_lines, doc
     write_weights(tmp_path / "weights", weights)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     lines = doc_lines(doc)
-    ran = run_documented_lines(lines, tmp_path, ports=listen_addresses(lines, tmp_path))
+    after = [f"python -c {shlex.quote(CONSOLE_SHOWS_POOL)}"] if doc == "README.md" else []
+    ran = run_documented_lines(lines, tmp_path, ports=listen_addresses(lines, tmp_path), after=after)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     synced = read_weights(tmp_path / pool_dir)
     assert all(torch.equal(synced[name].view(torch.int16), w.view(torch.int16)) for name, w in weights.items())

@@ -118,6 +118,9 @@ class DemoConfig:
     """Run only the topology's first N pools (unset: all)."""
     run_dir: str = ""
     """Where logs, stores, weights and the report go (default runs/demo-<timestamp>)."""
+    console: bool = True
+    """Also serve the web console of the mesh (`deltamesh console`, docs/CONSOLE.md) on loopback, at
+    http://127.0.0.1:8790/ when that port is free; --no-console: not."""
     topology: Topology = field(default_factory=default_topology)
     """Regions, links and pools (`[demo.topology]`, or a `[topology]` file given with --topology)."""
     buffered_groups: int | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,10 @@ from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
 from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
+
+
+CONSOLE_PORT = 8790
+"""Where the demo serves its web console when the port is free (else any free one)."""
 
 
 @dataclass
@@ -50,6 +55,9 @@ class MeshPlan:
     pools: dict[str, Service] = field(default_factory=dict)
     trainers: dict[str, Service] = field(default_factory=dict)
     """model_id -> its trainer."""
+    trainer_metrics: dict[str, str] = field(default_factory=dict)
+    """model_id -> the URL its trainer serves its metrics at (the console reads each pool's mismatch there)."""
+    console: Service | None = None
 
     def metrics_file(self, model_id: str) -> Path:
         return self.run_dir / "trainer" / f"{model_id}.steps.jsonl"
@@ -76,7 +84,8 @@ class MeshPlan:
     @property
     def services(self) -> list[Service]:
         out = [self.broker] if self.broker is not None else []
-        return [*out, *self.gateways.values(), *self.pools.values(), *self.trainers.values()]
+        out += [*self.gateways.values(), *self.pools.values(), *self.trainers.values()]
+        return out + ([self.console] if self.console is not None else [])
 
 
 def model_dir(model: str, engine: str = "transformers") -> Path:
@@ -182,6 +191,8 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
     cfg = plan.config
     assert plan.broker is not None
     origin = plan.gateways[cfg.topology.origin.region]
+    metrics_port = free_port()
+    plan.trainer_metrics[model_id] = f"http://127.0.0.1:{metrics_port}"
     config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {"trainer": {
         "model_id": model_id, "seed": cfg.seed, "broker": plan.broker.url, "gateway": origin.url,
         "broker_token": plan.token(f"trainer/{model_id}"), "gateway_token": plan.token(f"trainer/{model_id}"),
@@ -189,10 +200,38 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
         "model": str(plan.model_dir), "key": str(plan.private_key), "batch_size": cfg.batch_size,
         "max_steps": cfg.steps, "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
         "metrics_file": str(plan.metrics_file(model_id)), "optim": {"lr": cfg.lr},
+        "metrics_listen": f"127.0.0.1:{metrics_port}",
     }})
     # The trainer may use both cores for the real model; the tiny one gains nothing from a second thread.
     return Service(f"trainer-{model_id}", "trainer", ["train", "--config", str(config)],
                    plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)
+
+
+def console_service(plan: MeshPlan) -> Service:
+    """The web console, reading every gateway, the broker and the trainers' metrics as the run's admin."""
+    port = CONSOLE_PORT if port_free(CONSOLE_PORT) else free_port()
+    args = ["console", "--listen", f"127.0.0.1:{port}", "--poll-s", "1", "--stale-after-s", "15"]
+    for spec in plan.config.topology.gateways:
+        args += ["--gateway", plan.gateways[spec.region].url]
+    assert plan.broker is not None
+    args += ["--broker", plan.broker.url]
+    for url in plan.trainer_metrics.values():
+        args += ["--trainer", url]
+    if plan.creds is not None:
+        token = plan.run_dir / "pki" / "console.token"  # the admin's, in a file: never on a command line
+        token.write_text(plan.token("admin") + "\n")
+        token.chmod(0o600)
+        args += ["--token-file", str(token), "--broker-token-file", str(token), "--ca", str(plan.creds.ca)]
+    return _http("console", "console", args, plan.run_dir / "logs" / "console.log", port)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start(plan: MeshPlan, services: ServiceSet) -> None:
@@ -205,3 +244,5 @@ def start(plan: MeshPlan, services: ServiceSet) -> None:
         plan.trainers[model_id] = services.start(trainer_service(plan, model_id))
     for index, pool in enumerate(cfg.topology.pools):
         plan.pools[pool.name] = services.start(pool_service(plan, pool.name, pool.region, index))
+    if cfg.console:
+        plan.console = services.start(console_service(plan))

@@ -100,7 +100,7 @@ def _die_with_parent() -> None:
 class Service:
     name: str
     kind: str
-    """broker, gateway, pool or trainer."""
+    """broker, gateway, pool, trainer or console."""
     args: list[str]
     log_path: Path
     url: str = ""

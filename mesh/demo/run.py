@@ -187,6 +187,8 @@ async def _run(config: DemoConfig, run_dir: Path, console: Console, live: bool) 
                                   headers=bearer(plan.token("admin")) if plan.creds else None) as session:
             monitor = Monitor(plan, session)
             start(plan, services)
+            if plan.console is not None:
+                console.print(f"web console of this mesh: [bold]{plan.console.url}/[/] (while the demo runs)")
             try:
                 with Display(console, live, config, monitor.upload_link, run_dir) as display:
                     outcome = await _watch(plan, services, monitor, display, stop)

@@ -99,8 +99,12 @@ def test_a_short_demo_learns_and_every_pool_ends_bit_exact(run_dir):
                            str(run_dir)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "bit-exact: 3/3" in proc.stdout
+    # The web console ran beside the mesh, and the bytes table sets a real model's step beside the toy's.
+    assert re.search(r"web console of this mesh: http://127\.0\.0\.1:\d+/", proc.stdout), proc.stdout[:2000]
+    assert "real model" in proc.stdout and "SmolLM2-135M" in proc.stdout and "Why the toy" in proc.stdout
     report = json.loads((run_dir / "report.json").read_text())
     assert report["outcome"] == "completed"
+    assert [p["name"] for p in report["processes"]].count("console") == 1
     assert (run_dir / "report.png").stat().st_size > 0
     model = report["models"]["policy"]
     assert [s["version"] for s in model["steps"]] == list(range(1, STEPS + 1))
@@ -135,8 +139,8 @@ def test_ctrl_c_stops_every_service_and_leaves_nothing_running(run_dir, tmp_path
             assert demo.poll() is None, (tmp_path / "demo.out").read_text()[-4000:]
             assert time.monotonic() < deadline, "the trainer made no two steps in time"
             time.sleep(0.2)
-        # The demo itself and its broker, three gateways, one pool and one trainer.
-        assert len(leftovers(run_dir)) == 7, leftovers(run_dir)
+        # The demo itself and its broker, three gateways, one pool, one trainer and the web console.
+        assert len(leftovers(run_dir)) == 8, leftovers(run_dir)
         demo.send_signal(signal.SIGINT)
         assert demo.wait(90) == 130
     finally:
