@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Mapping, TypeVar
+from typing import Callable, Mapping
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.http import HttpError, serving
+from deltamesh.loop_thread import LoopThread
 from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
 from deltamesh.gateway.publisher import Publisher
@@ -38,7 +39,6 @@ from deltamesh.trainer.publish import StreamStart, start_stream
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 RETRY_S = 1.0
 
 
@@ -55,26 +55,6 @@ class PublishOutcome:
     kinds: list[str] = field(default_factory=list)
     error: str = ""
     stages: dict[str, float] = field(default_factory=dict)
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread, fed coroutines from other threads."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
 
 
 class MeshClient:
@@ -96,7 +76,7 @@ class MeshClient:
                                    connections=connections, token=gateway_token, tls=tls,
                                    side_files=side_files,  # config and tokenizer travel with every version
                                    on_encoded=lambda _: self._encoded.set())
-        self._thread = _LoopThread(f"mesh-{model_id}")
+        self._thread = LoopThread(f"mesh-{model_id}")
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._encoded = threading.Event()  # the publish in flight has encoded its version (or ended)

@@ -33,11 +33,13 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 
 from deltamesh.delta import tensor_digest
+
+T = TypeVar("T")
 
 # vLLM's reload warns once per layer it was not handed anything for, and lists those weights: on a
 # partial update that is every untouched layer, by design, so those two loggers are quieted then.
@@ -51,7 +53,7 @@ class VLLMWeights:
 
     def __init__(self, engine: Any, names: Iterable[str]) -> None:
         self._engine = engine
-        (packed,) = engine.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+        packed = self._on_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
         # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
         self._fused_into = {part: fused for fused, parts in packed.items() for part in parts}
         self._parts = {fused: list(parts) for fused, parts in packed.items()}
@@ -78,7 +80,7 @@ class VLLMWeights:
     def restore(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
         """After a failed `load`/`load_dir`: finish whatever reload state vLLM was left in, then load
         `tensors` for `names` (what those layers held before)."""
-        self._engine.collective_rpc(_finish_reload)
+        self._finish_reload()
         self.load(tensors, names)
 
     def digests(self, names: Iterable[str], checkpoint: Mapping[str, torch.Tensor]) -> dict[str, str | None]:
@@ -86,8 +88,7 @@ class VLLMWeights:
         cannot be read back), found as a row slice of vLLM's parameter; `checkpoint` gives the shapes
         and dtypes of every checkpoint tensor (the host copy), which place the parts of fused ones."""
         where = {name: self._slice_of(name, checkpoint) for name in names}
-        (found,) = self._engine.apply_model(lambda model: _read_back(model, where))
-        return found
+        return self._on_model(lambda model: _read_back(model, where))
 
     def _slice_of(self, name: str, checkpoint: Mapping[str, torch.Tensor]) -> tuple[str, int, torch.Tensor] | None:
         """(vLLM parameter name, first row, the checkpoint tensor) of checkpoint tensor `name`."""
@@ -110,8 +111,23 @@ class VLLMWeights:
 
     def _reload(self, **source: Any) -> None:
         started = time.perf_counter()
-        self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        self._reload_in_worker(source)
         self.last_reload_s = time.perf_counter() - started
+
+    # The three ways into vLLM's worker; a weight-transfer backend, which runs inside the worker,
+    # reaches its model directly instead (deltamesh.mesh.vllm_plugin.worker_weights).
+    def _on_model(self, fn: Callable[[torch.nn.Module], T]) -> T:
+        """`fn(model)` run in the worker, on its model."""
+        (result,) = self._engine.apply_model(fn)
+        return result
+
+    def _reload_in_worker(self, source: dict[str, Any]) -> None:
+        """vLLM's in-place reload in checkpoint format, from `source` (an iterator or a directory)."""
+        self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+
+    def _finish_reload(self) -> None:
+        """End a reload that raised half way (see `finish_reload`)."""
+        self._engine.collective_rpc(_finish_reload)
 
     def _layer_of(self, name: str) -> str:
         module, _, _param = name.rpartition(".")
@@ -147,12 +163,17 @@ def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch
 
 
 def _finish_reload(worker: Any) -> None:
-    """Runs in the worker: end a reload that raised half way (layers left on the meta device with
-    wrapped loaders), as vLLM's own reload ends one."""
+    """Runs in the worker: `finish_reload` on its model."""
+    runner = worker.model_runner
+    finish_reload(runner.get_model(), runner.model_config)
+
+
+def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """End a reload that raised half way (layers left on the meta device with wrapped loaders), as
+    vLLM's own reload ends one."""
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    runner = worker.model_runner
-    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+    finalize_layerwise_reload(model, model_config)
 
 
 @contextlib.contextmanager
