@@ -36,6 +36,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from deltamesh.delta import DecodedVersion, dir_manifest, read_weights
+from deltamesh.logs import setup_guest_logging
 from deltamesh.loop_thread import LoopThread
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.engines.host_weights import HostWeights
@@ -59,11 +60,14 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        setup_guest_logging()
         self._loop: LoopThread | None = None
         self._receiver: VersionReceiver | None = None
         self._host: HostWeights | None = None
         self._weights: WorkerWeights | None = None
         self._check = ServeCheck()
+        self._held: tuple[str, int | None] | None = None
+        """(model id, version) served when the backend was last shut down: a new init goes on from there."""
         from_env = config_from_env()
         if from_env is not None:  # a server that follows a gateway by itself needs no init call
             self.init_transfer_engine(from_env)
@@ -85,17 +89,22 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
         if not model_dir.is_dir():
             raise ValueError(f"the deltamesh backend needs vLLM started from a local model directory, "
                              f"not {self.model_config.model!r}")
-        held = dir_manifest(model_dir)
-        if held is not None and held.model_id == init_info.model:
-            weights, manifest = read_verified(model_dir, held.version)
-            self._host = HostWeights(weights, manifest.weights_hash if manifest is not None else None)
-        else:  # weights of no published version: the first update is a full snapshot
-            self._host = HostWeights(read_weights(model_dir), None)
-        self._weights = WorkerWeights(self.model, self.vllm_config, self._host.weights)
+        if self._held is not None and self._held[0] != init_info.model:
+            raise ValueError(f"this server serves {self._held[0]!r} v{self._held[1]}; another model id needs a "
+                             f"server restarted from its directory")
+        if self._host is None:  # the first init: the host copy is what vLLM loaded
+            held = dir_manifest(model_dir)
+            if held is not None and held.model_id == init_info.model:
+                weights, manifest = read_verified(model_dir, held.version)
+                self._host = HostWeights(weights, manifest.weights_hash if manifest is not None else None)
+            else:  # weights of no published version: the first update is a full snapshot
+                self._host = HostWeights(read_weights(model_dir), None)
+            self._weights = WorkerWeights(self.model, self.vllm_config, self._host.weights)
         loop = LoopThread(f"deltamesh-vllm-{init_info.model}")
         receiver = VersionReceiver(init_info, str(model_dir))
         try:
-            loop.call(receiver.open())
+            # Initialised again after a shutdown, the server still serves what it took meanwhile.
+            loop.call(receiver.open(self._held[1] if self._held is not None else None, self._host.weights_hash))
         except BaseException:
             loop.call(receiver.close())
             loop.close()
@@ -130,6 +139,7 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
         receiver, self._receiver = self._receiver, None
         if loop is None or receiver is None:
             return
+        self._held = (receiver.config.model, receiver.version)
         try:
             loop.call(receiver.close())
         finally:

@@ -56,15 +56,21 @@ class VersionReceiver:
         self._stack = contextlib.AsyncExitStack()
         self._stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
+        self._fetching = asyncio.Lock()
 
     @property
     def version(self) -> int | None:
         """The version the worker serves (None: one no gateway published, until the first update)."""
         return self.sync.version
 
-    async def open(self) -> None:
+    async def open(self, served: int | None = None, weights_hash: str | None = None) -> None:
+        """Connect; `served` (with its `weights_hash`): the version the worker serves already, when it
+        took versions before (else the one its directory's manifest names, if any)."""
         self._stop = asyncio.Event()
         await self._stack.enter_async_context(self.sync)
+        if served is not None and weights_hash is not None:
+            self.sync.version = served
+            self.sync.guard.hold(served, weights_hash)
         if self.config.name:
             await self.sync.register_once()  # refused credentials end here, with one error
             self._tasks.append(asyncio.create_task(self.sync.heartbeat_loop(self._stop)))
@@ -97,6 +103,10 @@ class VersionReceiver:
             if target == held:
                 return []
             raise Refused(f"v{target} is older than v{held}, which this server serves: a server never moves back")
+        async with self._fetching:  # the follow loop and a caller of the RL routes take turns
+            return await self._fetch(target, held)
+
+    async def _fetch(self, target: int | None, held: int | None) -> list[DecodedVersion]:
         ready, self._ready = self._ready, None
         if ready is not None and ready[0] == held and (target is None or ready[1] == target):
             return ready[2]
