@@ -91,8 +91,10 @@ def run(repeats: int) -> dict[str, Any]:
     result["ipc"] = _try_ipc()
     result["backend_median_s"] = statistics.median(r["seconds"] for r in result["backend"])
     result["publish_median_s"] = statistics.median(r["uploaded_after_s"] for r in result["backend"])
+    result["server_median_s"] = statistics.median(r["seconds"] - r["uploaded_after_s"] for r in result["backend"])
     result["disk_median_s"] = statistics.median(r["seconds"] for r in result["disk"])
     result["payload_bytes"] = result["backend"][0]["payload_bytes"]
+    result["checkpoint_bytes"] = sum(t.numel() * t.element_size() for t in base.values())
     return result
 
 
@@ -113,14 +115,16 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result['model']}: trainer call -> server serving the version (median of {result['repeats']})")
-    for col in ("way", "median s", "of it: until the origin holds it", "bytes sent", "runs (s)"):
+    for col in ("way", "median s", "until the origin holds it", "then until serving", "bytes to the server",
+                "runs (s)"):
         table.add_column(col, justify="left" if col == "way" else "right")
     table.add_row("deltamesh backend (delta, origin -> relay -> server)", f"{result['backend_median_s']:.2f}",
-                  f"{result['publish_median_s']:.2f}", f"{result['payload_bytes']:,}",
-                  ", ".join(f"{r['seconds']:.2f}" for r in result["backend"]))
+                  f"{result['publish_median_s']:.2f}", f"{result['server_median_s']:.2f}",
+                  f"{result['payload_bytes']:,}", ", ".join(f"{r['seconds']:.2f}" for r in result["backend"]))
     table.add_row("reload from disk (directory already on the server's disk)", f"{result['disk_median_s']:.2f}",
-                  "-", "-", ", ".join(f"{r['seconds']:.2f}" for r in result["disk"]))
-    table.add_row("vLLM ipc / nccl", "-", "-", "-", result["ipc"])
+                  "not counted", f"{result['disk_median_s']:.2f}", f"{result['checkpoint_bytes']:,}",
+                  ", ".join(f"{r['seconds']:.2f}" for r in result["disk"]))
+    table.add_row("vLLM ipc / nccl", "-", "-", "-", "-", result["ipc"])
     Console(width=200).print(table)
 
 
