@@ -101,7 +101,7 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
                 self._host = HostWeights(read_weights(model_dir), None)
             self._weights = WorkerWeights(self.model, self.vllm_config, self._host.weights)
         loop = LoopThread(f"deltamesh-vllm-{init_info.model}")
-        receiver = VersionReceiver(init_info, str(model_dir))
+        receiver = VersionReceiver(init_info, str(model_dir), lead=self.parallel_config.rank == 0)
         try:
             # Initialised again after a shutdown, the server still serves what it took meanwhile.
             loop.call(receiver.open(self._held[1] if self._held is not None else None, self._host.weights_hash))

@@ -41,8 +41,11 @@ log = logging.getLogger(__name__)
 class VersionReceiver:
     """One worker's way to the mesh (see the module docstring). Every coroutine runs on the backend's loop."""
 
-    def __init__(self, config: BackendConfig, model_dir: str) -> None:
+    def __init__(self, config: BackendConfig, model_dir: str, *, lead: bool = True) -> None:
+        """`lead`: this worker is the server's first (rank 0), the one that registers, serves the metrics and
+        follows the head; with tensor parallelism every rank fetches and applies, only one speaks for them."""
         self.config = config
+        self.lead = lead
         self.sync = WeightSync(config.sync_config(model_dir), on_refusal=self._refused)
         self.registry = service_registry("vllm-backend")
         self.pool_metrics = PoolMetrics(self.registry)
@@ -71,16 +74,16 @@ class VersionReceiver:
         if served is not None and weights_hash is not None:
             self.sync.version = served
             self.sync.guard.hold(served, weights_hash)
-        if self.config.name:
+        if self.config.name and self.lead:
             await self.sync.register_once()  # refused credentials end here, with one error
             self._tasks.append(asyncio.create_task(self.sync.heartbeat_loop(self._stop)))
-        if self.config.metrics_listen:
+        if self.config.metrics_listen and self.lead:
             self.metrics_url = await self._stack.enter_async_context(
                 serving(status_app(self.registry, self.status), self.config.metrics_listen))
             log.info("deltamesh backend: metrics and status at %s", self.metrics_url)
         if self.version is not None:
             self.engine_metrics.version.set(self.version)
-        if self.config.follow:
+        if self.config.follow and self.lead:
             self._tasks.append(asyncio.create_task(self._follow(self._stop)))
 
     async def close(self) -> None:
@@ -89,7 +92,7 @@ class VersionReceiver:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.config.name:
+        if self.config.name and self.lead:
             await self.sync.deregister()
         await self._stack.aclose()
 
