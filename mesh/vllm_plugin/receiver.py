@@ -189,8 +189,13 @@ class VersionReceiver:
                     await until_stopped(self._follow_once(session), stop)
                     self.sync.outage.succeeded()
                 except (SyncError, HttpError, CodecError, OSError) as e:
+                    # The server keeps what it serves (a refused update leaves it untouched): try again later.
                     self.last_error = f"follow: {type(e).__name__}: {e}"
                     await sleep_or_stop(stop, self.sync.set_error(self.last_error, logged=isinstance(e, Refused)))
+                except Exception as e:  # noqa: BLE001 - the server must keep following the head whatever broke
+                    log.exception("deltamesh backend: following the head failed")
+                    self.last_error = f"follow: unexpected {type(e).__name__}: {e}"
+                    await sleep_or_stop(stop, self.sync.set_error(self.last_error, logged=True))
                 finally:
                     self._behind()
 
