@@ -33,13 +33,11 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
 from deltamesh.delta import tensor_digest
-
-T = TypeVar("T")
 
 # vLLM's reload warns once per layer it was not handed anything for, and lists those weights: on a
 # partial update that is every untouched layer, by design, so those two loggers are quieted then.
@@ -53,7 +51,7 @@ class VLLMWeights:
 
     def __init__(self, engine: Any, names: Iterable[str]) -> None:
         self._engine = engine
-        packed = self._on_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
+        (packed,) = engine.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
         # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
         self._fused_into = {part: fused for fused, parts in packed.items() for part in parts}
         self._parts = {fused: list(parts) for fused, parts in packed.items()}
@@ -88,7 +86,8 @@ class VLLMWeights:
         cannot be read back), found as a row slice of vLLM's parameter; `checkpoint` gives the shapes
         and dtypes of every checkpoint tensor (the host copy), which place the parts of fused ones."""
         where = {name: self._slice_of(name, checkpoint) for name in names}
-        return self._on_model(lambda model: _read_back(model, where))
+        (found,) = self._engine.apply_model(lambda model: _read_back(model, where))
+        return found
 
     def _slice_of(self, name: str, checkpoint: Mapping[str, torch.Tensor]) -> tuple[str, int, torch.Tensor] | None:
         """(vLLM parameter name, first row, the checkpoint tensor) of checkpoint tensor `name`."""
@@ -114,13 +113,8 @@ class VLLMWeights:
         self._reload_in_worker(source)
         self.last_reload_s = time.perf_counter() - started
 
-    # The three ways into vLLM's worker; a weight-transfer backend, which runs inside the worker,
-    # reaches its model directly instead (deltamesh.mesh.vllm_plugin.worker_weights).
-    def _on_model(self, fn: Callable[[torch.nn.Module], T]) -> T:
-        """`fn(model)` run in the worker, on its model."""
-        (result,) = self._engine.apply_model(fn)
-        return result
-
+    # The two calls into vLLM's worker; a weight-transfer backend, which runs inside the worker, makes
+    # them on its model directly instead (deltamesh.mesh.vllm_plugin.worker_weights).
     def _reload_in_worker(self, source: dict[str, Any]) -> None:
         """vLLM's in-place reload in checkpoint format, from `source` (an iterator or a directory)."""
         self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})

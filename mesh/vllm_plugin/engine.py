@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -200,7 +200,10 @@ class _ReadBack:
     def __init__(self, weights: WorkerWeights, version: int, checkpoint: dict[str, torch.Tensor]) -> None:
         self._weights, self._version, self._checkpoint = weights, version, checkpoint
 
-    async def served_digests(self, names: Any) -> ServedDigests:
+    async def served_digests(self, names: Sequence[str], grids: Mapping[str, Any] | None = None) -> ServedDigests:
+        # `grids`: the tile grids of tensors hashed by tiles (versions built in parts), when the check has any.
+        if grids:
+            return ServedDigests(self._version, self._weights.digests(list(names), self._checkpoint, grids))
         return ServedDigests(self._version, self._weights.digests(list(names), self._checkpoint))
 
 

@@ -4,7 +4,8 @@
 engine through its worker (layer grouping over the model's fused modules, vLLM's in-place reload,
 undoing a reload that failed half way, reading parameters back as checkpoint tensors). A
 weight-transfer backend runs in the worker already, with the model in hand, so `WorkerWeights` is the
-same class reaching the model directly instead of through the engine's RPCs.
+same class making its calls on the model directly: `apply_model` (what `VLLMWeights` reads the model
+through) runs the function on it, and the reload and its undo call vLLM's functions on it.
 
 Tensor parallelism: every rank here is handed whole checkpoint tensors, and vLLM's weight loaders
 cut each rank's slice from them as they do at start-up. A rank that fetches and applies only its
@@ -28,10 +29,11 @@ class WorkerWeights(VLLMWeights):
     def __init__(self, model: torch.nn.Module, vllm_config: Any, names: Iterable[str]) -> None:
         self._model = model
         self._vllm_config = vllm_config
-        super().__init__(None, names)
+        super().__init__(self, names)
 
-    def _on_model(self, fn: Callable[[torch.nn.Module], T]) -> T:
-        return fn(self._model)
+    def apply_model(self, fn: Callable[[torch.nn.Module], T]) -> list[T]:
+        """`fn(model)`, as one worker's answer (the form an engine's `apply_model` gives)."""
+        return [fn(self._model)]
 
     def _reload_in_worker(self, source: dict[str, Any]) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
