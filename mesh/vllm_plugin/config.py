@@ -54,8 +54,6 @@ class BackendConfig:
     RL routes at `server` (the backend calls them itself)."""
     server: str = ""
     """This vLLM server's base URL as the backend reaches it (follow mode), e.g. http://127.0.0.1:8000."""
-    server_key_file: str = ""
-    """File holding the server's `--api-key`, if it has one (follow mode)."""
     metrics_listen: str = ""
     """Serve Prometheus `/metrics` and `/v1/status` (version, head, proof) on HOST:PORT; empty: off.
     Read-only and unauthenticated: bind it to loopback or the scraper's network."""
@@ -96,9 +94,6 @@ class BackendConfig:
         if self.token_file:
             return read_secret(self.token_file, "token_file")
         return os.environ.get(TOKEN_ENV, "")
-
-    def server_key(self) -> str:
-        return read_secret(self.server_key_file, "server_key_file") if self.server_key_file else ""
 
     def sync_config(self, model_dir: str) -> PoolSyncConfig:
         """The pool-side weight sync these settings describe; `model_dir` is the directory vLLM loaded,

@@ -27,7 +27,7 @@ from typing import Any
 from deltamesh.delta import CodecError, DecodedVersion
 from deltamesh.gateway.head_check import Refusal
 from deltamesh.gateway.weight_sync import Refused, SyncError, WeightSync
-from deltamesh.http import HttpError, bearer, client_session, request_json, serving
+from deltamesh.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import CheckResult
@@ -182,8 +182,8 @@ class VersionReceiver:
     # -- follow mode -----------------------------------------------------------------------------
     async def _follow(self, stop: asyncio.Event) -> None:
         """Take every new head through the server's RL routes until `stop` (see the module docstring)."""
-        key = self.config.server_key()
-        async with client_session(timeout_s=None, headers=bearer(key) if key else None) as session:
+        # vLLM's RL routes take no credential (its --api-key guards only /v1 and the like): docs/SECURITY.md.
+        async with client_session(timeout_s=None) as session:
             while not stop.is_set():
                 try:
                     await until_stopped(self._follow_once(session), stop)
