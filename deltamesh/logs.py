@@ -58,3 +58,18 @@ def setup_logging(level: str | int | None = None, *, process_name: str | None = 
             handler.setFormatter(JsonFormatter(process_name))
     # aiohttp logs every request at INFO; keep it for debugging only.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def setup_guest_logging(level: str | int | None = None) -> None:
+    """Show deltamesh's own log lines when it runs inside another program (a vLLM worker, through the
+    weight-transfer backend) that configures logging its own way: a handler on the `deltamesh` logger
+    alone, in the project's format, at `level` (default as `setup_logging`); the root logger and the
+    host's loggers are left as they are. Once per process."""
+    logger = logging.getLogger("deltamesh")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(level if level is not None else os.environ.get("DELTAMESH_LOG", "INFO"))
+    logger.propagate = False

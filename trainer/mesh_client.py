@@ -37,7 +37,8 @@ from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
 from deltamesh.trainer.publish import StreamStart, start_sharded, start_stream
-from deltamesh.trainer.publishing import LoopThread, PublishOutcome, Publishing, ShardedVersions
+from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publishing import PublishOutcome, Publishing, ShardedVersions
 
 log = logging.getLogger(__name__)
 

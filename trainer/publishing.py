@@ -1,7 +1,8 @@
 """Publishing versions in the background of a synchronous training loop: one in flight, on a loop thread.
 
 The training loop is synchronous (every rank runs the same collectives in step), but publishing is
-asyncio HTTP. A `LoopThread` runs one event loop in a daemon thread; `Publishing` runs a version's
+asyncio HTTP. A `LoopThread` (`deltamesh.loop_thread`) runs one event loop in a daemon thread;
+`Publishing` runs a version's
 publish there, at most one at a time (a new one first waits for the last: versions reach the gateway
 in order), and tells the loop when the version in flight is encoded (`wait_encoded`: on a CPU the next
 step's compute waits for that, since they share cores) and when it has ended (`wait_published`). Rank
@@ -12,23 +13,21 @@ publishes in parts does too, with `ShardedVersions` (each rank's rows through
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeVar
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import torch
 
 from deltamesh.delta.cuts import TensorSpec
 from deltamesh.gateway.publisher import Published
 from deltamesh.gateway.shard_publisher import ShardPublisher
+from deltamesh.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -44,26 +43,6 @@ class PublishOutcome:
     kinds: list[str] = field(default_factory=list)
     error: str = ""
     stages: dict[str, float] = field(default_factory=dict)
-
-
-class LoopThread:
-    """An asyncio event loop running in a daemon thread, fed coroutines from other threads."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
 
 
 class Publishing:

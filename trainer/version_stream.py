@@ -31,7 +31,8 @@ from deltamesh.trainer.distributed import DistContext, broadcast_tensors
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.mesh_client import MeshClient, PublishOutcome
 from deltamesh.trainer.part_exchange import open_store_exchange
-from deltamesh.trainer.publishing import LoopThread, Publishing, ShardedVersions, rank_publishing
+from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publishing import Publishing, ShardedVersions, rank_publishing
 from deltamesh.trainer.step import published_shard, published_weights
 
 

@@ -78,7 +78,7 @@ class VLLMWeights:
     def restore(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
         """After a failed `load`/`load_dir`: finish whatever reload state vLLM was left in, then load
         `tensors` for `names` (what those layers held before)."""
-        self._engine.collective_rpc(_finish_reload)
+        self._finish_reload()
         self.load(tensors, names)
 
     def digests(self, names: Iterable[str], checkpoint: Mapping[str, torch.Tensor],
@@ -112,8 +112,18 @@ class VLLMWeights:
 
     def _reload(self, **source: Any) -> None:
         started = time.perf_counter()
-        self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        self._reload_in_worker(source)
         self.last_reload_s = time.perf_counter() - started
+
+    # The two calls into vLLM's worker; a weight-transfer backend, which runs inside the worker, makes
+    # them on its model directly instead (deltamesh.mesh.vllm_plugin.worker_weights).
+    def _reload_in_worker(self, source: dict[str, Any]) -> None:
+        """vLLM's in-place reload in checkpoint format, from `source` (an iterator or a directory)."""
+        self._engine.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+
+    def _finish_reload(self) -> None:
+        """End a reload that raised half way (see `finish_reload`)."""
+        self._engine.collective_rpc(_finish_reload)
 
     def _layer_of(self, name: str) -> str:
         module, _, _param = name.rpartition(".")
@@ -150,12 +160,17 @@ def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch
 
 
 def _finish_reload(worker: Any) -> None:
-    """Runs in the worker: end a reload that raised half way (layers left on the meta device with
-    wrapped loaders), as vLLM's own reload ends one."""
+    """Runs in the worker: `finish_reload` on its model."""
+    runner = worker.model_runner
+    finish_reload(runner.get_model(), runner.model_config)
+
+
+def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """End a reload that raised half way (layers left on the meta device with wrapped loaders), as
+    vLLM's own reload ends one."""
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    runner = worker.model_runner
-    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+    finalize_layerwise_reload(model, model_config)
 
 
 @contextlib.contextmanager

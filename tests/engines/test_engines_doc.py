@@ -1,7 +1,7 @@
 """docs/ENGINES.md's commands, run as written from the repository root with this environment's `python`
 first on PATH: the SGLang check answers SKIP here (no SGLang, no GPU: exit 2), and the same check
 against the SGLang stand-in passes. The doc's `deltamesh demo --engine vllm` line is run by
-tests/demo/test_demo.py."""
+tests/demo/test_demo.py, its TRL example's line by tests/engines/test_trl_example.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def sglang_lines() -> list[str]:
 def test_every_command_of_the_doc_is_one_of_those_tested():
     check, dry_run = sglang_lines()
     assert "--launch-command" not in check and "sglang_standin.py" in dry_run
-    assert [line for line in doc_lines() if line not in (check, dry_run)] == ["deltamesh demo --engine vllm --steps 12"]
+    # The TRL example's line is run by tests/engines/test_trl_example.py.
+    assert [line for line in doc_lines() if line not in (check, dry_run)] == [
+        "deltamesh demo --engine vllm --steps 12", "python examples/trl_grpo.py --steps 3"]
 
 
 def test_the_sglang_check_skips_where_sglang_cannot_run():
