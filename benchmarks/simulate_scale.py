@@ -34,9 +34,12 @@ from simulate_scenarios import GB, Codec, Mesh
 PIECE = 4 * 2**20
 ARRIVED = Link(1e9, 0.0)
 
-RECORDED_PER_CORE = {"cast": 0.78, "scan": 1.98, "encode": 0.73, "hash": 17.3, "decode": 16.7, "apply": 4.73,
-                     "check": 25.3}
+RECORDED_PER_CORE = {"cast": 1.73, "scan": 3.32, "encode": 1.51, "hash": 26.6, "decode": 22.1, "apply": 7.33,
+                     "check": 28.0}
 """One core's GB of bf16 model per second per stage (BENCHMARKS.md, "The latency budget at scale")."""
+RECORDED_SCALING = {"cast": 1.78, "scan": 1.54, "encode": 1.50, "hash": 1.16, "decode": 1.0, "apply": 1.52,
+                    "check": 1.14}
+"""The same stages on both cores of the machine they were measured on, over one core."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class CoreSpeeds:
     """One core's speed per stage and the manifest's costs per entry, as stage_speeds.py measures them."""
 
     per_core: dict[str, float] = field(default_factory=lambda: dict(RECORDED_PER_CORE))
+    scaling: dict[str, float] = field(default_factory=lambda: dict(RECORDED_SCALING))
+    """All `scaled_cores` cores of the measuring machine over one, per stage."""
+    scaled_cores: int = 2
     sign_s_per_entry: float = 2.9e-6
     load_s_per_entry: float = 6.5e-6
     delta_ratio: float = 0.00365
@@ -53,10 +59,29 @@ class CoreSpeeds:
 
 def speeds_from_report(report: dict[str, Any], source: str) -> CoreSpeeds:
     """CoreSpeeds from a stage_speeds.py `--json` report; a stage it lacks keeps the recorded figure."""
-    measured = {stage: float(report["per_core"][stage]) for stage in RECORDED_PER_CORE if stage in report["per_core"]}
-    return CoreSpeeds({**RECORDED_PER_CORE, **measured}, float(report["sign_s_per_entry"]),
-                      float(report["load_s_per_entry"]), float(report["delta_ratio"]), f"benchmarks/stage_speeds.py, {source} "
-                      f"({report['per_core_case']}; load average {report['machine']['load_average']})")
+    synthetic = report["cases"][0]
+    return CoreSpeeds(
+        per_core={**RECORDED_PER_CORE, **pick(report["per_core"])},
+        scaling={**RECORDED_SCALING, **pick(synthetic["scaling"])}, scaled_cores=int(report["cores"]),
+        sign_s_per_entry=float(report["sign_s_per_entry"]), load_s_per_entry=float(report["load_s_per_entry"]),
+        delta_ratio=float(report["delta_ratio"]),
+        source=f"benchmarks/stage_speeds.py, {source} ({report['per_core_case']}; load average "
+               f"{report['machine']['load_average']})")
+
+
+def pick(by_stage: dict[str, float]) -> dict[str, float]:
+    return {stage: float(by_stage[stage]) for stage in RECORDED_PER_CORE if stage in by_stage}
+
+
+def threads_worth(stage: str, threads: int, speeds: CoreSpeeds) -> float:
+    """How many cores' worth `threads` threads run `stage` at if it scales as measured: Amdahl's law,
+    its parallel share fitted to the measured scaling on `scaled_cores` cores (a stage that scaled
+    fully there scales fully)."""
+    n, gain = speeds.scaled_cores, speeds.scaling[stage]
+    if n < 2 or gain >= n:
+        return float(threads)
+    parallel = max(0.0, (1 - 1 / gain) / (1 - 1 / n))
+    return 1 / ((1 - parallel) + parallel / threads)
 
 
 @dataclass(frozen=True)
@@ -115,19 +140,21 @@ def target_of(model: str) -> float | None:
     return next((t for name, t in TARGETS_S.items() if name in model), None)
 
 
-def rank_speed(stage: str, threads: int, speeds: CoreSpeeds, node: Node, sharing: int) -> tuple[float, str]:
+def rank_speed(stage: str, threads: int, speeds: CoreSpeeds, node: Node, sharing: int,
+               as_measured: bool = False) -> tuple[float, str]:
     """(GB/s one rank runs `stage` at on `threads` threads, "cores" or "memory": what bounds it), with
-    `sharing` ranks of the node doing the same at once."""
-    cores = speeds.per_core[stage] * threads
+    `sharing` ranks of the node doing the same at once; `as_measured`: threads scale as they did on
+    the measuring machine (`threads_worth`), else linearly."""
+    cores = speeds.per_core[stage] * (threads_worth(stage, threads, speeds) if as_measured else threads)
     traffic = MEMORY_TRAFFIC[stage]
     memory = node.memory_gbps / sharing / traffic if traffic else math.inf
     return (cores, "cores") if cores <= memory else (memory, "memory")
 
 
 def budget(sc: Scenario, sharded: bool, speeds: CoreSpeeds, node: Node, tcp: Tcp, codec: Codec,
-           hop_s: float = 0.0, gpu_gbps: float | None = None) -> dict[str, Any]:
+           hop_s: float = 0.0, gpu_gbps: float | None = None, as_measured: bool = False) -> dict[str, Any]:
     """Step end to every pool serving for one scenario and path; with `gpu_gbps`, also what the cast and
-    the scan would take on a GPU at that (stated, not measured) speed."""
+    the scan would take on a GPU at that (stated, not measured) speed; `as_measured` as in `rank_speed`."""
     layout, mesh = sc.layout, sc.mesh
     model = layout.params * 2
     delta = mesh.changed_fraction * layout.params * codec.bytes_per_changed
@@ -138,9 +165,10 @@ def budget(sc: Scenario, sharded: bool, speeds: CoreSpeeds, node: Node, tcp: Tcp
     trainer_sharing = min(node.gpus, sc.trainer_ranks) if sharded else 1
     pool_sharing = min(node.gpus, sc.pool_ranks) if sharded else 1
     entries = layout.tensors * trainer_ranks + math.ceil(delta / PIECE)
-    rates = {"cast": rank_speed("cast", node.cores_per_rank, speeds, node, trainer_sharing),
-             "encode": rank_speed("encode", codec_threads, speeds, node, trainer_sharing)}
-    rates.update({s: rank_speed(s, codec_threads, speeds, node, pool_sharing) for s in ("decode", "apply", "check")})
+    rates = {"cast": rank_speed("cast", node.cores_per_rank, speeds, node, trainer_sharing, as_measured),
+             "encode": rank_speed("encode", codec_threads, speeds, node, trainer_sharing, as_measured)}
+    rates.update({s: rank_speed(s, codec_threads, speeds, node, pool_sharing, as_measured)
+                  for s in ("decode", "apply", "check")})
     egress = mesh.pools_per_region * (sc.pool_ranks if sharded else 1) * fetched * delta
     network = propagation(mesh, delta, egress, entries * speeds.sign_s_per_entry, sharded, tcp, hop_s)
     stages = {
@@ -220,24 +248,32 @@ def on_gpu(row: dict[str, Any], speeds: CoreSpeeds, threads: int, gpu_gbps: floa
 
 def at_scale_rows(speeds: CoreSpeeds, tcp: Tcp, codec: Codec, changed_fraction: float, hop_s: float = 0.0,
                   node: Node = Node(), gpu_gbps: float | None = None) -> list[dict[str, Any]]:
-    """Every scenario, sharded first, then today's path beside it."""
+    """Every scenario, sharded first, then today's path beside it; each also with its threads scaling
+    as they did on the measuring machine's cores."""
     rows = []
     for sc in SCENARIOS:
         sc = replace(sc, mesh=replace(sc.mesh, changed_fraction=changed_fraction))
-        rows += [budget(sc, sharded, speeds, node, tcp, codec, hop_s, gpu_gbps) for sharded in (True, False)]
+        for sharded in (True, False):
+            row = budget(sc, sharded, speeds, node, tcp, codec, hop_s, gpu_gbps)
+            slower = budget(sc, sharded, speeds, node, tcp, codec, hop_s, as_measured=True)
+            row["scaling_as_measured"] = {"total_s": slower["total_s"], "stages": slower["stages"],
+                                          "rank_gbps": slower["assumptions"]["rank_gbps"]}
+            rows.append(row)
     return rows
-
 
 
 def print_at_scale(rows: list[dict[str, Any]], speeds: CoreSpeeds, node: Node = Node()) -> None:
     threads = min(node.cores_per_rank, MAX_WORKERS)
     per_core = ", ".join(f"{s} {v:.2f}" for s, v in speeds.per_core.items())
+    scaling = ", ".join(f"{s} {v:.2f}x" for s, v in speeds.scaling.items())
     print(f"\nLatency budget at scale, per rank: step end -> every pool serving (speeds: {speeds.source})")
     print(f"  node: {node.gpus} GPUs and {node.cores} host cores, {node.cores_per_rank} per rank: torch's cast on "
           f"{node.cores_per_rank} threads, the codec on {threads} (delta/parallel.py MAX_WORKERS {MAX_WORKERS}); host "
           f"memory {node.memory_gbps:g} GB/s peak, shared by the node's ranks")
     print(f"  one core, GB of bf16 model/s: {per_core}; manifest per entry on one core: sign "
           f"{speeds.sign_s_per_entry * 1e6:.1f} us, check and load {speeds.load_s_per_entry * 1e6:.1f} us")
+    print(f"  on {speeds.scaled_cores} cores there, over one: {scaling}. The table scales one core's speed by the "
+          f"threads; 'as measured' below scales it as those {speeds.scaled_cores} cores did (Amdahl)")
     names = list(rows[0]["stages"]) if rows else []
     print(f"  {'model':<10} {'path':<7} " + " ".join(f"{n:>14}" for n in names) + f" {'total':>8}  dominant")
     for r in rows:
@@ -251,6 +287,9 @@ def print_at_scale(rows: list[dict[str, Any]], speeds: CoreSpeeds, node: Node = 
               f"{a['bytes_per_changed']:.2f} B each); pool: {a['pool']}, fetches {a['fetch_fraction']:.3f} and holds "
               f"{a['held_fraction']:.3f} of it; each regional gateway sends {a['gateway_egress_bytes'] / GB:.1f} GB to "
               f"{a['pools_per_region']} pool(s); manifest {a['manifest_entries']:,} entries\n    per rank GB/s: {bounds}")
+        slower = r["scaling_as_measured"]
+        print(f"    threads scaling as measured: total {slower['total_s']:.1f} s (" + ", ".join(
+            f"{s} {v:.2f} s" for s, v in slower["stages"].items() if v != r["stages"][s]) + ")")
         gpu = r.get("gpu_not_measured")
         if gpu is not None:
             print(f"    NOT MEASURED: with the cast and the dense scan on the trainer's GPUs at a stated "
@@ -260,5 +299,6 @@ def print_at_scale(rows: list[dict[str, Any]], speeds: CoreSpeeds, node: Node = 
         target = target_of(r["model"])
         if target is not None and r["path"] == "sharded":
             verdict = "meets" if r["total_s"] <= target else "misses"
-            print(f"  {r['model'].split(' (')[0]}: sharded {r['total_s']:.1f} s {verdict} the {target:g} s target; "
-                  f"{r['dominant']} dominates ({r['stages'][r['dominant']] / r['total_s']:.0%})")
+            print(f"  {r['model'].split(' (')[0]}: sharded {r['total_s']:.1f} s {verdict} the {target:g} s target "
+                  f"({r['scaling_as_measured']['total_s']:.1f} s with threads scaling as measured); {r['dominant']} "
+                  f"dominates ({r['stages'][r['dominant']] / r['total_s']:.0%})")

@@ -10,7 +10,9 @@ checked and loaded, every piece checked against it and decoded), `apply_first` a
 decoded version applied in place with every result hash checked: the first version a pool applies to
 its weights, and every later one, which reads its changes' positions off the small-word index the
 first one built), and `check` (the after-swap check: the weights read back and hashed). The cores a
-stage may use are the caller's to set (stage_speeds.py's `cores`).
+stage may use are the caller's to set (stage_speeds.py's `cores`). Pieces are cut at 512 KiB rather
+than the publisher's 4 MiB, so that a model of 1 GB has as many pieces (a few) as a big model's rank
+has of 4 MiB and decoding, which runs a piece per thread, can use more than one core.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from deltamesh.mesh.demo.models import to_bf16
 
 from inputs import Case
 
+PIECE_BYTES = 512 << 10
 STAGES = ("cast", "scan", "encode", "sign", "hash", "decode", "apply_first", "apply", "check")
 
 
@@ -56,8 +59,10 @@ class Prepared:
 def prepare(case: Case) -> Prepared:
     key = generate_key()
     base_hash, new_hash = weights_hash(case.old), weights_hash(case.new)
-    forward = encode_delta(case.old, case.new, model_id="m", version=1, base_version=0, key=key, base_hash=base_hash)
-    backward = encode_delta(case.new, case.old, model_id="m", version=2, base_version=1, key=key, base_hash=new_hash)
+    forward = encode_delta(case.old, case.new, model_id="m", version=1, base_version=0, key=key, base_hash=base_hash,
+                           piece_bytes=PIECE_BYTES)
+    backward = encode_delta(case.new, case.old, model_id="m", version=2, base_version=1, key=key, base_hash=new_hash,
+                            piece_bytes=PIECE_BYTES)
     m = forward.manifest
     return Prepared(case, key, base_hash, new_hash, forward, backward, sum(len(p) for p in forward.pieces),
                     len(m.tensors) + len(m.pieces), len(forward.manifest_bytes))
@@ -85,7 +90,8 @@ def run_once(p: Prepared) -> dict[str, float]:
         del cast
     out["scan"], _ = _timed(lambda: _scan(case))
     out["encode"], encoded = _timed(lambda: encode_delta(
-        case.old, case.new, model_id="m", version=1, base_version=0, key=None, base_hash=p.base_hash))
+        case.old, case.new, model_id="m", version=1, base_version=0, key=None, base_hash=p.base_hash,
+        piece_bytes=PIECE_BYTES))
     out["sign"], signed = _timed(lambda: encoded.signed(p.key))
     del encoded, signed
     out["hash"], _ = _timed(lambda: tensor_digests(case.new))

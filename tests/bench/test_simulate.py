@@ -13,7 +13,7 @@ import simulate
 from deltamesh.delta.parallel import MAX_WORKERS
 from simulate_layouts import DenseLayout, MoeLayout
 from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path, single_stream
-from simulate_scale import SCENARIOS, CoreSpeeds, Node, at_scale_rows, budget
+from simulate_scale import SCENARIOS, CoreSpeeds, Node, at_scale_rows, budget, threads_worth
 from simulate_scenarios import Codec, Mesh, big_model_rows, calibrate, emulated_rows
 
 MB = 1e6
@@ -211,7 +211,8 @@ def test_command_prints_the_latency_at_scale_with_its_assumptions(tmp_path, monk
     monkeypatch.setattr(simulate, "LATENCY", tmp_path / "absent-latency.json")
     speeds = {"per_core": {"cast": 1.0, "scan": 2.0, "encode": 0.5, "hash": 10.0, "decode": 10.0, "apply": 4.0,
                            "check": 5.0, "sign": 3000.0}, "per_core_case": "a test case", "delta_ratio": 0.005,
-              "sign_s_per_entry": 1e-6, "load_s_per_entry": 2e-6, "machine": {"load_average": [0.1, 0.2]}}
+              "sign_s_per_entry": 1e-6, "load_s_per_entry": 2e-6, "machine": {"load_average": [0.1, 0.2]},
+              "cores": 2, "cases": [{"scaling": {"encode": 1.5, "apply": 2.0}}]}
     path = tmp_path / "speeds.json"
     path.write_text(json.dumps(speeds))
     assert simulate.main(["--stage-speeds", str(path), "--json"]) == 0
@@ -229,9 +230,27 @@ def test_command_prints_the_latency_at_scale_with_its_assumptions(tmp_path, monk
     assert set(rows[0]["stages"]) == {"cast", "scan/encode", "manifest", "upload", "origin -> every region",
                                       "fetch", "verify + apply", "check"}
     assert report["assumptions"]["latency_at_scale"]["core_speeds"]["per_core"]["encode"] == 0.5
+    assert report["assumptions"]["latency_at_scale"]["core_speeds"]["scaling"]["encode"] == 1.5
+    for r in rows:  # the same with threads scaling as they did on the measuring machine's two cores
+        slower = r["scaling_as_measured"]
+        assert slower["total_s"] == pytest.approx(sum(slower["stages"].values()))
+        assert slower["stages"]["scan/encode"] > r["stages"]["scan/encode"]
+        assert slower["stages"]["upload"] == pytest.approx(r["stages"]["upload"])
     assert simulate.main(["--stage-speeds", str(path)]) == 0
     table = capsys.readouterr().out
     assert "Latency budget at scale" in table and "NOT MEASURED" in table and "14 per rank" in table
-    assert "dominates" in table and "Not modelled" in table
+    assert "dominates" in table and "Not modelled" in table and "scaling as measured" in table
     with pytest.raises(SystemExit, match="no such file"):
         simulate.main(["--stage-speeds", str(tmp_path / "nowhere.json")])
+
+
+def test_threads_scale_as_measured_by_amdahls_law_fitted_on_the_measuring_cores():
+    speeds = replace(_speeds(), scaling={"cast": 2.0, "scan": 2.0, "encode": 1.5, "hash": 2.0, "decode": 2.0,
+                                         "apply": 1.0, "check": 2.0}, scaled_cores=2)
+    assert threads_worth("cast", 8, speeds) == 8  # scaled fully on two cores: fully on eight
+    assert threads_worth("apply", 8, speeds) == pytest.approx(1.0)  # did not scale: one core's worth
+    # 1.5x on two cores: two thirds of the work runs in parallel, so eight threads give 1 / (1/3 + 2/24).
+    assert threads_worth("encode", 8, speeds) == pytest.approx(2.4)
+    seed, node = SCENARIOS[0], Node()
+    linear, slower = (budget(seed, True, speeds, node, Tcp(), Codec(), as_measured=m) for m in (False, True))
+    assert slower["stages"]["scan/encode"] == pytest.approx(linear["stages"]["scan/encode"] * 8 / 2.4)
