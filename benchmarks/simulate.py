@@ -34,7 +34,8 @@ from deltamesh.cache import cache_dir
 
 from common import emit
 from simulate_model import Tcp
-from simulate_scale import NOT_MODELLED, CoreSpeeds, Node, at_scale_rows, print_at_scale, speeds_from_report
+from simulate_scale import NOT_MODELLED, CoreSpeeds, Node, at_scale_rows, speeds_from_report
+from simulate_scale_report import print_at_scale
 from simulate_scenarios import (
     MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
     paper_rows,
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--latency", type=Path,
                     help="benchmarks/latency.py --json output (default ~/.cache/deltamesh/latency/results.json)")
     ap.add_argument("--stage-speeds", type=Path,
-                    help="benchmarks/stage_speeds.py --json output (default ~/.cache/deltamesh/stage_speeds/results.json)")
+                    help="benchmarks/stage_speeds.py --json output "
+                         "(default ~/.cache/deltamesh/stage_speeds/results.json)")
     ap.add_argument("--gpu-gbps", type=float, default=1000.0,
                     help="a GPU's speed for the cast and the dense scan, printed apart as NOT MEASURED")
     ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")

@@ -16,7 +16,9 @@ rank's share of its node's host memory bandwidth over the bytes the stage moves 
 model byte. The manifest's signing and checking run on one core, at the measured cost per entry.
 The network is simulate_model.py's, with TCP as calibrated. Stages are what each adds to the critical
 path: pieces upload while the manifest is signed, and relays and pool fetches run cut-through, so
-each counts only its tail beyond the stage before; the stages sum to the total.
+each counts only its tail beyond the stage before; the stages sum to the total. Beside each row, the
+same with every stage's threads scaling as they did on the measuring machine's few cores (Amdahl's
+law fitted there), and for sharded rows the cast and scan on a GPU at a stated, unmeasured speed.
 """
 
 from __future__ import annotations
@@ -260,45 +262,3 @@ def at_scale_rows(speeds: CoreSpeeds, tcp: Tcp, codec: Codec, changed_fraction: 
                                           "rank_gbps": slower["assumptions"]["rank_gbps"]}
             rows.append(row)
     return rows
-
-
-def print_at_scale(rows: list[dict[str, Any]], speeds: CoreSpeeds, node: Node = Node()) -> None:
-    threads = min(node.cores_per_rank, MAX_WORKERS)
-    per_core = ", ".join(f"{s} {v:.2f}" for s, v in speeds.per_core.items())
-    scaling = ", ".join(f"{s} {v:.2f}x" for s, v in speeds.scaling.items())
-    print(f"\nLatency budget at scale, per rank: step end -> every pool serving (speeds: {speeds.source})")
-    print(f"  node: {node.gpus} GPUs and {node.cores} host cores, {node.cores_per_rank} per rank: torch's cast on "
-          f"{node.cores_per_rank} threads, the codec on {threads} (delta/parallel.py MAX_WORKERS {MAX_WORKERS}); host "
-          f"memory {node.memory_gbps:g} GB/s peak, shared by the node's ranks")
-    print(f"  one core, GB of bf16 model/s: {per_core}; manifest per entry on one core: sign "
-          f"{speeds.sign_s_per_entry * 1e6:.1f} us, check and load {speeds.load_s_per_entry * 1e6:.1f} us")
-    print(f"  on {speeds.scaled_cores} cores there, over one: {scaling}. The table scales one core's speed by the "
-          f"threads; 'as measured' below scales it as those {speeds.scaled_cores} cores did (Amdahl)")
-    names = list(rows[0]["stages"]) if rows else []
-    print(f"  {'model':<10} {'path':<7} " + " ".join(f"{n:>14}" for n in names) + f" {'total':>8}  dominant")
-    for r in rows:
-        cells = " ".join(f"{s:>12.2f} s" for s in r["stages"].values())
-        print(f"  {r['model'].split(' (')[0]:<10} {r['path']:<7} {cells} {r['total_s']:>6.1f} s  {r['dominant']}")
-    for r in rows:
-        a = r["assumptions"]
-        bounds = ", ".join(f"{s} {b['gbps']:.1f} ({b['bound']})" for s, b in a["rank_gbps"].items())
-        print(f"\n  {r['model']}, {r['setup']}:\n    {a['trainer_ranks']} trainer rank(s) of {a['shard_bytes'] / GB:.1f} GB; "
-              f"delta {a['delta_bytes'] / GB:.2f} GB ({a['changed_fraction']:.1%} changed at "
-              f"{a['bytes_per_changed']:.2f} B each); pool: {a['pool']}, fetches {a['fetch_fraction']:.3f} and holds "
-              f"{a['held_fraction']:.3f} of it; each regional gateway sends {a['gateway_egress_bytes'] / GB:.1f} GB to "
-              f"{a['pools_per_region']} pool(s); manifest {a['manifest_entries']:,} entries\n    per rank GB/s: {bounds}")
-        slower = r["scaling_as_measured"]
-        print(f"    threads scaling as measured: total {slower['total_s']:.1f} s (" + ", ".join(
-            f"{s} {v:.2f} s" for s, v in slower["stages"].items() if v != r["stages"][s]) + ")")
-        gpu = r.get("gpu_not_measured")
-        if gpu is not None:
-            print(f"    NOT MEASURED: with the cast and the dense scan on the trainer's GPUs at a stated "
-                  f"{gpu['gpu_gbps']:g} GB/s, scan/encode {gpu['stages']['scan/encode']:.2f} s, total {gpu['total_s']:.1f} s")
-    print(f"  Not modelled: {NOT_MODELLED}.")
-    for r in rows:
-        target = target_of(r["model"])
-        if target is not None and r["path"] == "sharded":
-            verdict = "meets" if r["total_s"] <= target else "misses"
-            print(f"  {r['model'].split(' (')[0]}: sharded {r['total_s']:.1f} s {verdict} the {target:g} s target "
-                  f"({r['scaling_as_measured']['total_s']:.1f} s with threads scaling as measured); {r['dominant']} "
-                  f"dominates ({r['stages'][r['dominant']] / r['total_s']:.0%})")

@@ -9,9 +9,10 @@ weights as a real step's are (inputs.adam_step_case); and the real SmolLM2-135M 
 fp32 master weights are the base's). Each stage runs alone, first limited to one core (the calling
 thread pinned to one CPU, which the codec's threads inherit, and torch on one thread), then on every
 core this process may use, the two taking turns within each repeat, after one untimed run of each
-(first touches of fresh memory, thread pools starting); figures are medians of `--repeats`. benchmarks/simulate.py scales the synthetic case's one-core speeds to a node's cores per
-rank. Run it alone (`flock /tmp/deltamesh-heavy.lock ...` where others share the machine): a core
-another job takes shows as a slower stage.
+(first touches of fresh memory, thread pools starting); figures are medians of `--repeats`.
+benchmarks/simulate.py scales the synthetic case's one-core speeds to a node's cores per rank. Run it
+alone (`flock /tmp/deltamesh-heavy.lock ...` where others share the machine): a core another job
+takes shows as a slower stage.
 
 `--json` prints one object: {"cases": [{"name", "model_bytes", "tensors", "delta_bytes",
 "manifest_entries", "manifest_bytes", "changed_fraction", "one_ulp_share",
