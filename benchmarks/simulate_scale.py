@@ -36,11 +36,11 @@ from simulate_scenarios import GB, Codec, Mesh
 PIECE = 4 * 2**20
 ARRIVED = Link(1e9, 0.0)
 
-RECORDED_PER_CORE = {"cast": 1.73, "scan": 3.32, "encode": 1.51, "hash": 26.6, "decode": 22.1, "apply": 7.33,
-                     "check": 28.0}
+RECORDED_PER_CORE = {"cast": 0.98, "scan": 3.34, "encode": 1.55, "hash": 26.2, "decode": 20.95, "apply": 5.66,
+                     "check": 29.75}
 """One core's GB of bf16 model per second per stage (BENCHMARKS.md, "The latency budget at scale")."""
-RECORDED_SCALING = {"cast": 1.78, "scan": 1.54, "encode": 1.50, "hash": 1.16, "decode": 1.0, "apply": 1.52,
-                    "check": 1.14}
+RECORDED_SCALING = {"cast": 2.81, "scan": 1.46, "encode": 1.47, "hash": 1.10, "decode": 1.53, "apply": 1.93,
+                    "check": 1.04}
 """The same stages on both cores of the machine they were measured on, over one core."""
 
 
@@ -52,9 +52,9 @@ class CoreSpeeds:
     scaling: dict[str, float] = field(default_factory=lambda: dict(RECORDED_SCALING))
     """All `scaled_cores` cores of the measuring machine over one, per stage."""
     scaled_cores: int = 2
-    sign_s_per_entry: float = 2.9e-6
-    load_s_per_entry: float = 6.5e-6
-    delta_ratio: float = 0.00365
+    sign_s_per_entry: float = 3.0e-6
+    load_s_per_entry: float = 6.9e-6
+    delta_ratio: float = 0.00366
     """Delta bytes per model byte of the case measured: decoding's work is in the delta's bytes."""
     source: str = "figures recorded in BENCHMARKS.md (benchmarks/stage_speeds.py has not run here)"
 
@@ -124,7 +124,7 @@ SCENARIOS = (
              "expert-parallel pools of 32 ranks per region", MoeLayout(), 256, 32,
              Mesh(**SEED_LINKS, leaf_rtts_ms=((0, 300.0), (1, 300.0), (1, 300.0), (2, 300.0)), pools_per_region=4)),
 )
-"""The 1T model's pools have 32 ranks: the fewest (a power of two) whose share, 88 GB of bf16, leaves
+"""The 1T model's pools have 32 ranks: the fewest (a power of two) whose share, 87 GB of bf16, leaves
 room for a KV cache in an H200's 141 GB."""
 
 NOT_MODELLED = (
