@@ -26,11 +26,12 @@ import torch
 import xxhash
 
 from deltamesh.delta import (
-    SmallWordIndex, apply_version, decode_version, encode_delta, generate_key, live_hash, load_manifest,
+    Encoded, SmallWordIndex, apply_version, decode_version, encode_delta, generate_key, live_hash, load_manifest,
     tensor_digests, weights_hash,
 )
 from deltamesh.delta.bitdiff import scan_changes, to_key
 from deltamesh.delta.dtypes import np_words
+from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.parallel import thread_map
 from deltamesh.mesh.demo.models import to_bf16
 
@@ -46,11 +47,11 @@ class Prepared:
     delta old -> new and its reverse (a pool's second version, applied with a warm index)."""
 
     case: Case
-    key: object
+    key: Ed25519PrivateKey
     base_hash: str
     new_hash: str
-    forward: object
-    backward: object
+    forward: Encoded
+    backward: Encoded
     delta_bytes: int
     manifest_entries: int
     manifest_bytes: int
