@@ -7,6 +7,8 @@ cast to bf16; and the delta of a later step of one Adam run, whose updates are n
 1024, 28 layers, intermediate 3072, 16 query / 8 key-value heads of dim 128, vocab 151936, tied
 embeddings: 1.19 GB in bf16) holding seeded random weights, of which a given fraction of words move
 by one or two bf16 ulps, as they do in a real step; it exists to measure speed at a realistic size.
+`adam_step_case` makes such a version the way a real step does: fp32 master weights move by +-lr and
+are cast to bf16, so the words that change crowd into the small weights, whose bf16 spacing is finest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Case:
     new: Weights
     note: str = ""
     checks: dict[str, bool] = field(default_factory=dict)
+    master: Weights = field(default_factory=dict)
+    """The fp32 master weights `new` was cast from, where the case has them."""
 
     @property
     def model_bytes(self) -> int:
@@ -104,3 +108,45 @@ def synthetic_case(shapes: dict[str, tuple[int, ...]], *, changed: float = 0.01,
         w_new[pos] = w_old[pos] + step
         old[tensor_name], new[tensor_name] = o, n
     return Case(name, old, new, note=f"seeded random weights, {changed:.1%} of words moved by 1-2 ulps")
+
+
+def _random_weights(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1:  # norm gains sit near 1, matrices near 0, as in trained models
+        return 1.0 + 0.05 * torch.randn(shape, generator=gen)
+    return 0.02 * torch.randn(shape, generator=gen)
+
+
+def _updates(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Adam's update over lr: about 1 in size (0.5-1.5: a step after the first), either sign."""
+    size = 0.5 + torch.rand(shape, generator=gen)
+    return torch.where(torch.rand(shape, generator=gen) < 0.5, size, -size)
+
+
+def _moved_fraction(sample: torch.Tensor, updates: torch.Tensor, lr: float) -> float:
+    old = sample.to(torch.bfloat16).view(torch.int16)
+    return float((old != (sample + lr * updates).to(torch.bfloat16).view(torch.int16)).float().mean())
+
+
+def adam_step_case(shapes: dict[str, tuple[int, ...]], *, changed: float = 0.01, seed: int = 0,
+                   name: str = "synthetic, first-Adam-step statistics") -> Case:
+    """Seeded random fp32 master weights on the bf16 grid, moved by lr times an update of size 0.5-1.5
+    (an Adam step's, either sign) and cast to bf16, with lr set so that ~`changed` of the matrices'
+    words move. A word moves when its update crosses half its bf16 spacing, which is proportional to
+    its magnitude: changes crowd into the small weights (mostly by one ulp, by more where the spacing
+    is below lr) and norm gains near 1 stay put, as in a real step (SmolLM2 at lr 5e-6: 1.0% of words,
+    60% of them by one ulp, their median magnitude 1/160 of all words'; here 64% and 1/110)."""
+    gen = torch.Generator().manual_seed(seed)
+    sample = _random_weights((1 << 20, 2), gen).to(torch.bfloat16).float()
+    updates = _updates(sample.shape, gen)
+    lo, hi = 1e-9, 1e-2  # the moved fraction grows with lr: bisect on a log scale
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if _moved_fraction(sample, updates, mid) < changed else (lo, mid)
+    lr = (lo * hi) ** 0.5
+    old, new, master = {}, {}, {}
+    for tensor_name, shape in shapes.items():
+        base = _random_weights(shape, gen).to(torch.bfloat16)
+        master[tensor_name] = base.float().add_(_updates(shape, gen).mul_(lr))
+        old[tensor_name], new[tensor_name] = base, master[tensor_name].to(torch.bfloat16)
+    return Case(name, old, new, note=f"seeded random weights, fp32 master moved by lr {lr:.3g} x 0.5-1.5, cast "
+                                     "to bf16", master=master)

@@ -28,7 +28,7 @@ its links need (one RTT per hop plus the version's bytes at the slowest link's r
 "over_need"}}, "hop_overhead_s" (median time a one-hop relay took beyond its link's need),
 "model_bytes", "machine": {"cpus", "load_average"}, "outcome", "commit"} (plus "baseline" with
 --baseline). The same object is saved to ~/.cache/deltamesh/latency/results.json (results-tiny.json
-for `--model tiny`), where benchmarks/simulate.py takes its stage costs from.
+for `--model tiny`), where benchmarks/simulate.py takes the software time a relay hop adds from.
 
     .venv/bin/python benchmarks/latency.py [--model tiny] [--steps 6] [--baseline /tmp/base] [--json]
 """
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {**measure(result.report), "machine": machine, "commit": commit_of(HERE.parent)}
     if args.baseline is not None:
         out["baseline"] = run_baseline(args)
-    # benchmarks/simulate.py takes its stage costs from the last SmolLM2 run here.
+    # benchmarks/simulate.py takes the relay hop's software time from the last SmolLM2 run here.
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / ("results.json" if args.model == "smollm2" else f"results-{args.model}.json")).write_text(
         json.dumps(out, indent=2))

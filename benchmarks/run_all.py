@@ -26,7 +26,8 @@ BENCHMARKS: tuple[str, ...] = (
     "startup",
     "transfer",
     "latency",
-    "simulate",  # after latency: it takes its stage costs from latency's last run
+    "stage_speeds",
+    "simulate",  # after transfer, latency and stage_speeds: it takes its calibration from their last runs
     "broker",
     "swap",
     "e2e",

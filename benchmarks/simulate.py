@@ -9,14 +9,17 @@ on the `long_link` scenario of benchmarks/transfer.py (window from the single st
 overhead from deltamesh's fetch), then shown beside every other measured scenario, out of sample.
 Then it predicts per-version time to all pools, origin egress and staleness for Qwen3-14B, Qwen3-235B
 and a 1T model over 8 regions, with its assumptions printed, and sets the papers' figures beside it.
-Last, the latency budget (simulate_latency.py): step end to every pool serving, stage by stage, for
-Qwen3-14B and a 1T MoE, with the stage costs measured by benchmarks/latency.py on this machine.
+Last, the latency budget at scale (simulate_scale.py): step end to every pool serving, stage by stage
+and rank by rank, for Qwen3-14B in the seed's cross-region setup and a 1T MoE over 8 regions, with
+sharded publishing beside today's path (rank 0 builds every version), from one core's stage speeds
+measured by benchmarks/stage_speeds.py and the seed's node shape.
 
 Measurements come from ~/.cache/deltamesh/transfer/results.json when benchmarks/transfer.py has run here (or
 --measured FILE), else from the runs recorded in BENCHMARKS.md (benchmarks/transfer_recorded.json). `--json` prints
 one object: {"calibration", "emulated": [{"scenario", "method", "predicted_s", "measured_s", "ratio",
-"fitted"}], "big_models": [...], "papers": [...], "latency_budget": [{"model", "delta", "stages",
-"seconds_to_all_pools", ...}], "assumptions": {...}}.
+"fitted"}], "big_models": [...], "papers": [...], "latency_at_scale": [{"model", "setup", "path",
+"total_s", "target_s", "stages": {...}, "dominant", "assumptions": {...}, "gpu_not_measured"}],
+"assumptions": {...}}.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from pathlib import Path
 from deltamesh.cache import cache_dir
 
 from common import emit
-from simulate_latency import StageCosts, budget_rows, costs_from_latency, print_budget
 from simulate_model import Tcp
+from simulate_scale import NOT_MODELLED, CoreSpeeds, Node, at_scale_rows, speeds_from_report
+from simulate_scale_report import print_at_scale
 from simulate_scenarios import (
     MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
     paper_rows,
@@ -39,7 +43,9 @@ from simulate_scenarios import (
 
 RESULTS = cache_dir("transfer", "results.json")
 LATENCY = cache_dir("latency", "results.json")
-"""benchmarks/latency.py's last `--json` run here, whose stage costs the latency budget takes."""
+"""benchmarks/latency.py's last `--json` run here: the software time a relay hop adds beyond its link."""
+STAGE_SPEEDS = cache_dir("stage_speeds", "results.json")
+"""benchmarks/stage_speeds.py's last run here: one core's speed per stage, for the latency budget at scale."""
 RECORDED = Path(__file__).resolve().with_name("transfer_recorded.json")
 """The transfer runs recorded in BENCHMARKS.md (## Transfer over WAN), for machines where the emulator has not run."""
 
@@ -62,6 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="another transfer.py results file of long_link runs to compare with (repeatable)")
     ap.add_argument("--latency", type=Path,
                     help="benchmarks/latency.py --json output (default ~/.cache/deltamesh/latency/results.json)")
+    ap.add_argument("--stage-speeds", type=Path,
+                    help="benchmarks/stage_speeds.py --json output "
+                         "(default ~/.cache/deltamesh/stage_speeds/results.json)")
+    ap.add_argument("--gpu-gbps", type=float, default=1000.0,
+                    help="a GPU's speed for the cast and the dense scan, printed apart as NOT MEASURED")
     ap.add_argument("--wan-mbit", type=float, default=Mesh.wan_mbit, help="rate of each inter-region link")
     ap.add_argument("--changed", type=float, default=Mesh.changed_fraction, help="fraction of weights changed per step")
     ap.add_argument("--encode-gbps", type=float, default=Codec.encode_gbps, help="codec encode speed per node")
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                 Codec(encode_gbps=args.encode_gbps, apply_gbps=args.apply_gbps))
     mesh = replace(Mesh(), wan_mbit=args.wan_mbit, changed_fraction=args.changed)
     emulated = emulated_rows(measured, tcp) + check_rows(checks, tcp)
-    costs = load_costs(args.latency)
+    speeds, hop_s = load_speeds(args.stage_speeds), load_hop_overhead(args.latency)
     report = {
         "calibration": calibration,
         "emulated": [{"scenario": r.scenario, "method": r.method, "predicted_s": round(r.predicted, 3),
@@ -91,21 +102,33 @@ def main(argv: list[str] | None = None) -> int:
                       "fitted": r.fitted} for r in emulated],
         "big_models": big_model_rows(tcp, codec, mesh),
         "papers": paper_rows(tcp, codec, mesh),
-        "latency_budget": budget_rows(tcp, codec, mesh, costs),
-        "assumptions": {**assumptions(tcp, codec, mesh), "stage_costs": asdict(costs)},
+        "latency_at_scale": at_scale_rows(speeds, tcp, codec, mesh.changed_fraction, hop_s, gpu_gbps=args.gpu_gbps),
+        "assumptions": {**assumptions(tcp, codec, mesh), "latency_at_scale": {
+            "core_speeds": asdict(speeds), "node": asdict(Node()), "hop_overhead_s": hop_s,
+            "gpu_gbps_not_measured": args.gpu_gbps, "not_modelled": NOT_MODELLED}},
     }
     emit(report, args, print_report)
     return 0
 
 
-def load_costs(path: Path | None) -> StageCosts:
-    """Stage costs from a latency.py report (`path`, else the last run here), else the defaults."""
+def _report(path: Path | None, default: Path) -> tuple[dict | None, Path | None]:
+    """A benchmark's JSON report: `path`, else its last run here (`default`), else none."""
     if path is not None and not path.exists():
         raise SystemExit(f"{path}: no such file")
-    source = path or (LATENCY if LATENCY.exists() else None)
-    if source is None:
-        return StageCosts()
-    return replace(costs_from_latency(json.loads(source.read_text())), source=f"benchmarks/latency.py, {source}")
+    source = path or (default if default.exists() else None)
+    return (None, None) if source is None else (json.loads(source.read_text()), source)
+
+
+def load_speeds(path: Path | None) -> CoreSpeeds:
+    """One core's stage speeds from a stage_speeds.py report, else the figures recorded in BENCHMARKS.md."""
+    report, source = _report(path, STAGE_SPEEDS)
+    return CoreSpeeds() if report is None else speeds_from_report(report, str(source))
+
+
+def load_hop_overhead(path: Path | None) -> float:
+    """The software time a relay hop adds beyond its link, from a latency.py report (else none)."""
+    report, _ = _report(path, LATENCY)
+    return max(0.0, float(report.get("hop_overhead_s") or 0.0)) if report else 0.0
 
 
 def assumptions(tcp: Tcp, codec: Codec, mesh: Mesh) -> dict:
@@ -159,7 +182,7 @@ def print_report(r: dict) -> None:
           "   snapshot with its codec; egress/ver: with the full snapshot every 10 versions; stale: mean versions\n"
           "   a pool is behind at that step time; AstraFlow delta: every pool pulls a 10 B/changed delta from the\n"
           "   trainer node, one stream each, one pool at a time)")
-    print_budget(r["latency_budget"], StageCosts(**a["stage_costs"]))
+    print_at_scale(r["latency_at_scale"], CoreSpeeds(**a["latency_at_scale"]["core_speeds"]))
     print("\nPaper figures beside the model")
     for p in r["papers"]:
         print(f"  {p['source']}: {p['what']}: paper {p['paper']}; model: {p['model']}")

@@ -2,12 +2,16 @@
 
 numpy (copies, comparisons, fancy indexing), zstd and xxhash (buffers over 64 KiB) release the GIL,
 so plain threads scale the codec's passes across cores without copying weights into other
-processes. Results come back in input order, so output never depends on scheduling.
+processes. Results come back in input order, so output never depends on scheduling. The cores are
+those the calling thread may run on (its CPU affinity: `taskset`, a cgroup cpuset, or
+`os.sched_setaffinity`), at most `MAX_WORKERS`: a process pinned to its share of a node's cores, or to
+one core, runs that many threads and no more.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -18,10 +22,21 @@ R = TypeVar("R")
 MAX_WORKERS = 8
 
 
+def usable_cores() -> int:
+    """The cores the calling thread may run on (threads it starts inherit them)."""
+    if sys.platform == "linux":
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _workers(items: list) -> int:
+    return min(MAX_WORKERS, usable_cores(), len(items))
+
+
 def thread_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     """`[fn(x) for x in items]`, run on up to one thread per core; the first error is raised."""
     items = list(items)
-    workers = min(MAX_WORKERS, os.cpu_count() or 1, len(items))
+    workers = _workers(items)
     if workers <= 1:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -39,7 +54,7 @@ def thread_stream(fn: Callable[[T], R], items: Iterable[T], ahead: float,
     stays busy; `ahead` bounds memory held. At least one item per core is always pending.
     """
     items = list(items)
-    workers = min(MAX_WORKERS, os.cpu_count() or 1, len(items))
+    workers = _workers(items)
     if workers <= 1:
         yield from (fn(x) for x in items)
         return

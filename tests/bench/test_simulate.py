@@ -4,13 +4,16 @@ parameters, and the command prints predictions beside measurements from a result
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 
 import simulate
-from simulate_latency import budget_rows, costs_from_latency
+from deltamesh.delta.parallel import MAX_WORKERS
+from simulate_layouts import DenseLayout, MoeLayout
 from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path, single_stream
+from simulate_scale import SCENARIOS, CoreSpeeds, Node, at_scale_rows, budget, threads_worth
 from simulate_scenarios import Codec, Mesh, big_model_rows, calibrate, emulated_rows
 
 MB = 1e6
@@ -122,39 +125,132 @@ def test_command_prints_predictions_beside_a_results_file(tmp_path, capsys):
 def test_recorded_figures_are_used_without_a_results_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(simulate, "RESULTS", tmp_path / "absent.json")
     monkeypatch.setattr(simulate, "LATENCY", tmp_path / "absent-latency.json")
+    monkeypatch.setattr(simulate, "STAGE_SPEEDS", tmp_path / "absent-speeds.json")
     assert simulate.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["calibration"]["source"] == "figures recorded in BENCHMARKS.md"
     assert len(report["big_models"]) == 3
-    assert report["assumptions"]["stage_costs"]["source"].startswith("defaults")
+    assert report["assumptions"]["latency_at_scale"]["core_speeds"]["source"].startswith("figures recorded")
 
 
-def test_the_latency_budget_takes_its_stage_costs_from_a_latency_run(tmp_path, capsys):
-    # Two versions of a 1 GB model; stages in seconds after the step's end, two pools each.
-    version = {"version": 1, "bytes": 10**6, "all_pools_seconds": 2.0, "stages": {
-        "step_end": 0.0, "cast": 0.25, "encoded": 0.6, "signed": 0.75, "upload_start": 0.76, "origin_stored": 0.8,
-        "relay_stored:eu-west": 0.9, "pool:a:fetched": 1.0, "pool:a:verified": 1.1, "pool:a:applied": 1.5,
-        "pool:a:serving": 2.0, "pool:b:fetched": 1.0, "pool:b:verified": 1.1, "pool:b:applied": 1.5,
-        "pool:b:serving": 2.0}}
-    report = {"versions": [version, {**version, "version": 2}], "hop_overhead_s": 0.05, "model_bytes": 1e9}
-    costs = costs_from_latency(report)
-    assert costs.cast_gbps == pytest.approx(4.0) and costs.encode_gbps == pytest.approx(2.0)
-    assert costs.apply_gbps == pytest.approx(2.0) and costs.check_gbps == pytest.approx(2.0)
-    assert costs.hop_overhead_s == pytest.approx(0.05)
+def test_layouts_count_the_models_parameters_and_a_pool_ranks_share():
+    qwen, moe = DenseLayout(), MoeLayout()
+    assert qwen.params == pytest.approx(14.77e9, rel=0.001) and qwen.tensors == 40 * 11 + 3
+    assert moe.params == pytest.approx(1.026e12, rel=0.001)
+    g = qwen.groups()
+    # Tensor parallel: a rank fetches its quarter of the column-parallel weights and every row-parallel one
+    # (a block of columns crosses every row range a trainer rank encoded), and holds a quarter of both.
+    fetched, held = qwen.pool_share(4)
+    assert fetched == pytest.approx((g["column"] / 4 + g["row"] + g["replicated"]) / qwen.params)
+    assert held == pytest.approx(0.25, abs=1e-4) and 0.45 < fetched < 0.5
+    assert qwen.pool_share(1) == pytest.approx((1.0, 1.0))
+    # Expert parallel: its experts and every dense tensor, fetched and held alike.
+    m = moe.groups()
+    assert moe.pool_share(32) == pytest.approx(((m["dense"] + m["experts"] / 32) / moe.params,) * 2)
+    assert moe.pool_share(4)[0] <= 0.35 and moe.pool_share(2)[0] <= 0.6
 
-    rows = budget_rows(Tcp(), Codec(), Mesh(), costs)
-    slower = budget_rows(Tcp(), Codec(), Mesh(), replace(costs, check_gbps=1.0))
-    for row, slow in zip(rows, slower):
-        assert row["seconds_to_all_pools"] == pytest.approx(sum(row["stages"].values()))
-        assert slow["stages"]["serve check"] == pytest.approx(2 * row["stages"]["serve check"])
-    assert {r["model"] for r in rows} == {"Qwen3-14B", "1T MoE"}
 
-    path = tmp_path / "latency.json"
-    path.write_text(json.dumps(report))
-    assert simulate.main(["--latency", str(path), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["assumptions"]["stage_costs"]["check_gbps"] == pytest.approx(2.0)
-    # The command's network stages use the calibrated TCP; the stages over the weights are the same.
-    for printed, row in zip(out["latency_budget"], rows):
-        for stage in ("cast", "encode + sign", "verify + apply", "serve check"):
-            assert printed["stages"][stage] == pytest.approx(row["stages"][stage])
+def _speeds(**per_core: float) -> CoreSpeeds:
+    base = {"cast": 1.0, "scan": 2.0, "encode": 0.5, "hash": 10.0, "decode": 10.0, "apply": 4.0, "check": 5.0}
+    return CoreSpeeds({**base, **per_core}, sign_s_per_entry=1e-6, load_s_per_entry=2e-6, delta_ratio=0.005,
+                      source="test")
+
+
+def test_stage_arithmetic_scales_one_core_by_the_ranks_threads_and_shards():
+    seed, node, tcp, codec = SCENARIOS[0], Node(), Tcp(), Codec(bytes_per_changed=1.0)
+    speeds = _speeds()
+    sharded, today = (budget(seed, s, speeds, node, tcp, codec) for s in (True, False))
+    model, threads = seed.layout.params * 2, min(14, MAX_WORKERS)
+    shard = model / seed.trainer_ranks
+    assert node.cores_per_rank == 14
+    assert sharded["stages"]["cast"] == pytest.approx(shard / (1.0 * 14 * 1e9))
+    assert sharded["stages"]["scan/encode"] == pytest.approx(shard / (0.5 * threads * 1e9))
+    assert today["stages"]["scan/encode"] == pytest.approx(seed.trainer_ranks * sharded["stages"]["scan/encode"])
+    a = sharded["assumptions"]
+    delta = 0.01 * seed.layout.params
+    assert a["delta_bytes"] == pytest.approx(delta)
+    entries = seed.layout.tensors * seed.trainer_ranks + math.ceil(delta / 2**22)
+    assert a["manifest_entries"] == entries
+    expected = (entries * 2e-6 + a["fetch_fraction"] * delta / (10.0 * threads * 0.005 * 1e9)
+                + a["held_fraction"] * model / (4.0 * threads * 1e9))
+    assert sharded["stages"]["verify + apply"] == pytest.approx(expected)
+    for row in (sharded, today):
+        assert row["total_s"] == pytest.approx(sum(row["stages"].values()))
+        assert row["dominant"] == max(row["stages"], key=row["stages"].get)
+    # A stage's time follows its speed alone; the network does not depend on the CPU.
+    slower = budget(seed, True, _speeds(apply=2.0, encode=0.25), node, tcp, codec)
+    assert slower["stages"]["scan/encode"] == pytest.approx(2 * sharded["stages"]["scan/encode"])
+    for stage in ("upload", "origin -> every region", "fetch", "cast"):
+        assert slower["stages"][stage] == pytest.approx(sharded["stages"][stage])
+
+
+def test_a_stage_faster_than_the_nodes_memory_is_bound_by_it():
+    seed, node = SCENARIOS[0], Node()
+    row = budget(seed, True, _speeds(check=1000.0), node, Tcp(), Codec())
+    bound = row["assumptions"]["rank_gbps"]["check"]
+    # The pool's 4 ranks share a node: each reads its share at a quarter of the node's bandwidth.
+    assert bound == {"gbps": pytest.approx(node.memory_gbps / 4), "bound": "memory"}
+    assert row["stages"]["check"] == pytest.approx(row["assumptions"]["held_fraction"] * seed.layout.params * 2
+                                                   / (node.memory_gbps / 4 * 1e9))
+
+
+def test_the_gpu_figure_is_apart_and_labelled_not_measured():
+    rows = at_scale_rows(_speeds(), Tcp(), Codec(), 0.01, gpu_gbps=1000.0)
+    assert [r["path"] for r in rows] == ["sharded", "rank 0"] * 2
+    for r in rows:
+        gpu = r.get("gpu_not_measured")
+        assert (gpu is not None) == (r["path"] == "sharded")
+        if gpu is not None:  # only the cast and the scan move; the measured row keeps its own figures
+            assert gpu["measured"] is False and gpu["total_s"] < r["total_s"]
+            assert {k: v for k, v in gpu["stages"].items() if k not in ("cast", "scan/encode")} == \
+                {k: v for k, v in r["stages"].items() if k not in ("cast", "scan/encode")}
+
+
+def test_command_prints_the_latency_at_scale_with_its_assumptions(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(simulate, "RESULTS", tmp_path / "absent.json")
+    monkeypatch.setattr(simulate, "LATENCY", tmp_path / "absent-latency.json")
+    speeds = {"per_core": {"cast": 1.0, "scan": 2.0, "encode": 0.5, "hash": 10.0, "decode": 10.0, "apply": 4.0,
+                           "check": 5.0, "sign": 3000.0}, "per_core_case": "a test case", "delta_ratio": 0.005,
+              "sign_s_per_entry": 1e-6, "load_s_per_entry": 2e-6, "machine": {"load_average": [0.1, 0.2]},
+              "cores": 2, "cases": [{"scaling": {"encode": 1.5, "apply": 2.0}}]}
+    path = tmp_path / "speeds.json"
+    path.write_text(json.dumps(speeds))
+    assert simulate.main(["--stage-speeds", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["latency_at_scale"]
+    for name in ("Qwen3-14B", "1T"):
+        mine = [r for r in rows if name in r["model"]]
+        assert [r["path"] for r in mine] == ["sharded", "rank 0"]
+        for r in mine:
+            assert {"model", "setup", "total_s", "stages", "assumptions"} <= r.keys()
+            assert r["total_s"] == pytest.approx(sum(r["stages"].values()))
+            assert r["assumptions"]["speeds"].startswith("benchmarks/stage_speeds.py, " + str(path))
+        assert mine[0]["total_s"] < mine[1]["total_s"]
+        assert mine[0]["target_s"] == {"Qwen3-14B": 10.0, "1T": 60.0}[name]
+    assert set(rows[0]["stages"]) == {"cast", "scan/encode", "manifest", "upload", "origin -> every region",
+                                      "fetch", "verify + apply", "check"}
+    assert report["assumptions"]["latency_at_scale"]["core_speeds"]["per_core"]["encode"] == 0.5
+    assert report["assumptions"]["latency_at_scale"]["core_speeds"]["scaling"]["encode"] == 1.5
+    for r in rows:  # the same with threads scaling as they did on the measuring machine's two cores
+        slower = r["scaling_as_measured"]
+        assert slower["total_s"] == pytest.approx(sum(slower["stages"].values()))
+        assert slower["stages"]["scan/encode"] > r["stages"]["scan/encode"]
+        assert slower["stages"]["upload"] == pytest.approx(r["stages"]["upload"])
+    assert simulate.main(["--stage-speeds", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "Latency budget at scale" in table and "NOT MEASURED" in table and "14 per rank" in table
+    assert "dominates" in table and "Not modelled" in table and "scaling as measured" in table
+    with pytest.raises(SystemExit, match="no such file"):
+        simulate.main(["--stage-speeds", str(tmp_path / "nowhere.json")])
+
+
+def test_threads_scale_as_measured_by_amdahls_law_fitted_on_the_measuring_cores():
+    speeds = replace(_speeds(), scaling={"cast": 2.0, "scan": 2.0, "encode": 1.5, "hash": 2.0, "decode": 2.0,
+                                         "apply": 1.0, "check": 2.0}, scaled_cores=2)
+    assert threads_worth("cast", 8, speeds) == 8  # scaled fully on two cores: fully on eight
+    assert threads_worth("apply", 8, speeds) == pytest.approx(1.0)  # did not scale: one core's worth
+    # 1.5x on two cores: two thirds of the work runs in parallel, so eight threads give 1 / (1/3 + 2/24).
+    assert threads_worth("encode", 8, speeds) == pytest.approx(2.4)
+    seed, node = SCENARIOS[0], Node()
+    linear, slower = (budget(seed, True, speeds, node, Tcp(), Codec(), as_measured=m) for m in (False, True))
+    assert slower["stages"]["scan/encode"] == pytest.approx(linear["stages"]["scan/encode"] * 8 / 2.4)

@@ -1,13 +1,16 @@
-"""thread_stream: results in input order, and never more pending work than its window allows."""
+"""thread_stream: results in input order, and never more pending work than its window allows; thread_map and
+thread_stream run no more threads than the cores the caller may run on."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
 import pytest
 
-from deltamesh.delta.parallel import thread_stream
+from deltamesh.delta.parallel import thread_map, thread_stream
 
 
 def test_results_come_in_input_order_whatever_finishes_first():
@@ -68,3 +71,30 @@ def test_error_propagates_and_stops():
 
     with pytest.raises(ValueError, match="item 3"):
         list(thread_stream(boom, range(10), ahead=2))
+
+
+@pytest.mark.skipif(sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two cores to pin a thread to one")
+def test_a_thread_pinned_to_one_core_runs_the_work_itself():
+    """Pinned to one core (as a benchmark measuring one core's speed pins itself), the codec's passes
+    start no threads: every item runs in the caller's thread. Unpinned, the same call uses several."""
+    seen: dict[str, set[int]] = {}
+
+    def run(label: str, pin: bool) -> None:
+        if pin:  # affinity is per thread: only this helper thread is pinned
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+        def work(_: int) -> int:
+            time.sleep(0.01)
+            return threading.get_ident()
+
+        seen[label + " map"] = set(thread_map(work, range(8)))
+        seen[label + " stream"] = set(thread_stream(work, range(8), ahead=8))
+        seen[label + " caller"] = {threading.get_ident()}
+
+    for label, pin in (("pinned", True), ("free", False)):
+        t = threading.Thread(target=run, args=(label, pin))
+        t.start()
+        t.join()
+    assert seen["pinned map"] == seen["pinned stream"] == seen["pinned caller"]
+    assert len(seen["free map"]) >= 2 and seen["free caller"].isdisjoint(seen["free map"])
