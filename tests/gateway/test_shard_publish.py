@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from deltamesh.delta import read_weights
 from deltamesh.delta.encode import table_of
@@ -166,3 +167,49 @@ def test_a_manifest_whose_pieces_are_not_all_staged_is_refused_whole(spawn_gatew
 
     asyncio.run(main())
     assert [(e["version"], e["complete"]) for e in listing(gw.url)["versions"]] == [(0, True)]
+
+
+def test_a_pool_rank_receives_only_the_pieces_of_its_share(kit, tmp_path):
+    """Versions cut for a pool of 2 expert-parallel ranks (a publisher told the layout): rank 0 asks a real
+    gateway for only the pieces whose signed spans reach its experts and the dense layers, receives
+    those bytes and nothing else, and its slices are bit-exact after applying them."""
+    from deltamesh.delta.layouts import PoolLayout, shares_of
+    from deltamesh.delta.share_plan import pieces_for
+    from deltamesh.delta.shares import apply_share, decode_pieces
+    from deltamesh.gateway.fetch import Fetcher
+    from deltamesh.gateway.plan import PlanStep
+    from deltamesh.gateway.publisher import Publisher
+    from deltamesh.gateway.sources import Source
+    from deltamesh.gateway.verified import fetch_share
+
+    g = torch.Generator().manual_seed(5)
+    v0 = {f"model.layers.{i}.mlp.experts.{e}.{p}.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16)
+          for i in range(2) for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    v0["model.embed_tokens.weight"] = torch.randn(50, 32, generator=g).to(torch.bfloat16)
+    v1 = kit.next_step(v0, 1)
+    layout = PoolLayout(ep=2)
+    shares = shares_of(table_of(v0), layout, 0)
+    received: dict[tuple, int] = {}
+
+    async def main():
+        async with kit.running_gateway(kit.config(tmp_path)) as url:
+            async with Publisher(url, kit.key.key, MODEL, piece_bytes=2048, layouts=[layout]) as pub:
+                await pub.publish(v0, 0)
+                published = await pub.publish(v1, 1)
+            async with client_session(timeout_s=30) as s:
+                fetcher = Fetcher(s, [Source(url)], "pool/rank0",
+                                  on_received=lambda src, key, n: received.__setitem__(key, received.get(key, 0) + n))
+                step = PlanStep(1, "delta", 0, published.manifests[0].payload_bytes, len(published.manifests[0].pieces))
+                base_manifest, _ = await fetch_share(fetcher, MODEL, PlanStep(0, "full", None, 0, 0),
+                                                     [kit.key.key.public_key()], 4, shares)
+                manifest, pieces = await fetch_share(fetcher, MODEL, step, [kit.key.key.public_key()], 4, shares)
+        return base_manifest, manifest, pieces
+
+    base_manifest, manifest, pieces = asyncio.run(main())
+    wanted = pieces_for(manifest, shares)
+    assert sorted(pieces) == wanted and 0 < len(wanted) < len(manifest.pieces)
+    assert received[(MODEL, 1, "delta")] == sum(manifest.pieces[i].length for i in wanted) < manifest.payload_bytes
+    local = {n: s.take(v0[n]).clone() for n, s in shares.items()}
+    apply_share(manifest, decode_pieces(manifest, pieces), local, shares, held=base_manifest)
+    assert all(kit.same_bits({n: local[n]}, {n: s.take(v1[n])}) for n, s in shares.items())
+    assert manifest.format_version == 4
