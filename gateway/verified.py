@@ -11,7 +11,7 @@ so the fetcher turns to another gateway for it.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 from deltamesh.delta import CorruptError, Manifest, load_manifest
 from deltamesh.delta.share_plan import Share, pieces_for
@@ -35,14 +35,7 @@ async def fetch_verified(fetcher: Fetcher, model: str, step: PlanStep, trusted_k
     (of this step's version, if they are of it) instead of the manifest request's prefetch; parts of
     another kind are closed unused."""
 
-    async def accept(raw: bytes) -> Manifest:
-        m = load_manifest(raw, trusted_keys)
-        if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
-            raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
-        if check is not None:
-            check(m)
-        return m
-
+    accept = _acceptor(model, step, trusted_keys, check)
     if parts is not None and (parts.model, parts.kind) != (model, step.kind):
         await parts.close()
         parts = None
@@ -71,14 +64,7 @@ async def fetch_share(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys
     (tensor name -> the slice it holds: `deltamesh.delta.shares.pieces_for`), each hash-checked. Nothing
     is asked for ahead of the manifest, so no byte outside the rank's shares is requested."""
 
-    async def accept(raw: bytes) -> Manifest:
-        m = load_manifest(raw, trusted_keys)
-        if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
-            raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
-        if check is not None:
-            check(m)
-        return m
-
+    accept = _acceptor(model, step, trusted_keys, check)
     manifest = await fetcher.manifest_bytes(model, step.version, step.kind, accept, prefetch=0)
     pieces: dict[int, bytes] = {}
 
@@ -87,6 +73,21 @@ async def fetch_share(fetcher: Fetcher, model: str, step: PlanStep, trusted_keys
 
     await fetcher.pieces(manifest, pieces_for(manifest, shares), connections, keep)
     return manifest, pieces
+
+
+def _acceptor(model: str, step: PlanStep, trusted_keys: Sequence[Ed25519PublicKey],
+              check: Callable[[Manifest], None] | None) -> Callable[[bytes], Awaitable[Manifest]]:
+    """What takes a fetched envelope: its signature verified, and it must name exactly the step asked for."""
+
+    async def accept(raw: bytes) -> Manifest:
+        m = load_manifest(raw, trusted_keys)
+        if (m.model_id, m.version, m.kind) != (model, step.version, step.kind):
+            raise CorruptError(f"gateway sent {m.model_id} v{m.version} {m.kind} for step v{step.version} {step.kind}")
+        if check is not None:
+            check(m)
+        return m
+
+    return accept
 
 
 def inline_envelopes(source: Source, head: int | None, carried: object) -> dict[tuple[int, str], Inline]:
