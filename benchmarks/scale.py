@@ -1,6 +1,6 @@
 """Scale benchmark: versions built where the weights are, against today's path, in one run.
 
-A synthetic Qwen3-shaped model of `--gb` GB of bf16 (default 3.1) is trained by 2 ranks (processes),
+A synthetic Qwen3-shaped model of `--gb` GB of bf16 (default 3.0) is trained by 2 ranks (processes),
 each holding half the rows of every tensor as FSDP2 shards them (scale_model.py: each step moves ~1%
 of the words, on the small weights, as a real first Adam step does). Three emulated regions: an
 origin gateway, a relay in eu-west behind a 1 Gbit/s +20 ms link and one in ap-south behind it at
@@ -27,7 +27,7 @@ each rank's slices applied and checked.
 "rank0_path_publish_peak_rss_over_shard", "all_pools_seconds_median", "rank0_path_all_pools_seconds_median",
 "ep_fetch_fraction" ({"2": x, "4": y}), "stages", "versions", "model_bytes", "seconds".
 
-    .venv/bin/python benchmarks/scale.py [--gb 3.1] [--steps 4] [--json] [--quick --gb 0.02 --steps 2]
+    .venv/bin/python benchmarks/scale.py [--gb 3.0] [--steps 4] [--json] [--quick --gb 0.02 --steps 2]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ REGIONS = (("us-east", None, 0, 0), ("eu-west", "us-east", 1000, 20), ("ap-south
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gb", type=float, default=3.1, help="bf16 size of the synthetic model")
+    p.add_argument("--gb", type=float, default=3.0, help="bf16 size of the synthetic model")
     p.add_argument("--steps", type=int, default=4, help="deltas per phase after its full snapshot")
     p.add_argument("--phases", nargs="+", choices=("sharded", "rank0"), default=["sharded", "rank0"])
     p.add_argument("--workdir", help="for the gateways' stores and logs (default: a temporary directory)")
@@ -84,9 +84,9 @@ def run_phase(mode: str, urls: dict[str, str], cfg: dict[str, Any], first: int, 
               root: Path) -> dict[str, Any]:
     """One phase: fresh pools and ranks, versions first .. first + steps (a full, then deltas)."""
     ctx = mp.get_context("spawn")
-    reports, stop = ctx.Queue(), ctx.Event()
+    reports, stop, first_lock = ctx.Queue(), ctx.Event(), ctx.Lock()
     pools = [ctx.Process(target=scale_procs.pool, args=(f"pool-{region}", urls[region], cfg["public"], str(root),
-                                                        reports, stop)) for region, *_ in REGIONS]
+                                                        reports, stop, first_lock)) for region, *_ in REGIONS]
     orders = [ctx.Queue() for _ in range(RANKS)]
     cfg = {**cfg, "store_port": free_port()}
     ranks = [ctx.Process(target=scale_procs.trainer_rank, args=(r, RANKS, mode, cfg, orders[r], reports))

@@ -121,16 +121,18 @@ def _publish_gathered(loop, publisher, specs, live, rank: int, world: int, versi
     return published
 
 
-def pool(name: str, gateway: str, trusted_key: str, workdir: str, reports, stop) -> None:
-    """An in-memory pool: every new version fetched, verified, applied in place and reported."""
+def pool(name: str, gateway: str, trusted_key: str, workdir: str, reports, stop, first_lock) -> None:
+    """An in-memory pool: every new version fetched, verified, applied in place and reported. Pools take
+    their first version (a full snapshot: its pieces and its decoded tensors at once, ~1.7x the model)
+    one at a time under `first_lock`, so that three of them fit this machine's memory; it is not timed."""
     torch.set_num_threads(1)
     # The benchmark's gateways are anonymous (loopback, this run's alone): the token is not checked.
     config = PoolSyncConfig(gateways=[gateway], token="scale-bench", name=name, dir=os.path.join(workdir, name),
                             trusted_keys=[trusted_key], model=MODEL, connections=8, give_up_s=600)
-    asyncio.run(_follow(config, reports, stop))
+    asyncio.run(_follow(config, reports, stop, first_lock))
 
 
-async def _follow(config: PoolSyncConfig, reports, stop) -> None:
+async def _follow(config: PoolSyncConfig, reports, stop, first_lock) -> None:
     held: dict[str, torch.Tensor] | None = None
     manifest = None
     async with WeightSync(config) as sync:
@@ -139,16 +141,24 @@ async def _follow(config: PoolSyncConfig, reports, stop) -> None:
             if head is None:
                 continue
             seen = time.time()
-            plan = await sync.fetch_plan(head, base=None if manifest is None else manifest.version)
-            versions = await sync.fetch_decoded(plan)
-            fetched = time.time()
-            for decoded in versions:
-                digests = None if manifest is None else {e.name: e.hash for e in manifest.tensors}
-                held = await asyncio.to_thread(apply_version, decoded, held if decoded.kind == "delta" else None,
-                                               base_digests=digests, in_place=True)
-                manifest = decoded.manifest
+            first = manifest is None
+            if first:
+                await asyncio.to_thread(first_lock.acquire)
+            try:
+                plan = await sync.fetch_plan(head, base=None if manifest is None else manifest.version)
+                versions = await sync.fetch_decoded(plan)
+                fetched = time.time()
+                for decoded in versions:
+                    digests = None if manifest is None else {e.name: e.hash for e in manifest.tensors}
+                    held = await asyncio.to_thread(apply_version, decoded, held if decoded.kind == "delta" else None,
+                                                   base_digests=digests, in_place=True)
+                    manifest = decoded.manifest
+                del versions
+            finally:
+                if first:
+                    first_lock.release()
             reports.put({"who": config.name, "version": manifest.version, "head_seen": seen, "fetched": fetched,
-                         "serving": time.time(), "bytes": sum(d.manifest.payload_bytes for d in versions)})
+                         "serving": time.time(), "bytes": plan.payload_bytes})
         if held is not None:
             reports.put({"who": config.name, "digests_of": _rows_digests(held)})
 
