@@ -305,10 +305,8 @@ async def catch_up(pools) -> None:
 
 
 async def directory_holds(weights: PolicyWeights, version: int, timeout_s: float = 300.0) -> float:
-    """When (wall clock) the pool's synced directory holds `version` (polled: this harness also runs
-    older code, whose round ended only once the directory was written). Called after a round that
-    ended without an error: a write behind it that fails (the pool reports an error), or none within
-    `timeout_s`, fails the run with the pool's last error."""
+    """When (wall clock) the pool's synced directory holds `version` (polled: older code trees wrote it
+    in the round). A write behind the round that fails, or none within `timeout_s`, fails the run."""
     deadline = time.monotonic() + timeout_s
     while True:
         held = await asyncio.to_thread(dir_manifest, weights.dir)

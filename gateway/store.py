@@ -33,7 +33,7 @@ from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
 from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
 from deltamesh.gateway.ledger import ConflictError, VersionLedger
 from deltamesh.gateway.staging import Staging, StagingIncomplete
-from deltamesh.gateway.stored_version import KINDS, StoredVersion
+from deltamesh.gateway.stored_version import KINDS, StoredVersion, read_checked
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ class VersionStore:
         self.disk = DiskSpace(self.root, disk_margin_bytes)
         """Free space, reservations and the disk-full state: see `deltamesh.gateway.disk`."""
         self.staging = Staging(self.root / "staging", self.disk, max_bytes=staging_max_bytes, ttl_s=staging_ttl_s)
-        """Pieces of versions built in parts, uploaded before their manifest: see `deltamesh.gateway.staging`."""
         self.ledger = VersionLedger(self.root / "ledger.jsonl")
         """(model, version) -> weights hash of everything ever accepted: see `deltamesh.gateway.ledger`."""
         self._models: dict[str, dict[tuple[int, str], StoredVersion]] = {}
@@ -222,10 +221,9 @@ class VersionStore:
         Raises SignatureError (untrusted or bad signature), CorruptError (malformed) or
         ConflictError (a different manifest for the same version and kind is already stored, or
         another weights hash for the version was accepted before; `published`, from a publisher:
-        also a version below the newest accepted, or a collected one sent again). `staged`: every
-        piece must be staged already (StagingIncomplete otherwise); they are moved into the version
-        before its manifest is written, so it is announced whole. Nothing is written or announced for
-        a refused manifest, and the epoch stays.
+        also a version below the newest accepted, or a collected one sent again). `staged`: every piece
+        is taken from `staging` (StagingIncomplete if one is not there) before the manifest is written,
+        so it is announced whole. Nothing is written or announced for a refused one; the epoch stays.
         """
         manifest = load_manifest(raw, self.trusted_keys)
         async with self._manifest_lock:  # check, write and index as one step (manifests are rare)
@@ -337,7 +335,7 @@ class VersionStore:
         """
         path = entry.piece_path(index)
         try:
-            return await asyncio.to_thread(_read_checked, path, entry, index)
+            return await asyncio.to_thread(read_checked, path, entry, index)
         except (CorruptError, FileNotFoundError) as e:
             log.error("store: piece %d of %s v%d %s is damaged on disk (%s); dropped",
                       index, entry.model, entry.version, entry.kind, e)
@@ -391,15 +389,3 @@ class VersionStore:
             self._bump()  # followers list again: relays plan with what this gateway can still serve
         return removed
 
-
-def _read_checked(path: Path, entry: StoredVersion, index: int) -> bytes:
-    """A piece read back from disk, checked (off the event loop: hashing is most of the cost) against
-    what this gateway verified when it stored it, or, the first time after a restart, the manifest."""
-    data = path.read_bytes()
-    known = entry.checked.get(index)
-    if known is None:
-        entry.manifest.check_piece(index, data)
-        entry.checked[index] = digest(data)
-    elif digest(data) != known:
-        raise CorruptError(f"piece {index}: not the bytes stored")
-    return data

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.manifest import Manifest, NamedByManifest
 
@@ -61,3 +62,16 @@ class StoredVersion(NamedByManifest):
             "payload_bytes": m.payload_bytes, "pieces": len(m.pieces), "present": len(self.present),
             "complete": self.complete, "weights_hash": m.weights_hash, "stored_at": self.stored_at,
         }
+
+
+def read_checked(path: Path, entry: StoredVersion, index: int) -> bytes:
+    """A piece read back from disk, checked (off the event loop: hashing is most of the cost) against
+    what this gateway verified when it stored it, or, the first time after a restart, the manifest."""
+    data = path.read_bytes()
+    known = entry.checked.get(index)
+    if known is None:
+        entry.manifest.check_piece(index, data)
+        entry.checked[index] = digest(data)
+    elif digest(data) != known:
+        raise CorruptError(f"piece {index}: not the bytes stored")
+    return data
