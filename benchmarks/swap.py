@@ -163,12 +163,10 @@ class Generating:
             self._seen.clear()
 
     async def first_token_of(self, version: int, timeout_s: float = 300.0) -> float:
-        async def seen() -> float:
-            while version not in self.first_served:
-                await self._seen.wait()
-            return self.first_served[version]
-
-        return await asyncio.wait_for(seen(), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while version not in self.first_served:
+            await asyncio.wait_for(self._seen.wait(), max(0.0, deadline - time.monotonic()))
+        return self.first_served[version]
 
 
 class Trainer:
