@@ -14,6 +14,7 @@ pool's verified fetch and apply cost.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -25,13 +26,16 @@ from deltamesh.delta import apply_version, load_private_key, tensor_digest
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.shard_publisher import ShardPublisher
+from deltamesh.gateway.sync_errors import SyncError
 from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.http import HttpError
 from deltamesh.trainer.distributed import shard_rows
 from deltamesh.trainer.part_exchange import store_exchange
 
 import scale_model
 
 MODEL = "scale"
+log = logging.getLogger(__name__)
 
 
 class PeakRss:
@@ -137,7 +141,12 @@ async def _follow(config: PoolSyncConfig, reports, stop, first_lock) -> None:
     manifest = None
     async with WeightSync(config) as sync:
         while not stop.is_set():
-            head = await sync.wait_for_head(1.0, after=None if manifest is None else manifest.version)
+            try:
+                head = await sync.wait_for_head(1.0, after=None if manifest is None else manifest.version)
+            except (SyncError, HttpError) as e:  # a gateway too busy to answer in time: ask again, as a pool does
+                log.warning("%s: %s; asking again", config.name, e)
+                await asyncio.sleep(0.5)
+                continue
             if head is None:
                 continue
             seen = time.time()
