@@ -80,50 +80,72 @@ def start_gateways(services: ServiceSet, root: Path, public: Path) -> dict[str, 
     return urls
 
 
-def run_phase(mode: str, urls: dict[str, str], cfg: dict[str, Any], first: int, steps: int,
-              root: Path) -> dict[str, Any]:
-    """One phase: fresh pools and ranks, versions first .. first + steps (a full, then deltas)."""
+def run(phases: list[str], urls: dict[str, str], cfg: dict[str, Any], steps: int, root: Path) -> dict[str, dict]:
+    """Both phases with the same ranks and pools: each phase `steps` + 1 versions (the first phase's first
+    a full snapshot), then every pool's and rank's digests compared; the rank-0 path takes the stream
+    over in deltas where the sharded one left it."""
     ctx = mp.get_context("spawn")
     reports, stop, first_lock = ctx.Queue(), ctx.Event(), ctx.Lock()
+    digest_at = ctx.Value("i", -1)
     pools = [ctx.Process(target=scale_procs.pool, args=(f"pool-{region}", urls[region], cfg["public"], str(root),
-                                                        reports, stop, first_lock)) for region, *_ in REGIONS]
+                                                        reports, stop, first_lock, digest_at))
+             for region, *_ in REGIONS]
     orders = [ctx.Queue() for _ in range(RANKS)]
-    cfg = {**cfg, "store_port": free_port()}
-    ranks = [ctx.Process(target=scale_procs.trainer_rank, args=(r, RANKS, mode, cfg, orders[r], reports))
+    cfg = {**cfg, "store_port": free_port(), "gloo_port": free_port()}
+    ranks = [ctx.Process(target=scale_procs.trainer_rank, args=(r, RANKS, cfg, orders[r], reports))
              for r in range(RANKS)]
     for p in pools + ranks:
         p.start()
-    versions, ranks_of, pools_of = [], {}, {}
+    out: dict[str, dict] = {}
+    version, early = 0, []
     try:
-        for version in range(first, first + steps + 1):
-            for q in orders:
-                q.put(version)
-            wanted = {f"rank{r}" for r in range(RANKS)} | {f"pool-{region}" for region, *_ in REGIONS}
-            got: dict[str, dict] = {}
-            while wanted - set(got):
-                report = _next_report(reports, pools + ranks)
-                if report.get("version") == version:
-                    got[report["who"]] = report
-            versions.append(_version_row(version, got))
+        for mode in phases:
+            rows = []
+            for _ in range(steps + 1):
+                digest_at.value = version if len(rows) == steps else -1
+                for q in orders:
+                    q.put((mode, version))
+                rows.append(_version_row(version, _reports_of(reports, pools + ranks, version, early)))
+                version += 1
+            out[mode] = {"mode": mode, "versions": rows,
+                         "bit_identical": _identical(reports, orders, pools + ranks, early)}
         for q in orders:
             q.put(None)
-        while len(ranks_of) < RANKS:
-            report = _next_report(reports, ranks)
-            ranks_of[report["who"]] = report
-        stop.set()
-        while len(pools_of) < len(REGIONS):
-            report = _next_report(reports, pools)
-            pools_of[report["who"]] = report["digests_of"]
     finally:
         stop.set()
         for p in ranks + pools:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    identical = all(pool[name][f"{a}:{b}"] == rank["digests"][name]
-                    for pool in pools_of.values() for rank in ranks_of.values()
-                    for name, (a, b) in rank["rows"].items() if b > a) and len(pools_of) == len(REGIONS)
-    return {"mode": mode, "versions": versions, "bit_identical": identical}
+    return out
+
+
+def _reports_of(reports, processes: list, version: int, early: list) -> dict[str, dict]:
+    """Every rank's and pool's report of `version` (pools' digests that come meanwhile go to `early`)."""
+    wanted = {f"rank{r}" for r in range(RANKS)} | {f"pool-{region}" for region, *_ in REGIONS}
+    got: dict[str, dict] = {}
+    while wanted - set(got):
+        report = _next_report(reports, processes)
+        if "digests_of" in report:
+            early.append(report)
+        elif report.get("version") == version:
+            got[report["who"]] = report
+    return got
+
+
+def _identical(reports, orders, processes: list, early: list) -> bool:
+    """Whether every pool holds exactly every rank's rows (digests compared rank by rank)."""
+    for q in orders:
+        q.put(("digests", None))
+    ranks, pools = {}, {}
+    while len(ranks) < RANKS or len(pools) < len(REGIONS):
+        report = early.pop() if early else _next_report(reports, processes)
+        if "digests" in report:
+            ranks[report["who"]] = report
+        elif "digests_of" in report:
+            pools[report["who"]] = report["digests_of"]
+    return all(pool[name][f"{a}:{b}"] == rank["digests"][name] for pool in pools.values()
+               for rank in ranks.values() for name, (a, b) in rank["rows"].items() if b > a)
 
 
 def _next_report(reports, processes: list, timeout_s: float = 1800.0) -> dict:
@@ -176,14 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         public = save_keypair(key, root / "trainer.key")
         cfg = {"shapes": shapes, "key": str(root / "trainer.key"), "public": str(public)}
         services = ServiceSet()
-        phases = {}
         try:
             urls = start_gateways(services, root, public)
             cfg["gateway"] = urls["us-east"]
-            first = 0
-            for mode in args.phases:
-                phases[mode] = run_phase(mode, urls, cfg, first, args.steps, root)
-                first += args.steps + 1
+            phases = run(args.phases, urls, cfg, args.steps, root)
         finally:
             for s in services.services:
                 if s.proc is not None:

@@ -65,8 +65,10 @@ def rss_bytes() -> int:
     return 0
 
 
-def trainer_rank(rank: int, world: int, mode: str, cfg: dict[str, Any], orders, reports) -> None:
-    """One trainer rank: publish every version `orders` names (None: stop), reporting on `reports`."""
+def trainer_rank(rank: int, world: int, cfg: dict[str, Any], orders, reports) -> None:
+    """One trainer rank: for each (mode, version) of `orders` ("digests": report them; None: stop),
+    step its rows and publish them that way, reporting on `reports`. The rank-0 path takes over the
+    stream where the sharded one left it: rank 0 gathers the last version as its publisher's base."""
     torch.set_num_threads(1)
     specs = scale_model.table(cfg["shapes"])
     rows = {s.name: shard_rows(s.rows, world, rank) for s in specs}
@@ -74,49 +76,75 @@ def trainer_rank(rank: int, world: int, mode: str, cfg: dict[str, Any], orders, 
     shard_bytes = sum(t.numel() * t.element_size() for t in live.values())
     rss = PeakRss()  # the baseline: the rank's live rows, which a trainer holds whether it publishes or not
     key = load_private_key(cfg["key"]) if rank == 0 else None
-    if mode == "sharded":
-        exchange = store_exchange("127.0.0.1", cfg["store_port"], rank, world)
-        publisher = ShardPublisher(cfg["gateway"], MODEL, exchange, key=key, full_every=0, connections=4)
-    else:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['store_port']}",
-                                             rank=rank, world_size=world)
-        publisher = Publisher(cfg["gateway"], key, MODEL, full_every=0, connections=4) if rank == 0 else None
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['gloo_port']}",
+                                         rank=rank, world_size=world)
+    shards = ShardPublisher(cfg["gateway"], MODEL, store_exchange("127.0.0.1", cfg["store_port"], rank, world),
+                            key=key, full_every=0, connections=4)
+    whole: Publisher | None = None
     loop = asyncio.new_event_loop()
     try:
-        while (version := orders.get()) is not None:
+        while (order := orders.get()) is not None:
+            mode, version = order
+            if mode == "digests":
+                reports.put({"who": f"rank{rank}", "digests": {n: tensor_digest(t) for n, t in live.items()},
+                             "rows": rows})
+                continue
+            if mode == "rank0" and shards is not None:
+                whole = _take_over(loop, shards, key, cfg, specs, live, rank, world)
+                shards = None
+                rss.reset()  # the sharded publisher's copies are gone: the rank holds its live rows again
             if version > 0:
                 live = {n: scale_model.step_block(t, n, rows[n][0], version) for n, t in live.items()}
             step_end = time.time()
-            if mode == "sharded":
-                published = loop.run_until_complete(publisher.publish(specs, live, rows, version))
+            if shards is not None:
+                published = loop.run_until_complete(shards.publish(specs, live, rows, version))
             else:
-                published = _publish_gathered(loop, publisher, specs, live, rank, world, version)
+                published = _publish_gathered(loop, whole, specs, live, rank, world, version)
             reports.put({"who": f"rank{rank}", "version": version, "step_end": step_end,
                          "stages": published.stages if published else {}, "shard_bytes": shard_bytes,
                          "added_peak": rss.peak - rss.baseline,
                          "bytes_sent": published.bytes_sent if published else 0})
-        reports.put({"who": f"rank{rank}", "digests": {n: tensor_digest(t) for n, t in live.items()}, "rows": rows})
     finally:
-        if publisher is not None:
-            loop.run_until_complete(publisher.aclose())
+        for publisher in (shards, whole):
+            if publisher is not None:
+                loop.run_until_complete(publisher.aclose())
         loop.close()
         rss.close()
-        if mode != "sharded":
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
 
 
-def _publish_gathered(loop, publisher, specs, live, rank: int, world: int, version: int):
-    """Today's path: every tensor gathered to rank 0 (gloo), which encodes and publishes it whole."""
+def _take_over(loop, shards: ShardPublisher, key, cfg: dict[str, Any], specs, live, rank: int,
+               world: int) -> Publisher | None:
+    """Rank 0's whole-weights publisher, based on the last version the ranks published in parts (its
+    rows gathered; its weights hash as the signed manifest names it), so the stream goes on in deltas."""
+    version, weights_hash = shards.base[0], shards.published_hash
+    gathered = _gather(specs, live, rank, world)
+    loop.run_until_complete(shards.aclose())
+    if rank != 0:
+        return None
+    publisher = Publisher(cfg["gateway"], key, MODEL, full_every=0, connections=4)
+    publisher.set_base(version, gathered, weights_hash)
+    return publisher
+
+
+def _gather(specs, live, rank: int, world: int) -> dict[str, torch.Tensor] | None:
+    """Every tensor's rows gathered to rank 0 (gloo): the whole weights there, None elsewhere."""
     whole = {} if rank == 0 else None
     for spec in specs:
         mine = live[spec.name].contiguous()
         if rank == 0:
-            parts = [torch.empty((shard_rows(spec.rows, world, r)[1] - shard_rows(spec.rows, world, r)[0],
-                                  *spec.shape[1:]), dtype=mine.dtype) for r in range(world)]
+            parts = [torch.empty((b - a, *spec.shape[1:]), dtype=mine.dtype)
+                     for a, b in (shard_rows(spec.rows, world, r) for r in range(world))]
             torch.distributed.gather(mine, parts, dst=0)
             whole[spec.name] = torch.cat(parts)
         else:
             torch.distributed.gather(mine, None, dst=0)
+    return whole
+
+
+def _publish_gathered(loop, publisher: Publisher | None, specs, live, rank: int, world: int, version: int):
+    """Today's path: every tensor gathered to rank 0, which encodes and publishes it whole."""
+    whole = _gather(specs, live, rank, world)
     if rank != 0:
         return None
     gathered = time.time()
@@ -125,18 +153,19 @@ def _publish_gathered(loop, publisher, specs, live, rank: int, world: int, versi
     return published
 
 
-def pool(name: str, gateway: str, trusted_key: str, workdir: str, reports, stop, first_lock) -> None:
-    """An in-memory pool: every new version fetched, verified, applied in place and reported. Pools take
+def pool(name: str, gateway: str, trusted_key: str, workdir: str, reports, stop, first_lock, digest_at) -> None:
+    """An in-memory pool: every new version fetched, verified, applied in place and reported (and, after
+    version `digest_at.value`, the digests of what it holds, rank by rank). Pools take
     their first version (a full snapshot: its pieces and its decoded tensors at once, ~1.7x the model)
     one at a time under `first_lock`, so that three of them fit this machine's memory; it is not timed."""
     torch.set_num_threads(1)
     # The benchmark's gateways are anonymous (loopback, this run's alone): the token is not checked.
     config = PoolSyncConfig(gateways=[gateway], token="scale-bench", name=name, dir=os.path.join(workdir, name),
                             trusted_keys=[trusted_key], model=MODEL, connections=8, give_up_s=600)
-    asyncio.run(_follow(config, reports, stop, first_lock))
+    asyncio.run(_follow(config, reports, stop, first_lock, digest_at))
 
 
-async def _follow(config: PoolSyncConfig, reports, stop, first_lock) -> None:
+async def _follow(config: PoolSyncConfig, reports, stop, first_lock, digest_at) -> None:
     held: dict[str, torch.Tensor] | None = None
     manifest = None
     async with WeightSync(config) as sync:
@@ -158,9 +187,9 @@ async def _follow(config: PoolSyncConfig, reports, stop, first_lock) -> None:
                 versions = await sync.fetch_decoded(plan)
                 fetched = time.time()
                 for decoded in versions:
-                    digests = None if manifest is None else {e.name: e.hash for e in manifest.tensors}
                     held = await asyncio.to_thread(apply_version, decoded, held if decoded.kind == "delta" else None,
-                                                   base_digests=digests, in_place=True)
+                                                   base_entries=None if manifest is None else manifest.entries(),
+                                                   in_place=True)
                     manifest = decoded.manifest
                 del versions
             finally:
@@ -168,8 +197,8 @@ async def _follow(config: PoolSyncConfig, reports, stop, first_lock) -> None:
                     first_lock.release()
             reports.put({"who": config.name, "version": manifest.version, "head_seen": seen, "fetched": fetched,
                          "serving": time.time(), "bytes": plan.payload_bytes})
-        if held is not None:
-            reports.put({"who": config.name, "digests_of": _rows_digests(held)})
+            if manifest.version == digest_at.value:  # the last version of a phase: what every pool holds
+                reports.put({"who": config.name, "digests_of": _rows_digests(held), "at": manifest.version})
 
 
 def _rows_digests(held: dict[str, torch.Tensor]) -> dict[str, dict[str, str]]:

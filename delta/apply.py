@@ -43,17 +43,18 @@ tensor and update."""
 
 def apply_version(
     version: DecodedVersion, base: Mapping[str, torch.Tensor] | None = None, *, base_hash: str | None = None,
-    base_digests: Mapping[str, str] | None = None, in_place: bool = False, check_base: CheckBase = "last",
+    base_entries: Mapping[str, TensorEntry] | None = None, in_place: bool = False, check_base: CheckBase = "last",
     torch_ops: bool = False, small_index: SmallWordIndex | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights of `version`, applied onto `base` (a delta's; a full snapshot needs none).
 
     `base_hash`: the `weights_hash` of `base` when the caller knows it (it came with a manifest), so
-    the base is not hashed at all. `base_digests`, better: the digest of every base tensor by name, as
-    the verified manifest of the version `base` holds lists them (`{e.name: e.hash for e in
-    m.tensors}`); their `weights_hash` (with the base's names, dtypes and shapes) is the base check,
-    and a tensor the delta leaves alone is then neither copied nor hashed (digests that do not cover
-    every base tensor are not used). Otherwise `check_base` says when the base is hashed: "first"
+    the base is not hashed at all. `base_entries`, better: the table entry of every base tensor by name,
+    as the verified manifest of the version `base` holds lists them (`Manifest.entries()`); their
+    `weights_hash` (with the base's names, dtypes and shapes) is the base check, and a tensor the delta
+    leaves alone is then neither copied nor hashed, if the delta hashes it as the base's manifest did
+    (the same grid or none: a version built in parts names a tensor by its tiles; entries that do not
+    cover every base tensor are not used). Otherwise `check_base` says when the base is hashed: "first"
     before any write, "last" in the same pass that applies the changes (cheaper). `torch_ops` patches
     CPU tensors with torch ops too (the path every other device takes). `small_index`: the
     caller's `SmallWordIndex` of CPU weights it applies version after version to in place, which
@@ -61,7 +62,7 @@ def apply_version(
     and is moved to the result (small_index.py). A wrong base raises `BaseMismatchError`, a wrong
     result `CorruptError`; either way `base` is as it was.
     """
-    target = _Target(version.manifest, base, base_hash=base_hash, base_digests=base_digests, in_place=in_place,
+    target = _Target(version.manifest, base, base_hash=base_hash, base_entries=base_entries, in_place=in_place,
                      check_base=check_base)
     index = small_index if in_place and version.kind == "delta" and not torch_ops else None
     if index is None:
@@ -90,7 +91,7 @@ class _Target:
     """The weights one manifest applies to, what is known of their hash, and the writes into them."""
 
     def __init__(self, manifest: Manifest, base: Mapping[str, torch.Tensor] | None, *, base_hash: str | None,
-                 in_place: bool, check_base: CheckBase, base_digests: Mapping[str, str] | None = None) -> None:
+                 in_place: bool, check_base: CheckBase, base_entries: Mapping[str, TensorEntry] | None = None) -> None:
         if check_base not in ("first", "last"):
             raise ValueError(f"check_base must be 'first' or 'last', not {check_base!r}")
         self.manifest = manifest
@@ -98,6 +99,7 @@ class _Target:
         self.tensors: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
         self.grids: dict[str, Grid] = {}
+        self.known = False  # the base was checked against the entries of its manifest
         self.check_last = False
         self.kept_located = True  # whether every change was located without a small-word index
         if manifest.kind != "delta":
@@ -107,13 +109,15 @@ class _Target:
         self.tensors = {name: _usable(name, t, in_place) for name, t in base.items()}
         # The base is hashed as the result is: a version built in parts follows one built the same way.
         self.grids = {e.name: e.grid for e in manifest.tensors if e.grid is not None}
-        if base_digests is not None and self.tensors.keys() <= base_digests.keys():
+        if base_entries is not None and self.tensors.keys() <= base_entries.keys():
             # Known digests are only taken once they hash to the delta's base: the check costs no read.
-            self.check(table_hash([tensor_entry(n, t, base_digests[n]) for n, t in self.tensors.items()]))
-            self.digests = {name: base_digests[name] for name in self.tensors}
+            self.check(table_hash([tensor_entry(n, t, base_entries[n].hash) for n, t in self.tensors.items()]))
+            self.known = True
+            self.digests = {name: base_entries[name].hash for name in self.tensors
+                            if base_entries[name].grid == self.grids.get(name)}
         if base_hash is not None:
             self.check(base_hash)
-        elif self.digests:
+        elif self.known:
             pass  # checked against the known digests above
         elif check_base == "first":
             self.check(self.hash())
@@ -248,12 +252,12 @@ class Applier:
 
     def __init__(
         self, manifest: Manifest, base: Mapping[str, torch.Tensor] | None = None, *,
-        base_hash: str | None = None, base_digests: Mapping[str, str] | None = None, in_place: bool = False,
+        base_hash: str | None = None, base_entries: Mapping[str, TensorEntry] | None = None, in_place: bool = False,
         check_base: CheckBase = "first",
     ) -> None:
         self.manifest = manifest
         self._decoder = VersionDecoder(manifest)
-        self._target = _Target(manifest, base, base_hash=base_hash, base_digests=base_digests, in_place=in_place,
+        self._target = _Target(manifest, base, base_hash=base_hash, base_entries=base_entries, in_place=in_place,
                                check_base=check_base)
         self._closed = False
 

@@ -151,8 +151,8 @@ def _apply_steps(weights: dict[str, torch.Tensor] | None, steps: list[DecodedVer
     for k, step in enumerate(steps):
         version = as_decoded(step)
         shipped.update(version.files)
-        digests = None if recorded is None else {e.name: e.hash for e in recorded.tensors}
-        weights = apply_version(version, weights, base_digests=digests, in_place=True)
+        weights = apply_version(version, weights, base_entries=None if recorded is None else recorded.entries(),
+                                in_place=True)
         recorded = version.manifest
         if k + 1 < len(steps) and version.whole:
             shared = {id(t) for t in version.whole.values()}

@@ -21,7 +21,7 @@ from .apply import apply_version
 from .decoded import DecodedVersion
 from .dtypes import DTYPE_NAMES
 from .errors import CorruptError
-from .manifest import Manifest
+from .manifest import Manifest, TensorEntry
 from .small_index import SmallWordIndex
 from .tensors import weights_hash
 
@@ -64,12 +64,12 @@ def live_hash(live: Mapping[str, torch.Tensor], manifest: Manifest) -> str:
 
 
 def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, base_hash: str | None = None,
-                  base_digests: Mapping[str, str] | None = None, torch_ops: bool = False,
+                  base_entries: Mapping[str, TensorEntry] | None = None, torch_ops: bool = False,
                   small_index: SmallWordIndex | None = None) -> SwapStats:
     """Move the live tensors to `version`; on any failure leave them bit-identical to before and raise.
 
     `base_hash` is the `weights_hash` of what the live tensors hold (`live_hash`), which a delta's
-    base must match; None hashes them first. `base_digests` (the tensor digests of the manifest the live
+    base must match; None hashes them first. `base_entries` (the tensor entries of the manifest the live
     tensors were verified against) make that check free and spare hashing the tensors a delta leaves
     alone. `torch_ops` and `small_index` (the caller's, kept for these live tensors) as in
     `apply_version`.
@@ -85,7 +85,7 @@ def swap_in_place(live: Mapping[str, torch.Tensor], version: DecodedVersion, *, 
         # A tensor the delta adds has no live storage to go to: the model would not serve it.
         raise CorruptError(f"{manifest.model_id} v{manifest.version} adds tensors the live model lacks")
     targets = {e.name: live[e.name] for e in manifest.tensors}
-    apply_version(version, targets, base_hash=base_hash, base_digests=base_digests, in_place=True,
+    apply_version(version, targets, base_hash=base_hash, base_entries=base_entries, in_place=True,
                   check_base="first", torch_ops=torch_ops, small_index=small_index)
     return SwapStats(len(version.updates), version.changed_words, time.perf_counter() - start)
 

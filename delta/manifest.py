@@ -149,6 +149,10 @@ class Manifest:
     def model_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    def entries(self) -> dict[str, TensorEntry]:
+        """The tensor table by name."""
+        return {t.name: t for t in self.tensors}
+
     def tensor_index(self) -> dict[str, int]:
         return {t.name: i for i, t in enumerate(self.tensors)}
 

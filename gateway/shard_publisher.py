@@ -98,6 +98,11 @@ class ShardPublisher:
     def rank(self) -> int:
         return self.exchange.rank
 
+    @property
+    def published_hash(self) -> str | None:
+        """Rank 0: the weights hash of the last version published (what the next delta's base is)."""
+        return self._base_hash
+
     async def aclose(self) -> None:
         await self.link.aclose()
 

@@ -36,6 +36,7 @@ from deltamesh.delta import (
     Grid,
     Manifest,
     SmallWordIndex,
+    TensorEntry,
     copy_in,
     dir_manifest,
     live_hash,
@@ -162,7 +163,7 @@ class TransformersEngine(LocalEngine):
                 paused = time.perf_counter()
                 base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
                 stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash,
-                                                base_digests=self._verified_digests, small_index=self._small_index)
+                                                base_entries=self._verified_digests, small_index=self._small_index)
                 self._set_version(manifest.version, manifest)
         except Exception:
             self.metrics.update_done(manifest.kind, False, 0.0)
@@ -285,7 +286,7 @@ def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _D
     return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts))
 
 
-def _digests_of(manifest: Manifest | None) -> dict[str, str] | None:
-    """The tensor digests of the manifest the live weights were verified against: the next delta's
+def _digests_of(manifest: Manifest | None) -> dict[str, TensorEntry] | None:
+    """The tensor entries of the manifest the live weights were verified against: the next delta's
     base check, and the digests of the tensors it leaves alone, without hashing them."""
-    return None if manifest is None else {e.name: e.hash for e in manifest.tensors}
+    return None if manifest is None else manifest.entries()

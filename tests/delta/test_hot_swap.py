@@ -234,18 +234,18 @@ def test_known_digests_check_the_base_and_spare_untouched_tensors(key, rl_step, 
     new["norm"] = old["norm"].clone()  # untouched by the delta
     base = encode_full(old, model_id="m", version=0, key=key).manifest
     enc = encode_delta(old, new, model_id="m", version=1, base_version=0, key=key, piece_bytes=1024)
-    digests = {e.name: e.hash for e in base.tensors}
+    digests = base.entries()
     hashed: list[int] = []
     real = apply_module.tensor_digest
     monkeypatch.setattr(apply_module, "tensor_digest", lambda t, grid=None: hashed.append(t.data_ptr()) or real(t, grid))
 
     live = _numpy_backed(old)
     before = _bits(live)
-    wrong = {**digests, "embed": "0" * 32}
+    wrong = {**digests, "embed": dataclasses.replace(digests["embed"], hash="0" * 32)}
     with pytest.raises(BaseMismatchError, match="applies to v0"):
-        swap_in_place(live, decode_version(enc.manifest, enc.pieces), base_digests=wrong)
+        swap_in_place(live, decode_version(enc.manifest, enc.pieces), base_entries=wrong)
     assert _bits(live) == before and not hashed
-    result = apply_version(decode_version(enc.manifest, enc.pieces), live, base_digests=digests, in_place=True)
+    result = apply_version(decode_version(enc.manifest, enc.pieces), live, base_entries=digests, in_place=True)
     assert _bits(result) == _bits(new)
     assert live["norm"].data_ptr() not in hashed and not hashed  # nothing hashed outside the patched tensors
     # Without the digests, the untouched tensor is hashed to check the base.
