@@ -9,6 +9,7 @@ gateway and its publishing client are tested in test_publish.py.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -206,6 +207,13 @@ def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_
         assert sorted(versions) == list(range(last + 1))
         assert [versions[v]["delta"]["base_version"] for v in range(1, last + 1)] == list(range(last))
         assert at_broker(model_id) == last
+    # The sharded trainer published in parts (each rank its rows: format 4, a span per piece), the
+    # single process whole (format 3).
+    for model_id, parts in (("solver", False), ("verifier", True)):
+        envelope = mesh.get_json(f"{gateway}/v1/models/{model_id}/versions/1/delta/manifest")
+        body = json.loads(envelope["body"])
+        assert body["format_version"] == (4 if parts else 3)
+        assert all(len(p) == (4 if parts else 3) for p in body["pieces"])
     solver_steps = mesh.read_records(tmp_path / "solver.jsonl")
     verifier_steps = mesh.read_records(tmp_path / "verifier.jsonl")
     assert [r["version"] for r in solver_steps] == [1, 2, 3]
