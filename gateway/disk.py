@@ -66,6 +66,20 @@ class DiskSpace:
                          f"versions still arriving, {self.margin_bytes} kept as margin", need)
         self.full = False
 
+    def write_file(self, path: Path, data: bytes, what: str) -> None:
+        """(In a worker thread.) Write `path` whole (`write_atomic`), unless the disk has no room for it:
+        then DiskFullError, leaving no temporary file. `what` names it in the refusal."""
+        need = self.on_disk([len(data)], self.block_bytes())
+        free = self.free_bytes()
+        if free < need:
+            self.refused(f"no room for {what}: {need} bytes needed, {free} free", need)
+        try:
+            write_atomic(path, data)
+        except OSError as e:
+            if is_no_space(e):
+                self.refused(f"writing {what}: {e}", need)
+            raise
+
     def refused(self, reason: str, need: int) -> None:
         """Record a refusal for lack of space and raise it as DiskFullError."""
         if not self.full:

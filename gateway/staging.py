@@ -25,7 +25,7 @@ from pathlib import Path
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.hashing import digest, piece_digest
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.disk import DiskSpace, is_no_space, write_atomic
+from deltamesh.gateway.disk import DiskSpace
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +96,8 @@ class Staging:
         return True
 
     def _write(self, path: Path, data: bytes) -> None:
-        need = self.disk.on_disk([len(data)], self.disk.block_bytes())
-        if self.disk.free_bytes() < need:
-            self.disk.refused(f"no room to stage a piece of {len(data)} bytes", need)
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            write_atomic(path, data)
-        except OSError as e:
-            if is_no_space(e):
-                self.disk.refused(f"staging a piece: {e}", need)
-            raise
+        self.disk.write_file(path, data, f"a staged piece of {len(data)} bytes")
 
     def missing(self, manifest: Manifest) -> list[int]:
         """Indices of the manifest's pieces not staged."""

@@ -30,7 +30,7 @@ from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
-from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_atomic, write_manifest
+from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_manifest
 from deltamesh.gateway.ledger import ConflictError, VersionLedger
 from deltamesh.gateway.staging import Staging, StagingIncomplete
 from deltamesh.gateway.stored_version import KINDS, StoredVersion, read_checked
@@ -315,17 +315,8 @@ class VersionStore:
     def _write_piece(self, entry: StoredVersion, index: int, data: bytes) -> None:
         """(In a worker thread.) Write a piece whose room its manifest reserved, unless the disk has
         filled up since (another writer): then DiskFullError, leaving no temporary file."""
-        what = f"piece {index} of {entry.model} v{entry.version} {entry.kind}"
-        need = self.disk.on_disk([len(data)], self.disk.block_bytes())
-        free = self.disk.free_bytes()
-        if free < need:
-            self.disk.refused(f"no room for {what}: {need} bytes needed, {free} free", need)
-        try:
-            write_atomic(entry.piece_path(index), data)
-        except OSError as e:
-            if is_no_space(e):
-                self.disk.refused(f"writing {what}: {e}", need)
-            raise
+        self.disk.write_file(entry.piece_path(index), data,
+                             f"piece {index} of {entry.model} v{entry.version} {entry.kind}")
 
     async def read_piece(self, entry: StoredVersion, index: int) -> bytes:
         """Read a present piece and check it against the manifest.

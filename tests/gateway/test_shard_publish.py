@@ -213,3 +213,21 @@ def test_a_pool_rank_receives_only_the_pieces_of_its_share(kit, tmp_path):
     apply_share(manifest, decode_pieces(manifest, pieces), local, shares, held=base_manifest)
     assert all(kit.same_bits({n: local[n]}, {n: s.take(v1[n])}) for n, s in shares.items())
     assert manifest.format_version == 4
+
+
+def test_staging_past_its_limit_is_refused_with_507_and_keeps_nothing(spawn_gateway, kit):
+    part = encode_part(table_of(kit.tiny_weights()), kit.tiny_weights(), piece_bytes=4096)
+    big = sorted(part.pieces, key=lambda p: -len(p.data))[:2]
+    room = len(big[0].data) + len(big[1].data) // 2  # for the first piece, not for both
+    gw = spawn_gateway("origin", extra=["--staging-max-gib", str(room / 2**30)])
+
+    async def main():
+        async with client_session(timeout_s=10) as s:
+            await stage_pieces(s, gw.url, MODEL, [big[0].data], [big[0].digest])
+            with pytest.raises(HttpError) as full:
+                await stage_pieces(s, gw.url, MODEL, [big[1].data], [big[1].digest])
+            assert full.value.status == 507 and "limit" in str(full.value)
+
+    asyncio.run(main())
+    staged = list((gw.store / "staging" / MODEL).iterdir())
+    assert [p.name for p in staged] == [big[0].digest]
