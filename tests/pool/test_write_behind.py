@@ -13,32 +13,41 @@ from deltamesh.delta import dir_manifest, read_weights
 import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 
 
-def test_the_next_version_is_fetched_while_the_directory_is_still_being_written(kit):
-    """An engine updated in place serves v1 while its directory write waits (held at a gate), and the
-    next round fetches and decodes v2 meanwhile; v1 is a full snapshot, whose tensors an engine may
-    have adopted (a host copy does), so v2 goes into the engine once that write is done; the writes
-    land in order, and the directory ends bit-exact on v2."""
+def test_the_next_version_goes_in_while_a_full_snapshot_it_adopted_is_still_being_written(kit):
+    """An engine updated in place serves v1 while its directory write waits (held at a gate); v1 is a
+    full snapshot whose tensors the engine's host copy adopted, so v2, applied in place meanwhile, must
+    copy what it changes rather than write into the tensors v1's write still holds: v2 goes into the
+    engine at once, v1's write lands bit-exact on v1, then v2's on v2, in order."""
     v1 = kit.next_version(kit.base_weights(), 1)
     v2 = kit.next_version(v1, 2)
+    landed: dict[int, dict[str, torch.Tensor]] = {}
 
     async def main():
         async with wk.gateway(kit, v1) as (url, pub), wk.pool_weights(kit, url) as (engine, w):
             gate, written = wk.gate_writes(w)
+            persist = w.sync.persist
+
+            async def read_back(versions):
+                done = await persist(versions)
+                landed[versions[-1].version] = read_weights(w.dir)
+                return done
+
+            w.sync.persist = read_back
             try:
                 assert await w.sync_round() and engine.version == 1
                 assert dir_manifest(w.dir) is None and w.writer.writing and w.writer.held == 1
                 await pub.publish(v2)
-                second = asyncio.create_task(w.sync_round())
-                await wk.until(lambda: "verified" in w.timeline.get(2), 30, "v2 fetched and decoded")
-                assert engine.version == 1 and written == [], "v2 came in while v1's write waited"
+                assert await asyncio.wait_for(w.sync_round(), 60)
+                assert engine.version == 2 and wk.same(engine, v2) and written == []
                 assert "persisted" not in w.timeline.get(1)
             finally:
                 gate.set()  # else leaving the pool would wait for the writes for ever
-            assert await second is True and engine.version == 2 and wk.same(engine, v2)
             await w.writer.flush()
             assert written == [[1], [2]] and dir_manifest(w.dir).version == 2 and w.sync.version == 2
-            on_disk = read_weights(w.dir)
-            assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16)) for n, t in v2.items())
+            for version, weights in ((1, v1), (2, v2)):
+                on_disk = landed[version]
+                assert all(torch.equal(on_disk[n].view(torch.int16), t.view(torch.int16))
+                           for n, t in weights.items()), f"v{version}'s write is not v{version}"
             assert "persisted" in w.timeline.get(1) and "persisted" in w.timeline.get(2)
 
     asyncio.run(main())
