@@ -66,10 +66,11 @@ class TasksConfig:
     """Models each task produces for; empty = all known."""
     lease_timeout_s: float = 600.0
     """A lease not completed this long after it was handed out expires, and its task goes out again."""
-    max_lease_batch: int = 64
-    """Most tasks one lease request gets."""
-    max_inflight_per_pool: int = 256
-    """Leases a pool may hold before it returns results."""
+    max_lease_batch: int = 16
+    """Most tasks one lease request gets, whatever it asks for."""
+    max_inflight_per_pool: int = 64
+    """Active leases one pool may hold before it returns results: counted per token holder, so the
+    names a pool may also lease under (`NAME.SUFFIX`) share its bound."""
     max_buffered_groups: int | None = None
     """Backpressure: no new leases while, for every model, fresh groups waiting plus active leases reach
     this many; pools then idle rather than make data that goes stale before a trainer takes it."""
@@ -115,6 +116,10 @@ class PoliciesConfig:
     """Group filters applied in order when a group completes (keep_all, zero_adv, ... or "module:callable")."""
     max_staleness: int | None = None
     """Versions behind the trainer a fresh group may be; unset: no bound."""
+    max_version_ahead: int = 2
+    """Versions above the newest one its trainer reported that a trajectory may claim (a pool can take a
+    version a moment before the trainer's report of it reaches the broker); one claiming more is
+    refused (409) and counted, since staleness is measured from the versions a trajectory claims."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Replay of groups already trained on (`[broker.policies.replay]`)."""
 
@@ -123,6 +128,8 @@ class PoliciesConfig:
             raise ValueError("policies.filters must name at least one filter (keep_all keeps everything)")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("policies.max_staleness must be >= 0")
+        if self.max_version_ahead < 0:
+            raise ValueError("policies.max_version_ahead must be >= 0")
 
 
 @dataclass
