@@ -15,8 +15,8 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
         pool_commands, "sync", PoolSyncConfig, run, help="follow a gateway and keep a weights directory at its head",
         description="Register a pool with its region's gateway, follow the head of its model, and apply every "
                     "new version atomically to DIR (a safetensors directory any engine can load). --gateway, "
-                    "--name, --dir and --trusted-key are required, and the pool's token (--token-file, "
-                    "$DELTAMESH_TOKEN or --token) unless a client certificate identifies the pool.")
+                    "--name, --dir and --trusted-key are required, and the pool's token (--token-file PATH "
+                    "or $DELTAMESH_TOKEN) unless a client certificate identifies the pool.")
     p.add_argument("--once", action="store_true", help="sync to the current head and exit")
 
 
