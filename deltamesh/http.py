@@ -3,7 +3,8 @@
 Every client (publisher, puller, relay, pool agent, broker clients, trainer) talks through
 `client_session` and `request_json`/`request_bytes`; every server answers errors through
 `error_response` (JSON `{"error": reason}`) and is started with `serve` (or, inside a running
-loop, `serving`). The control plane is JSON; bulk data is raw bytes. Nothing here ever unpickles
+loop, `serving`), its connections held to a header-read timeout and a per-address cap
+(`deltamesh.http_guard`). The control plane is JSON; bulk data is raw bytes. Nothing here ever unpickles
 anything.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits, GuardedSite
 from deltamesh.peer_json import parse_json
 from deltamesh.tls import TlsSettings, client_context
 
@@ -255,11 +257,13 @@ server stops within 2 s, and a client whose download is cut short resumes it fro
 
 
 def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-          sock: socket.socket | None = None, what: str = "server") -> int:
+          sock: socket.socket | None = None, what: str = "server", guard: ConnectionGuard | None = None) -> int:
     """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown; HTTPS with
     `ssl_context` (`deltamesh.tls.server_context`). On `sock` when given (`listen_socket(host, port)`,
-    bound by a caller that checks the port before it builds the app). Returns the exit status for the
-    signal that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its "stopping" line."""
+    bound by a caller that checks the port before it builds the app). Its connections are held to
+    `guard`'s limits (`deltamesh.http_guard`; default ones when not given). Returns the exit status for
+    the signal that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its
+    "stopping" line."""
     from deltamesh.signals import on_stop_signals, signal_exit
 
     try:
@@ -271,16 +275,32 @@ def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLCon
     sock = sock or listen_socket(host, port)  # before the app starts: a taken port fails before any "up" line
     loop = loop_factory()
     stopped_by: list[int] = []
+    stopping = asyncio.Event()
 
     def stop(sig: int) -> None:
         stopped_by.append(sig)
-        raise web.GracefulExit()  # what aiohttp's own handler does: run_app then shuts the app down
+        stopping.set()
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S, shutdown_timeout=STOP_GRACE_S)
+        await runner.setup()  # the app's start-up: an error there ends the command before it listens
+        try:
+            await GuardedSite(runner, guard or ConnectionGuard(ConnectionLimits()), keepalive_timeout=KEEPALIVE_S,
+                              sock=sock, ssl_context=ssl_context, backlog=LISTEN_BACKLOG).start()
+            await stopping.wait()
+        finally:
+            await runner.cleanup()  # requests in flight get STOP_GRACE_S; the app's clean-up runs
 
     on_stop_signals(loop, stop, what)
-    # run_app listens again on `sock`, with its own backlog unless told: it must be ours.
-    web.run_app(app, sock=sock, print=None, loop=loop, access_log=None, handle_signals=False,
-                shutdown_timeout=STOP_GRACE_S, keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context,
-                backlog=LISTEN_BACKLOG)
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     return signal_exit(stopped_by[0] if stopped_by else None)
 
 
@@ -296,15 +316,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLContext | None = None
-                  ) -> AsyncIterator[str]:
+async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLContext | None = None,
+                  guard: ConnectionGuard | None = None) -> AsyncIterator[str]:
     """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL
-    (`https://` with `ssl_context`)."""
+    (`https://` with `ssl_context`). With `guard`, its connections are held to the guard's limits
+    (`deltamesh.http_guard`)."""
     host, port = parse_listen(listen)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
+        site: web.BaseSite
+        if guard is None:
+            site = web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
+        else:
+            site = GuardedSite(runner, guard, keepalive_timeout=KEEPALIVE_S, host=host, port=port,
+                               ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host

@@ -15,6 +15,7 @@ from typing import Literal
 
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
+from deltamesh.http_guard import HEADER_TIMEOUT_S, MAX_PER_ADDRESS, ConnectionLimits
 from deltamesh.mesh.broker.stores import check_db
 from deltamesh.tls import TlsSettings
 
@@ -204,6 +205,11 @@ class BrokerConfig:
     that said it still holds it) goes back to the buffer. It must exceed the trainer's longest step."""
     max_commit_trajectories: int = 8192
     """Most trajectories one group commit writes."""
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    """A connection whose request line and headers are not all in this long after it opened (or after
+    its next request's first byte) is closed; so is a TLS handshake that takes longer."""
+    max_connections_per_address: int = MAX_PER_ADDRESS
+    """Most connections one client address may hold open; more are closed at once."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """The task source and its leases (`[broker.tasks]`)."""
     policies: PoliciesConfig = field(default_factory=PoliciesConfig)
@@ -235,3 +241,4 @@ class BrokerConfig:
             raise ValueError("max_body_bytes, max_trajectories_per_submission and max_tokens must be positive")
         if self.max_poll_s <= 0 or self.max_commit_trajectories < 1 or self.ack_timeout_s <= 0:
             raise ValueError("max_poll_s, max_commit_trajectories and ack_timeout_s must be positive")
+        ConnectionLimits(self.header_timeout_s, self.max_connections_per_address)  # checks them

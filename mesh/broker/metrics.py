@@ -23,6 +23,10 @@ class BrokerMetrics:
                                "version above the trainer's newest, beyond policies.max_version_ahead), "
                                "lease_not_held (a group of another pool's lease)", ["model_id", "reason"],
                                registry=r)
+        self.dropped = Counter("deltamesh_broker_connections_dropped_total",
+                               "Connections closed unanswered: header_timeout (request headers not in within "
+                               "header_timeout_s), address_cap (over max_connections_per_address)", ["reason"],
+                               registry=r)
         self.commits = Counter("deltamesh_broker_commits_total", "Group commits of submissions", registry=r)
         self.groups = Counter("deltamesh_broker_groups_total", "Completed groups by outcome",
                               ["model_id", "outcome"], registry=r)

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from deltamesh.auth import OPEN, Policy, auth_middleware, identity, require_name
 from deltamesh.broker_client import LEADER_HEADER  # on a standby's 503: where its clients fail over to
 from deltamesh.http import error_response, json_errors, parse_json, parse_listen, read_body, read_json
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.mesh.broker.auth_tokens import broker_token_store
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
@@ -177,6 +178,13 @@ def _own_url(config: BrokerConfig) -> str:
         log.warning("leader.url is not set: standbys will name this broker %s:%d to clients", host, port)
     scheme = "https" if config.tls.cert else "http"
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def connection_guard(config: BrokerConfig, app: web.Application) -> ConnectionGuard:
+    """The limits the broker's connections are held to (`deltamesh.http_guard`), its drops counted."""
+    metrics = app[SLOT_KEY].metrics
+    return ConnectionGuard(ConnectionLimits(config.header_timeout_s, config.max_connections_per_address),
+                           on_drop=lambda reason: metrics.dropped.labels(reason).inc())
 
 
 def build_app(config: BrokerConfig, db: str | Path | None = None, *,
