@@ -31,7 +31,10 @@ from deltamesh.tls import TlsSettings, client_context
 log = logging.getLogger(__name__)
 
 JSON_LIMIT = 8 * 1024 * 1024
-"""Largest JSON body a server accepts unless it says otherwise (manifests of huge models stay below)."""
+"""Largest JSON body a server accepts, and a client reads, unless it says otherwise (manifests of huge
+models stay below)."""
+SMALL_LIMIT = 64 * 1024
+"""Most bytes read of an unwanted answer (a probe's, an error's): over it, the connection is closed."""
 
 LISTEN_BACKLOG = 1024
 """Connections a listening socket queues before they are accepted. A fetcher starting cold opens its
@@ -108,7 +111,7 @@ async def open_connections(session: aiohttp.ClientSession, url: str, count: int,
     async def one() -> bool:
         try:
             async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
+                await read_limited(resp, SMALL_LIMIT)
                 return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -129,13 +132,16 @@ async def request_json(
     params: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    limit: int = JSON_LIMIT,
 ) -> Any:
-    """Send `body` as JSON (if given) and return the decoded JSON answer; raise HttpError on failure."""
+    """Send `body` as JSON (if given) and return the decoded JSON answer; raise HttpError on failure
+    (an answer over `limit` bytes included)."""
     data = None if body is None else json.dumps(body).encode()
     hdrs = dict(headers or {})
     if data is not None:
         hdrs["Content-Type"] = "application/json"
-    raw = await request_bytes(session, method, url, data=data, params=params, headers=hdrs, timeout_s=timeout_s)
+    raw = await request_bytes(session, method, url, data=data, params=params, headers=hdrs, timeout_s=timeout_s,
+                              limit=limit)
     if not raw:
         return None
     try:
@@ -153,18 +159,39 @@ async def request_bytes(
     params: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    limit: int = JSON_LIMIT,
 ) -> bytes:
-    """One request whose whole answer fits in memory; raise HttpError on a non-2xx status."""
+    """One request whose whole answer fits in memory; raise HttpError on a non-2xx status, and on an
+    answer over `limit` bytes (502: a peer's answer is read no further than that)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
     query = {k: str(v) for k, v in (params or {}).items() if v is not None}
     try:
         async with session.request(method, url, data=data, params=query, headers=headers, timeout=timeout) as resp:
-            raw = await resp.read()
+            raw = await read_limited(resp, limit if resp.status < 300 else SMALL_LIMIT)
+            if raw is None:
+                raise HttpError(502, f"answer over {limit if resp.status < 300 else SMALL_LIMIT} bytes "
+                                     f"(HTTP {resp.status}): not read further", url)
             if resp.status >= 300:
                 raise HttpError(resp.status, _reason(raw, resp.reason), url, resp.headers)
             return raw
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise HttpError(0, f"{type(e).__name__}: {e}{_hint(url, e)}", url) from e
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """An answer's whole body, or None (and the connection closed, the rest unread) when it is over
+    `limit` bytes, declared or as it arrives: a peer's answer costs no more memory than that. An
+    unwanted body (an error's, a probe's) is read with SMALL_LIMIT, so the connection is reused."""
+    if (resp.content_length or 0) > limit:
+        resp.close()
+        return None
+    body = bytearray()
+    while chunk := await resp.content.read(limit + 1 - len(body)):
+        body += chunk
+        if len(body) > limit:
+            resp.close()
+            return None
+    return bytes(body)
 
 
 def _hint(url: str, e: BaseException) -> str:
@@ -260,10 +287,9 @@ def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLCon
           sock: socket.socket | None = None, what: str = "server", guard: ConnectionGuard | None = None) -> int:
     """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown; HTTPS with
     `ssl_context` (`deltamesh.tls.server_context`). On `sock` when given (`listen_socket(host, port)`,
-    bound by a caller that checks the port before it builds the app). Its connections are held to
-    `guard`'s limits (`deltamesh.http_guard`; default ones when not given). Returns the exit status for
-    the signal that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its
-    "stopping" line."""
+    bound by a caller that checks the port before it builds the app), its connections held to `guard`'s
+    limits (`deltamesh.http_guard`; default ones when not given). Returns the exit status for the signal
+    that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its "stopping" line."""
     from deltamesh.signals import on_stop_signals, signal_exit
 
     try:
@@ -295,11 +321,11 @@ def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLCon
     asyncio.set_event_loop(loop)
     try:
         loop.run_until_complete(main())
-    finally:
-        for task in asyncio.all_tasks(loop):
+    finally:  # what asyncio.run does on the way out: the tasks left are cancelled and awaited
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(asyncio.gather(*leftover, loop.shutdown_asyncgens(), return_exceptions=True))
         loop.close()
     return signal_exit(stopped_by[0] if stopped_by else None)
 
