@@ -20,6 +20,7 @@ BENCHMARKS: tuple[str, ...] = (
     "latency",
     "simulate",  # after latency: it takes its stage costs from latency's last run
     "broker",
+    "slow_clients",
     "swap",
     "e2e",
 )
