@@ -38,7 +38,7 @@ from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import bearer, client_session, serving
 from deltamesh.mesh.demo.processes import deltamesh_command, free_port
-from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.tokens import TokenSpec, add_token, save_token
 
 TARGET_MS = 200.0
 REGIONS = (("us", None), ("eu", "us"), ("ap", "eu"))
@@ -171,7 +171,9 @@ def measure(args) -> dict[str, Any]:
                    "--store", str(work / region), "--trusted-key", str(public), "--tokens-file", str(tokens_file),
                    "--keep-deltas", str(versions + 10), "--probe-interval-s", "1"]
             if upstream:
-                cmd += ["--upstream", gateways[upstream], "--upstream-token", tokens[region]]
+                token_file = work / f"{region}.token"
+                save_token(token_file, tokens[region])
+                cmd += ["--upstream", gateways[upstream], "--upstream-token-file", str(token_file)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             wait_healthy(url, procs[-1])
         port = free_port()

@@ -29,6 +29,7 @@ BENCHMARKS: tuple[str, ...] = (
     "stage_speeds",
     "simulate",  # after transfer, latency and stage_speeds: it takes its calibration from their last runs
     "broker",
+    "slow_clients",
     "swap",
     "e2e",
     "console",

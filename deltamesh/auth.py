@@ -112,10 +112,15 @@ def require_name(request: web.Request, name: str, what: str = "pool") -> None:
     A caller NAME also speaks for `NAME.SUFFIX`: a pool with several policies registers one weight
     stream per policy as `NAME.MODEL_ID`."""
     who = identity(request)
-    if who is None or who.role == "admin" or name == who.name or name.startswith(who.name + "."):
+    if who is None or who.role == "admin" or speaks_for(who.name, name):
         return
     raise web.HTTPForbidden(text=json.dumps({"error": f"{who.role} {who.name!r} may not speak for {what} {name!r}"}),
                             content_type="application/json")
+
+
+def speaks_for(holder: str, name: str) -> bool:
+    """Whether the caller `holder` may act under `name`: its own, or `holder.SUFFIX` (`require_name`)."""
+    return name == holder or name.startswith(holder + ".")
 
 
 def unlisted_routes(app: web.Application, policy: Policy) -> list[str]:

@@ -16,10 +16,11 @@ body), with the dataclass's default appended. A field may declare short aliases 
 `--sync.gateways`) and a metavar in its metadata with `flag(...)`; an alias holds wherever the
 field's section is nested.
 
-Secrets: a field declared with `flag(secret_env="DELTAMESH_TOKEN")` (a token) is never required on the
-command line, where other users of the host see it (`ps`). Besides its flag (`--token`) it takes
-`--token-file PATH` (the first line of a file; the two exclude each other) and, when neither is given,
-the environment variable named (which then overrides the config file too). docs/CONFIG.md, "Secrets".
+Secrets: a field declared with `flag(secret_env="DELTAMESH_TOKEN")` (a token) never travels on the
+command line, where other users of the host see it (`ps`): it comes from `--token-file PATH` (the first
+line of a file) or, when that is not given, the environment variable named (which then overrides the
+config file too). Its own flag (`--token`) is kept only to refuse it with a message naming those two,
+and is left out of `--help`. docs/CONFIG.md, "Secrets".
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *, section: str
         group = parser.add_argument_group(title, _first_sentence(class_doc) or None)
         for s in found:
             doc = docs.get(s.field.name, "")
-            help_text = _secret_help(doc, s) if SECRET_ENV in s.field.metadata else _help(doc, s)
+            if SECRET_ENV not in s.field.metadata:
+                help_text = _help(doc, s)
+            else:  # a secret's own flag stays, hidden, only to be refused with a pointer to the right way
+                help_text = _secret_help(doc, s) if s.from_file else argparse.SUPPRESS
             group.add_argument(*s.flags, dest=s.dest, default=None, help=help_text, **s.options)
 
 
@@ -135,7 +139,8 @@ def config_overrides(args: argparse.Namespace, cls: type, environ: Mapping[str, 
     """The overrides made by the flags of `cls` that were given: dotted path -> value, and a secret
     that no flag gave from its environment variable (in `environ`, default the process's). `args` must
     come from a parser that `add_config_flags` gave the flags of `cls`. ValueError (one line) for a
-    secret's file that cannot be read, or a secret given both as a flag and as a file."""
+    secret given on the command line itself, naming its file flag and variable, or a secret's file that
+    cannot be read."""
     given = vars(args)
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
@@ -144,14 +149,20 @@ def config_overrides(args: argparse.Namespace, cls: type, environ: Mapping[str, 
             value = given[s.dest]
             if value is None:
                 continue
-            if s.path in out:  # a secret's flag and its file flag (the flag comes first)
-                raise ValueError(f"{s.flags[0]} and {s.flags[0].removesuffix('-file')} exclude each other")
+            if SECRET_ENV in s.field.metadata and not s.from_file:
+                raise ValueError(secret_on_command_line(s))
             out[s.path] = read_secret(value, s.flags[0]) if s.from_file else s.finish(value)
         for s in found:
             env = s.field.metadata.get(SECRET_ENV)
             if env and s.path not in out and environ.get(env):
                 out[s.path] = environ[env]
     return out
+
+
+def secret_on_command_line(s: Setting) -> str:
+    """Why a secret's own flag is refused, and what to give instead."""
+    return (f"{s.flags[0]} would show the token to every user of this host (ps): put it in a file only "
+            f"you can read and give {s.flags[0]}-file PATH, or set ${s.field.metadata[SECRET_ENV]}")
 
 
 def read_secret(path: str, what: str) -> str:
@@ -305,16 +316,11 @@ def _default(f: dataclasses.Field) -> str | None:
 
 
 def _secret_help(doc: str, s: Setting) -> str:
-    """The help of a secret's flags (`doc`: its field's): who may use them, and the ways that keep the
-    secret off the command line."""
+    """The help of a secret's file flag (`doc`: its field's): what it holds, and the other way to give it."""
     env = s.field.metadata[SECRET_ENV]
-    own = s.flags[0].removesuffix("-file")
-    if s.from_file:
-        text = (f"Read {own} from the first line of this file; without either flag, ${env} is read. Anyone "
-                "running the command may; keep the file private (chmod 600).")
-    else:
-        text = (f"{doc} Anyone running the command may give it here, but other users of the host see command "
-                f"lines (ps): prefer {own}-file PATH or ${env}.")
+    text = (f"{doc} Read from the first line of this file (keep it private: chmod 600); without it, ${env} "
+            "is read. Never on the command line, where other users of the host see it. Anyone running the "
+            "command may give it.")
     return text.replace("%", "%%")
 
 

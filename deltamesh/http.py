@@ -3,7 +3,8 @@
 Every client (publisher, puller, relay, pool agent, broker clients, trainer) talks through
 `client_session` and `request_json`/`request_bytes`; every server answers errors through
 `error_response` (JSON `{"error": reason}`) and is started with `serve` (or, inside a running
-loop, `serving`). The control plane is JSON; bulk data is raw bytes. Nothing here ever unpickles
+loop, `serving`), its connections held to a header-read timeout and a per-address cap
+(`deltamesh.http_guard`). The control plane is JSON; bulk data is raw bytes. Nothing here ever unpickles
 anything.
 """
 
@@ -23,13 +24,17 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits, GuardedSite
 from deltamesh.peer_json import parse_json
 from deltamesh.tls import TlsSettings, client_context
 
 log = logging.getLogger(__name__)
 
 JSON_LIMIT = 8 * 1024 * 1024
-"""Largest JSON body a server accepts unless it says otherwise (manifests of huge models stay below)."""
+"""Largest JSON body a server accepts, and a client reads, unless it says otherwise (manifests of huge
+models stay below)."""
+SMALL_LIMIT = 64 * 1024
+"""Most bytes read of an unwanted answer (a probe's, an error's): over it, the connection is closed."""
 
 LISTEN_BACKLOG = 1024
 """Connections a listening socket queues before they are accepted. A fetcher starting cold opens its
@@ -106,7 +111,7 @@ async def open_connections(session: aiohttp.ClientSession, url: str, count: int,
     async def one() -> bool:
         try:
             async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
+                await read_limited(resp, SMALL_LIMIT)
                 return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -127,13 +132,16 @@ async def request_json(
     params: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    limit: int = JSON_LIMIT,
 ) -> Any:
-    """Send `body` as JSON (if given) and return the decoded JSON answer; raise HttpError on failure."""
+    """Send `body` as JSON (if given) and return the decoded JSON answer; raise HttpError on failure
+    (an answer over `limit` bytes included)."""
     data = None if body is None else json.dumps(body).encode()
     hdrs = dict(headers or {})
     if data is not None:
         hdrs["Content-Type"] = "application/json"
-    raw = await request_bytes(session, method, url, data=data, params=params, headers=hdrs, timeout_s=timeout_s)
+    raw = await request_bytes(session, method, url, data=data, params=params, headers=hdrs, timeout_s=timeout_s,
+                              limit=limit)
     if not raw:
         return None
     try:
@@ -151,18 +159,39 @@ async def request_bytes(
     params: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    limit: int = JSON_LIMIT,
 ) -> bytes:
-    """One request whose whole answer fits in memory; raise HttpError on a non-2xx status."""
+    """One request whose whole answer fits in memory; raise HttpError on a non-2xx status, and on an
+    answer over `limit` bytes (502: a peer's answer is read no further than that)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
     query = {k: str(v) for k, v in (params or {}).items() if v is not None}
     try:
         async with session.request(method, url, data=data, params=query, headers=headers, timeout=timeout) as resp:
-            raw = await resp.read()
+            raw = await read_limited(resp, limit if resp.status < 300 else SMALL_LIMIT)
+            if raw is None:
+                raise HttpError(502, f"answer over {limit if resp.status < 300 else SMALL_LIMIT} bytes "
+                                     f"(HTTP {resp.status}): not read further", url)
             if resp.status >= 300:
                 raise HttpError(resp.status, _reason(raw, resp.reason), url, resp.headers)
             return raw
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise HttpError(0, f"{type(e).__name__}: {e}{_hint(url, e)}", url) from e
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """An answer's whole body, or None (and the connection closed, the rest unread) when it is over
+    `limit` bytes, declared or as it arrives: a peer's answer costs no more memory than that. An
+    unwanted body (an error's, a probe's) is read with SMALL_LIMIT, so the connection is reused."""
+    if (resp.content_length or 0) > limit:
+        resp.close()
+        return None
+    body = bytearray()
+    while chunk := await resp.content.read(limit + 1 - len(body)):
+        body += chunk
+        if len(body) > limit:
+            resp.close()
+            return None
+    return bytes(body)
 
 
 def _hint(url: str, e: BaseException) -> str:
@@ -255,11 +284,12 @@ server stops within 2 s, and a client whose download is cut short resumes it fro
 
 
 def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-          sock: socket.socket | None = None, what: str = "server") -> int:
+          sock: socket.socket | None = None, what: str = "server", guard: ConnectionGuard | None = None) -> int:
     """Run `app` on uvloop (when available) until SIGINT/SIGTERM, with graceful shutdown; HTTPS with
     `ssl_context` (`deltamesh.tls.server_context`). On `sock` when given (`listen_socket(host, port)`,
-    bound by a caller that checks the port before it builds the app). Returns the exit status for the
-    signal that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its "stopping" line."""
+    bound by a caller that checks the port before it builds the app), its connections held to `guard`'s
+    limits (`deltamesh.http_guard`; default ones when not given). Returns the exit status for the signal
+    that stopped it (130, 143: `deltamesh.signals`); `what` names the server in its "stopping" line."""
     from deltamesh.signals import on_stop_signals, signal_exit
 
     try:
@@ -271,16 +301,32 @@ def serve(app: web.Application, host: str, port: int, *, ssl_context: ssl.SSLCon
     sock = sock or listen_socket(host, port)  # before the app starts: a taken port fails before any "up" line
     loop = loop_factory()
     stopped_by: list[int] = []
+    stopping = asyncio.Event()
 
     def stop(sig: int) -> None:
         stopped_by.append(sig)
-        raise web.GracefulExit()  # what aiohttp's own handler does: run_app then shuts the app down
+        stopping.set()
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S, shutdown_timeout=STOP_GRACE_S)
+        await runner.setup()  # the app's start-up: an error there ends the command before it listens
+        try:
+            await GuardedSite(runner, guard or ConnectionGuard(ConnectionLimits()), keepalive_timeout=KEEPALIVE_S,
+                              sock=sock, ssl_context=ssl_context, backlog=LISTEN_BACKLOG).start()
+            await stopping.wait()
+        finally:
+            await runner.cleanup()  # requests in flight get STOP_GRACE_S; the app's clean-up runs
 
     on_stop_signals(loop, stop, what)
-    # run_app listens again on `sock`, with its own backlog unless told: it must be ours.
-    web.run_app(app, sock=sock, print=None, loop=loop, access_log=None, handle_signals=False,
-                shutdown_timeout=STOP_GRACE_S, keepalive_timeout=KEEPALIVE_S, ssl_context=ssl_context,
-                backlog=LISTEN_BACKLOG)
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main())
+    finally:  # what asyncio.run does on the way out: the tasks left are cancelled and awaited
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*leftover, loop.shutdown_asyncgens(), return_exceptions=True))
+        loop.close()
     return signal_exit(stopped_by[0] if stopped_by else None)
 
 
@@ -296,15 +342,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLContext | None = None
-                  ) -> AsyncIterator[str]:
+async def serving(app: web.Application, listen: str, *, ssl_context: ssl.SSLContext | None = None,
+                  guard: ConnectionGuard | None = None) -> AsyncIterator[str]:
     """Serve `app` on `listen` (HOST:PORT, port 0 for any) inside the running loop; yields its base URL
-    (`https://` with `ssl_context`)."""
+    (`https://` with `ssl_context`). With `guard`, its connections are held to the guard's limits
+    (`deltamesh.http_guard`)."""
     host, port = parse_listen(listen)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
+        site: web.BaseSite
+        if guard is None:
+            site = web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
+        else:
+            site = GuardedSite(runner, guard, keepalive_timeout=KEEPALIVE_S, host=host, port=port,
+                               ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host

@@ -278,6 +278,17 @@ def issue_token(spec: TokenSpec, where: str) -> tuple[str, TokenEntry]:
     return token, make_entry(spec.name, spec.role, token_digest(token), list(spec.models), where, 0)
 
 
+def save_token(path: str | Path, token: str, *, replace: bool = False) -> None:
+    """Write `token` to the file at `path`, readable by its owner only (0600 from the moment it exists,
+    whatever the umask), where a `--token-file` flag reads it. FileExistsError when the file exists and
+    not `replace`: a token is shown once, and another one there would be lost."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a replaced file keeps its old mode otherwise
+        f.write(token + "\n")
+
+
 def revoke_token(path: str | Path, name: str, role: str | None = None) -> int:
     """Remove every token of `name` (and `role`, if given) from the file; returns how many went."""
     path = Path(path)

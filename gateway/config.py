@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from deltamesh.config import http_url
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
+from deltamesh.http_guard import HEADER_TIMEOUT_S, MAX_PER_ADDRESS, ConnectionLimits
 from deltamesh.tls import TlsSettings, check_token_transport
 
 DEFAULT_PIECE_BYTES = 4 * 1024 * 1024
@@ -100,6 +101,12 @@ class GatewayConfig:
     downstream_ttl_s: float = 60.0
     """A downstream's announcement lapses this long after it was made unless it announces again (relays
     re-announce every third of the TTL their upstream answers with)."""
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    """A connection whose request line and headers are not all in this long after it opened (or after
+    its next request's first byte) is closed; so is a TLS handshake that takes longer."""
+    max_connections_per_address: int = MAX_PER_ADDRESS
+    """Most connections one client address may hold open; more are closed at once. A pool fetching with
+    `connections` N holds about 2N + 4: raise it where many pools reach the gateway through one NAT address."""
     tls: TlsSettings = field(default_factory=TlsSettings)
     """TLS (`[gateway.tls]`): HTTPS with `--tls-cert/--tls-key`, client certificates required with
     `--client-ca` (mTLS); `--ca` verifies upstreams, which are shown `cert` when they ask for one."""
@@ -138,6 +145,7 @@ class GatewayConfig:
             raise ValueError("max_piece_bytes must be >= 1")
         if self.staging_max_gib < 0 or self.staging_ttl_s <= 0:
             raise ValueError("staging_max_gib must be >= 0 and staging_ttl_s > 0")
+        ConnectionLimits(self.header_timeout_s, self.max_connections_per_address)  # checks them
         if self.pool_expire_s and self.pool_expire_s < self.heartbeat_timeout_s:
             raise ValueError("pool_expire_s must be 0 (never) or at least heartbeat_timeout_s")
         if self.max_downstreams < 1 or not self.downstream_ttl_s > 0:

@@ -33,7 +33,7 @@ import aiohttp
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
-from deltamesh.gateway.fetch_parts import EarlyParts, take_parts
+from deltamesh.gateway.fetch_parts import EarlyParts, early_limit, take_parts
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
 from deltamesh.gateway.links import LinkMonitor
@@ -43,11 +43,9 @@ from deltamesh.http import JSON_LIMIT, HttpError, open_connections
 
 log = logging.getLogger(__name__)
 
-PREFETCH_LIMIT = 64 * 1024 * 1024
-"""Largest piece taken before its manifest arrives (a bigger one is dropped and fetched normally)."""
-PARTS_LIMIT = 4 * 1024 * 1024 * 1024
-"""Most bytes taken in parts before the version is known (`ask_parts`): each part may be this over
-their count, or `PREFETCH_LIMIT`; a bigger one is refused before it is read, its pieces fetched normally."""
+PREFETCH_LIMIT = 16 * 1024 * 1024
+"""Largest piece taken before its manifest arrives (a bigger one is dropped and fetched normally): with
+`prefetch` pieces asked for, a source that never ends them costs at most this much each."""
 MIN_RATE_BPS = 64 * 1024.0
 """Default floor of a request's useful rate (bytes/s, after a grace of the stall timeout)."""
 MIN_RATE_FRACTION = 0.05
@@ -141,7 +139,7 @@ class Fetcher:
             await self._received(source, None, n)
 
         return EarlyParts.ask(self.session, source, self.peer, model, kind, of, self._rule(source, False),
-                              max(PREFETCH_LIMIT, PARTS_LIMIT // of), on_chunk)
+                              early_limit(of), on_chunk)
 
     # -- manifests ---------------------------------------------------------------------------------
     async def manifest_bytes(self, model: str, version: int, kind: str, accept: Callable[[bytes], Awaitable[object]],

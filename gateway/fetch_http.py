@@ -9,8 +9,9 @@ as it has fallen behind, and a whole span's deadline follows from its size. What
 span's buffer either way, so the next request (to another source, or the same one later) asks only
 for the rest. The outcome says what happened: `done`, `pending` (announced there, not arrived: 503),
 `missing` (not announced there: 404), `error` (unreachable, or an HTTP error: back off and ask again)
-or `wrong` (it served something wrong: a short body, a stall, a trickle, more bytes than asked for,
-a range answered whole; counted against the source's tries, see `deltamesh.gateway.scoring`).
+or `wrong` (it served something wrong: a short body, a stall, a trickle, a declared length over the
+span, a range answered whole; counted against the source's tries, see `deltamesh.gateway.scoring`).
+A span is never read beyond its end: a source that sends more (or never ends) costs nothing past it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
 
-from deltamesh.http import HttpError
+from deltamesh.http import SMALL_LIMIT, HttpError, read_limited
 from deltamesh.peer_json import parse_json
 
 CHUNK = 256 * 1024
@@ -99,7 +100,7 @@ async def receive_span(session: aiohttp.ClientSession, url: str, headers: Mappin
                     answered, t_answer = True, loop.time()
                     watchdog.reschedule(t_answer + rule.grace_s)
                     if resp.status in (503, 404):
-                        await resp.read()
+                        await read_limited(resp, SMALL_LIMIT)
                         return Result("pending" if resp.status == 503 else "missing")
                     if resp.status == 200 and ranged:
                         if not span.whole:  # a source that ignores ranges cannot serve part of a piece
@@ -108,11 +109,15 @@ async def receive_span(session: aiohttp.ClientSession, url: str, headers: Mappin
                     elif resp.status not in (200, 206):
                         body = await resp.content.read(200)
                         return Result("error", f"HTTP {resp.status} {body!r}")
-                    async for chunk in resp.content.iter_chunked(CHUNK):
+                    if (resp.content_length or 0) > span.end - span.filled:
+                        return Result("wrong", f"declared {resp.content_length} bytes for {span.filled}-{span.end}")
+                    # Read no further than the span (the signed manifest's length): whatever a source
+                    # sends beyond it is left unread, and the connection closed with it.
+                    while span.filled < span.end:
+                        chunk = await resp.content.read(min(CHUNK, span.end - span.filled))
+                        if not chunk:
+                            break
                         n = len(chunk)
-                        if span.filled + n > span.end:
-                            span.filled = span.start
-                            return Result("wrong", f"more bytes than asked for ({span.start}-{span.end})")
                         view[span.filled:span.filled + n] = chunk
                         span.filled += n
                         watchdog.reschedule(t_answer + rule.grace_s + (span.filled - start) / rule.min_rate_bps)
@@ -169,7 +174,7 @@ async def receive_whole(session: aiohttp.ClientSession, url: str, params: Mappin
                     answered, t_answer = True, loop.time()
                     watchdog.reschedule(t_answer + rule.grace_s)
                     if resp.status != 200:
-                        await resp.read()
+                        await read_limited(resp, SMALL_LIMIT)
                         return Whole(b"", "refused", f"HTTP {resp.status}")
                     if (resp.content_length or 0) > limit:  # refused before a byte of it is read
                         return Whole(b"", "refused", f"declared {resp.content_length} bytes, over {limit}")

@@ -201,6 +201,11 @@ class GatewayBook:
         source.bad_until = 0.0
         return True
 
+    def newest_head(self) -> int | None:
+        """The newest head the gateways in good standing (not refused) announced at their last answer."""
+        return max((s.head for s in (self.standing(x) for x in self.sources)
+                    if s.head is not None and s.state != "refused"), default=None)
+
     def describe(self) -> dict[str, dict]:
         out = {}
         for source in self.sources:

@@ -10,7 +10,10 @@ stale: one behind a version the pool has known of for longer than `stale_after_s
 or an older one than `statement_max_age_s`, where one is required. Network errors here only leave a
 gateway unjudged: the head and the plan are what a round needs. `check` runs these for one head
 answer and flags stale gateways (logged once each); `refuse` books anything refused (one log line,
-the counters, the gateway asked last) and tells `on_refusal`, which a pool's metrics count.
+the counters, the gateway asked last) and tells `on_refusal`, which a pool's metrics count. A one-off
+sync, which cannot wait `stale_after_s`, asks `behind` whether it ended below a version it knows of
+(a verified statement, a gateway's head) or with a gateway flagged stale, and `flag_lagging` to put
+the gateways below that version last before it tries once more.
 """
 
 from __future__ import annotations
@@ -71,6 +74,46 @@ class HeadWatch:
                             gateway.url, stale)
                 if self.on_refusal is not None:
                     self.on_refusal(Refusal("stale", gateway.url, stale))
+
+    def known(self) -> tuple[int, str] | None:
+        """The newest version the pool knows exists, and from where: a verified head statement, or the
+        head of a gateway in good standing; None before any."""
+        found = []
+        if self.statement is not None:
+            found.append((self.statement.version, "the trainer's signed head statement"))
+        for source in self.sources:
+            s = self.book.standing(source)
+            if s.head is not None and self.book.trusted(source):
+                found.append((s.head, f"gateway {source.url}'s head"))
+        return max(found, key=lambda f: f[0]) if found else None
+
+    def behind(self, held: int | None) -> str | None:
+        """Why a pool holding `held` may not be at the head: a newer version known to exist, or every
+        gateway flagged stale (none vouches for the head it gave); None when neither."""
+        reasons = []
+        known = self.known()
+        if known is not None and (held is None or known[0] > held):
+            reasons.append(f"v{known[0]} exists ({known[1]} names it)")
+        stale = [f"gateway {url} is stale: {s['reason']}" for url, s in self.book.describe().items()
+                 if s["state"] == "stale"]
+        if stale and len(stale) == len(self.sources):  # no gateway in good standing vouches for the head
+            reasons += stale
+        return "; ".join(reasons) or None
+
+    def flag_lagging(self, held: int | None) -> None:
+        """Flag stale (logged, counted, asked last for a while) each gateway whose head is below the newest
+        version known while the pool holds less: what a one-off sync does before it tries once more."""
+        known = self.known()
+        if known is None or (held is not None and known[0] <= held):
+            return
+        for source in self.sources:
+            head = self.book.standing(source).head
+            if head is not None and head < known[0] and self.book.stale(source, f"its head (v{head}) is below "
+                                                                                f"v{known[0]} ({known[1]})"):
+                log.warning("pool %s: gateway %s is stale: its head (v%d) is below v%d; turning to another gateway",
+                            self.config.name, source.url, head, known[0])
+                if self.on_refusal is not None:
+                    self.on_refusal(Refusal("stale", source.url, f"head v{head} below v{known[0]}"))
 
     def refuse(self, source: Source, rejected: Rejected) -> Refusal:
         """Book a refusal of what `source` offered: one log line, the counters, and the gateway asked last."""

@@ -83,7 +83,7 @@ async def _ranged_reads(s: LinkBenchSettings, url: str, spans: list[tuple[int, i
         nonlocal received
         while queue:
             index, start, end = queue.pop()
-            body = await request_bytes(session, "GET", f"{url}/pieces/{index}",
+            body = await request_bytes(session, "GET", f"{url}/pieces/{index}", limit=end - start,
                                        headers={"Range": f"bytes={start}-{end - 1}"}, timeout_s=s.timeout_s)
             if len(body) != end - start:
                 raise BenchError(f"piece {index} bytes {start}-{end - 1}: {len(body)} bytes came back")

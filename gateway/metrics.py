@@ -65,6 +65,10 @@ class GatewayMetrics:
         self.relay_retrying = Gauge("deltamesh_gateway_relay_retrying",
                                     "Versions whose mirror failed and waits to be tried again", registry=r)
         self.rejected = Counter("deltamesh_gateway_rejected_requests_total", "Requests refused", ["reason"], registry=r)
+        self.dropped = Counter("deltamesh_gateway_connections_dropped_total",
+                               "Connections closed unanswered: header_timeout (request headers not in within "
+                               "header_timeout_s), address_cap (over max_connections_per_address)", ["reason"],
+                               registry=r)
         self.pools = Gauge("deltamesh_gateway_pools", "Registered pools by state", ["state"], registry=r)
         self.propagation_seconds = Histogram(
             "deltamesh_gateway_propagation_seconds",

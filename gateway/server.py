@@ -4,7 +4,7 @@
 control routes behind the route policy (`deltamesh.gateway.auth_policy`: every caller identified
 before a handler runs) and hooks its background tasks to the application's lifecycle;
 `run_gateway(config)` serves it, over HTTPS when `config.tls` has a certificate, until
-SIGINT/SIGTERM. Tests and benchmarks may run `create_app` in-process (`ssl_context(config)` for their
+SIGINT/SIGTERM, its connections held to a header-read timeout and a per-address cap (`connection_guard`). Tests and benchmarks may run `create_app` in-process (`ssl_context(config)` for their
 socket) or start `deltamesh gateway` as a real process.
 """
 
@@ -18,6 +18,7 @@ from deltamesh.auth import auth_middleware
 from deltamesh.gateway.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import json_errors, listen_socket, parse_listen, serve
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.tls import server_context
 from deltamesh.gateway.routes_control import add_control_routes
 from deltamesh.gateway.routes_staging import add_staging_routes
@@ -72,4 +73,12 @@ def run_gateway(config: GatewayConfig) -> int:
     except BaseException:
         sock.close()
         raise
-    return serve(app, host, port, ssl_context=ssl_context(config), sock=sock, what=f"gateway {config.region}")
+    return serve(app, host, port, ssl_context=ssl_context(config), sock=sock, what=f"gateway {config.region}",
+                 guard=connection_guard(config, app))
+
+
+def connection_guard(config: GatewayConfig, app: web.Application) -> ConnectionGuard:
+    """The limits the gateway's connections are held to (`deltamesh.http_guard`), its drops counted."""
+    metrics = app[GATEWAY_KEY].metrics
+    return ConnectionGuard(ConnectionLimits(config.header_timeout_s, config.max_connections_per_address),
+                           on_drop=lambda reason: metrics.dropped.labels(reason).inc())

@@ -22,7 +22,7 @@ import aiohttp
 from deltamesh.delta.keys import load_public_key
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.downstreams import Downstream, Downstreams
-from deltamesh.http import client_session
+from deltamesh.http import SMALL_LIMIT, client_session, read_limited
 from deltamesh.signals import wait_event
 from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
 from deltamesh.gateway.metrics import GatewayMetrics
@@ -130,7 +130,7 @@ class Gateway:
     def _http_probe(self, url: str, delay_s: float = 0.0) -> Callable[[], Awaitable[float]]:
         async def get() -> None:
             async with self._probe_session.get(f"{url}/healthz") as resp:
-                await resp.read()
+                await read_limited(resp, SMALL_LIMIT)  # a probe's answer is unwanted: it costs no memory
                 resp.raise_for_status()
 
         async def probe() -> float:

@@ -10,7 +10,7 @@ it was). A delta that does not fit what the directory holds, or weights that do 
 to `fallback_plan`, a full snapshot. A rollout pool (mesh/pool/weights.py) calls these itself, with
 its engine's update between decoding and persisting; `sync_once` and `run` are the directory-only
 round and loop that `deltamesh pool sync` runs. `version` tells what the directory holds and `head`
-the newest version seen at a gateway.
+the newest head its gateways in good standing announce (each one's is in `book`).
 
 Every request carries the pool's token (or its client certificate) over TLS as `tls` says. Whatever a
 gateway's plan says, the pool never moves below the version it holds nor takes another weights hash
@@ -65,8 +65,6 @@ class WeightSync:
         self.model = config.model
         self.version: int | None = None
         """The version the directory holds (None before the first sync)."""
-        self.head: int | None = None
-        """The newest version a gateway has announced for the model (None before the first answer)."""
         self.state = "idle"
         self.transfer: dict = {}
         self._fetched: dict[int, dict] = {}  # the transfers of fetched versions not yet persisted, by version
@@ -106,6 +104,12 @@ class WeightSync:
         self.on_stage: Callable[[int, str], None] | None = None
         """Told (version, "fetched") once every piece of a plan step is in and checked, and (version,
         "verified") once it is decoded: a rollout pool's version timeline (mesh/pool/timeline.py)."""
+
+    @property
+    def head(self) -> int | None:
+        """The newest head the pool's gateways in good standing announced at their last head answers (None
+        before the first): what its status and metrics show, beside each gateway's own (`book`)."""
+        return self.book.newest_head()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def __aenter__(self) -> "WeightSync":
@@ -204,8 +208,6 @@ class WeightSync:
         # way); `fetch_plan` takes their verdict before it accepts the plan.
         self._checking = asyncio.ensure_future(
             self.watch.check(self._session, source, self.model, head, self.version, self._peer))
-        if head is not None:
-            self.head = max(head, self.head if self.head is not None else head)
         if head is None or (after is not None and head <= after):
             await self._checked()
             return None
@@ -371,9 +373,9 @@ class WeightSync:
 
     async def heartbeat(self) -> None:
         state = {"version": self.version, "state": self.state, "transfer": self.transfer}
-        head = await self.presence.beat(self._session, self.model, state)
-        if head is not None and valid_head(head):
-            self.head = max(head, self.head if self.head is not None else head)
+        # The answer's head is left aside: `head` is what the gateways' head answers say (`book`), the
+        # ones whose freshness the pool checks, so what it reports agrees with each gateway's standing.
+        await self.presence.beat(self._session, self.model, state)
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         """Heartbeat until `stop`: every `heartbeat_s`, and at once after a new version is persisted."""

@@ -258,7 +258,7 @@ def test_every_moved_key_names_an_existing_setting():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["pool", "sync", "--token", "t", "--name", "p", "--dir", "d", "--trusted-key", "k"], "gateways must list"),
+    (["pool", "sync", "--name", "p", "--dir", "d", "--trusted-key", "k"], "gateways must list"),
     (["publish", "--gateway", "http://g", "--key", "k", "weights"], "model is required"),
     (["pools", "--gateway", "g:1"], "gateway must be an http(s) URL"),
     (["gateway", "--region", "eu", "--keep-deltas", "0", "--trusted-key", "k"], "keep_deltas"),

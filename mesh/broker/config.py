@@ -15,6 +15,7 @@ from typing import Literal
 
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
+from deltamesh.http_guard import HEADER_TIMEOUT_S, MAX_PER_ADDRESS, ConnectionLimits
 from deltamesh.mesh.broker.stores import check_db
 from deltamesh.tls import TlsSettings
 
@@ -66,10 +67,11 @@ class TasksConfig:
     """Models each task produces for; empty = all known."""
     lease_timeout_s: float = 600.0
     """A lease not completed this long after it was handed out expires, and its task goes out again."""
-    max_lease_batch: int = 64
-    """Most tasks one lease request gets."""
-    max_inflight_per_pool: int = 256
-    """Leases a pool may hold before it returns results."""
+    max_lease_batch: int = 16
+    """Most tasks one lease request gets, whatever it asks for."""
+    max_inflight_per_pool: int = 64
+    """Active leases one pool may hold before it returns results: counted per token holder, so the
+    names a pool may also lease under (`NAME.SUFFIX`) share its bound."""
     max_buffered_groups: int | None = None
     """Backpressure: no new leases while, for every model, fresh groups waiting plus active leases reach
     this many; pools then idle rather than make data that goes stale before a trainer takes it."""
@@ -115,6 +117,10 @@ class PoliciesConfig:
     """Group filters applied in order when a group completes (keep_all, zero_adv, ... or "module:callable")."""
     max_staleness: int | None = None
     """Versions behind the trainer a fresh group may be; unset: no bound."""
+    max_version_ahead: int = 2
+    """Versions above the newest one its trainer reported that a trajectory may claim (a pool can take a
+    version a moment before the trainer's report of it reaches the broker); one claiming more is
+    refused (409) and counted, since staleness is measured from the versions a trajectory claims."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Replay of groups already trained on (`[broker.policies.replay]`)."""
 
@@ -123,6 +129,8 @@ class PoliciesConfig:
             raise ValueError("policies.filters must name at least one filter (keep_all keeps everything)")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("policies.max_staleness must be >= 0")
+        if self.max_version_ahead < 0:
+            raise ValueError("policies.max_version_ahead must be >= 0")
 
 
 @dataclass
@@ -197,6 +205,11 @@ class BrokerConfig:
     that said it still holds it) goes back to the buffer. It must exceed the trainer's longest step."""
     max_commit_trajectories: int = 8192
     """Most trajectories one group commit writes."""
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    """A connection whose request line and headers are not all in this long after it opened (or after
+    its next request's first byte) is closed; so is a TLS handshake that takes longer."""
+    max_connections_per_address: int = MAX_PER_ADDRESS
+    """Most connections one client address may hold open; more are closed at once."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """The task source and its leases (`[broker.tasks]`)."""
     policies: PoliciesConfig = field(default_factory=PoliciesConfig)
@@ -228,3 +241,4 @@ class BrokerConfig:
             raise ValueError("max_body_bytes, max_trajectories_per_submission and max_tokens must be positive")
         if self.max_poll_s <= 0 or self.max_commit_trajectories < 1 or self.ack_timeout_s <= 0:
             raise ValueError("max_poll_s, max_commit_trajectories and ack_timeout_s must be positive")
+        ConnectionLimits(self.header_timeout_s, self.max_connections_per_address)  # checks them

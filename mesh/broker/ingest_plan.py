@@ -5,7 +5,7 @@ here which submissions are accepted, then writes the outcome in bulk, instead of
 dozen statements per submission. The rules are SqliteStore's, which applies them with SQL as it goes:
 submissions are taken in order, each seeing what the ones before it stored, each all-or-nothing (a
 conflict leaves `state` as it was); an id stored with the same content is a duplicate, with other
-content an IdConflict; a group takes at most its size in samples, completes at exactly that, and is
+content an IdConflict; a lease's group takes samples only from the pool holding the lease (LeaseNotHeld); a group takes at most its size in samples, completes at exactly that, and is
 then summarised, numbered (`seq`) and judged by the verdict; a lease is done once every model it asked
 for has a complete group.
 """
@@ -20,7 +20,9 @@ from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.store import (
     GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, Submission,
 )
-from deltamesh.mesh.broker.store_rows import disagreeing_samples, group_mismatch, group_overflow, id_conflict
+from deltamesh.mesh.broker.store_rows import (
+    check_lease_holders, disagreeing_samples, group_mismatch, group_overflow, id_conflict,
+)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class StoredState:
     open_leases: dict[str, list[str]]  # active or expired lease id -> the model ids it asked for
     complete: dict[str, set[str]]  # group id -> the model ids whose group of that id is complete
     seq: int  # the highest completion number so far
+    lease_pools: dict[str, str] = field(default_factory=dict)  # lease id (any state) -> the pool it went to
 
 
 @dataclass
@@ -127,6 +130,7 @@ def _plan_one(submission: Submission, state: StoredState, verdict: GroupVerdict)
     if reused:
         raise id_conflict(reused)
     new = [t for t in trajectories if t.id not in existing]
+    check_lease_holders(new, state.lease_pools)
     samples: dict[GroupKey, list[Trajectory]] = {}
     for t in new:
         key = (t.model_id, t.group_id)

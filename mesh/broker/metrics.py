@@ -18,6 +18,15 @@ class BrokerMetrics:
         self.rejected = Counter("deltamesh_broker_requests_rejected_total",
                                 "Requests refused or failed, by HTTP status (5xx: the broker's own failures)",
                                 ["status"], registry=r)
+        self.refused = Counter("deltamesh_broker_trajectories_refused_total",
+                               "Submissions refused for what their trajectories claim: version_ahead (a policy "
+                               "version above the trainer's newest, beyond policies.max_version_ahead), "
+                               "lease_not_held (a group of another pool's lease)", ["model_id", "reason"],
+                               registry=r)
+        self.dropped = Counter("deltamesh_broker_connections_dropped_total",
+                               "Connections closed unanswered: header_timeout (request headers not in within "
+                               "header_timeout_s), address_cap (over max_connections_per_address)", ["reason"],
+                               registry=r)
         self.commits = Counter("deltamesh_broker_commits_total", "Group commits of submissions", registry=r)
         self.groups = Counter("deltamesh_broker_groups_total", "Completed groups by outcome",
                               ["model_id", "outcome"], registry=r)

@@ -351,8 +351,8 @@ class _StoredStateQuery:
         self._cursors = (
             db.execute("SELECT id, digest FROM broker_trajectories WHERE id = ANY(%s)", (self.ids,)),
             db.execute(_STORED_GROUPS, _columns(self.keys)),
-            db.execute("SELECT lease_id, model_ids FROM broker_leases WHERE lease_id = ANY(%s) "
-                       "AND state IN ('active', 'expired')", (self.group_ids,)),
+            db.execute("SELECT lease_id, model_ids, pool, state FROM broker_leases WHERE lease_id = ANY(%s)",
+                       (self.group_ids,)),
             db.execute("SELECT group_id, model_id FROM broker_groups WHERE group_id = ANY(%s) AND seq IS NOT NULL",
                        (self.group_ids,)),
             db.execute("SELECT COALESCE(MAX(seq), 0) FROM broker_groups"),
@@ -360,8 +360,10 @@ class _StoredStateQuery:
 
     def result(self) -> StoredState:
         digests, groups, leases, complete, seq = self._cursors
-        state = StoredState(dict(digests.fetchall()), {}, {lid: json.loads(m) for lid, m in leases}, {},
-                            seq.fetchone()[0])
+        rows = leases.fetchall()
+        state = StoredState(dict(digests.fetchall()), {},
+                            {lid: json.loads(m) for lid, m, _, st in rows if st in ("active", "expired")}, {},
+                            seq.fetchone()[0], {lid: pool for lid, _, pool, _ in rows})
         for model_id, group_id, task_id, size, count, done, vmin, vmax, rmin, rmax, rsum in groups:
             state.groups[model_id, group_id] = StoredGroup(task_id, size, count, done, True, vmin, vmax, rmin, rmax, rsum)
         for group_id, model_id in complete:

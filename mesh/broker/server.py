@@ -6,8 +6,9 @@ handler runs; 401 without a known credential, 403 for a wrong role, model or poo
 broker runs `anonymous`. Tokens come from a hashed tokens file that is re-read when it changes.
 
 Handlers only parse, check and translate: the broker's errors map to statuses here (400 malformed or
-conflicting data, 404 unknown model or batch id, 409 version going backwards or a trajectory id
-reused with other content, 413 body too large, 503 store unavailable), always as `{"error": reason}`.
+conflicting data, 403 a trajectory for another pool's lease, 404 unknown model or batch id, 409 a
+version going backwards, a trajectory claiming a version too far ahead, or a trajectory id reused with
+other content, 413 body too large, 503 store unavailable), always as `{"error": reason}`.
 Several brokers may share one PostgreSQL database (slot.py, leadership.py): a standby answers every
 `/v1/` route with 503, `Retry-After` and the active broker's URL in `X-Broker-Leader` (and in the body's
 `leader`), so that clients fail over to it. Endpoints are documented in docs/api/broker.md.
@@ -29,13 +30,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from deltamesh.auth import OPEN, Policy, auth_middleware, identity, require_name
 from deltamesh.broker_client import LEADER_HEADER  # on a standby's 503: where its clients fail over to
 from deltamesh.http import error_response, json_errors, parse_json, parse_listen, read_body, read_json
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.mesh.broker.auth_tokens import broker_token_store
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.metrics import BrokerMetrics
-from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionConflict
+from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionAhead, VersionConflict
 from deltamesh.mesh.broker.slot import BrokerSlot, Standby
-from deltamesh.mesh.broker.store import BrokerStore, IdConflict, LeaderTerm, StoreConflict, StoreUnavailable
+from deltamesh.mesh.broker.store import (
+    BrokerStore, IdConflict, LeaderTerm, LeaseNotHeld, StoreConflict, StoreUnavailable,
+)
 from deltamesh.mesh.broker.stores import is_postgres, open_store as open_db
 from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.tokens import TokenStore
@@ -103,11 +107,13 @@ def _errors(fn: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Calla
             return await fn(request)
         except IdConflict as e:
             resp = error_response(409, str(e))
+        except LeaseNotHeld as e:
+            resp = error_response(403, str(e))
         except (DataFormatError, StoreConflict) as e:
             resp = error_response(400, str(e))
         except (UnknownModel, UnknownBatch) as e:
             resp = error_response(404, str(e))
-        except VersionConflict as e:
+        except (VersionConflict, VersionAhead) as e:
             resp = error_response(409, str(e))
         except StoreUnavailable as e:
             resp = error_response(503, str(e))
@@ -174,6 +180,13 @@ def _own_url(config: BrokerConfig) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def connection_guard(config: BrokerConfig, app: web.Application) -> ConnectionGuard:
+    """The limits the broker's connections are held to (`deltamesh.http_guard`), its drops counted."""
+    metrics = app[SLOT_KEY].metrics
+    return ConnectionGuard(ConnectionLimits(config.header_timeout_s, config.max_connections_per_address),
+                           on_drop=lambda reason: metrics.dropped.labels(reason).inc())
+
+
 def build_app(config: BrokerConfig, db: str | Path | None = None, *,
               open_store: Callable[[], BrokerStore] | None = None) -> web.Application:
     """The broker as an aiohttp application; the store opens on start-up and closes on clean-up.
@@ -234,8 +247,10 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         require_name(request, pool)
         gpus = _field(body, "gpus", int, 1, minimum=0)
         max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
+        who = identity(request)
         broker = slot.current()
-        leases = await broker.lease(pool, region, gpus, max_tasks)
+        # A pool token's leases under every name it may use (NAME.SUFFIX too) share its in-flight bound.
+        leases = await broker.lease(pool, region, gpus, max_tasks, who.name if who is not None else None)
         return web.json_response({"leases": leases, "tasks": broker.status()["tasks"]})
 
     @routes.get("/v1/leases")

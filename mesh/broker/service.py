@@ -23,7 +23,7 @@ from deltamesh.mesh.broker.delivery import AckResult, BatchDelivery
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.policies import filter_chain
 from deltamesh.mesh.broker.runner import StoreRunner
-from deltamesh.mesh.broker.store import BrokerStore, IngestResult, StoreUnavailable
+from deltamesh.mesh.broker.store import BrokerStore, IngestResult, LeaseNotHeld, StoreUnavailable
 from deltamesh.mesh.broker.tasks import TaskScheduler, read_dataset
 from deltamesh.data import DataFormatError, Trajectory
 
@@ -36,6 +36,11 @@ class UnknownModel(LookupError):
 
 class VersionConflict(ValueError):
     """A trainer reported a version older than the one it reported before. HTTP 409."""
+
+
+class VersionAhead(ValueError):
+    """A trajectory claims a policy version above the newest its trainer reported, beyond the margin
+    (`policies.max_version_ahead`): no pool can hold such a version. HTTP 409."""
 
 
 class Broker:
@@ -118,10 +123,23 @@ class Broker:
     # ---- trajectories in ------------------------------------------------------------------------------
 
     async def submit(self, trajectories: Sequence[Trajectory]) -> IngestResult:
-        """Store a submission durably (all or nothing); returns after the commit."""
+        """Store a submission durably (all or nothing); returns after the commit. VersionAhead for a
+        trajectory claiming a version no pool can hold yet; LeaseNotHeld (from the store) for one
+        submitted for another pool's lease."""
+        ahead = self.config.policies.max_version_ahead
         for t in trajectories:
-            self.model(t.model_id)
-        return await self.runner.ingest(trajectories)
+            buf = self.model(t.model_id)
+            if t.max_version > buf.version + ahead:
+                self.metrics.refused.labels(t.model_id, "version_ahead").inc()
+                raise VersionAhead(f"trajectory {t.id!r:.80} claims policy version {t.max_version} of "
+                                   f"{t.model_id!r}, whose trainer is at v{buf.version} (at most "
+                                   f"{ahead} ahead is taken: policies.max_version_ahead)")
+        try:
+            return await self.runner.ingest(trajectories)
+        except LeaseNotHeld:
+            for model_id in dict.fromkeys(t.model_id for t in trajectories):
+                self.metrics.refused.labels(model_id, "lease_not_held").inc()
+            raise
 
     def _ingested(self, result: IngestResult) -> None:
         m = self.metrics
@@ -140,8 +158,11 @@ class Broker:
 
     # ---- tasks out ------------------------------------------------------------------------------------
 
-    async def lease(self, pool: str, region: str, gpus: int, max_tasks: int) -> list[dict[str, Any]]:
-        """Lease up to `max_tasks` tasks to `pool`; each lease's id is the group id to submit under."""
+    async def lease(self, pool: str, region: str, gpus: int, max_tasks: int,
+                    holder: str | None = None) -> list[dict[str, Any]]:
+        """Lease up to `max_tasks` tasks to `pool` (at most `tasks.max_lease_batch`); each lease's id is
+        the group id to submit under. `holder` (default `pool`): the token's name, whose active leases
+        count towards `tasks.max_inflight_per_pool`."""
         assert self.scheduler is not None
         now = time.time()
         self.pools.seen(pool, region, gpus, now)
@@ -150,7 +171,7 @@ class Broker:
             max_tasks = min(max_tasks, self._lease_room(model_ids))
             if max_tasks < 1:
                 return []
-            plan = self.scheduler.plan(pool, region, max_tasks, now, model_ids)
+            plan = self.scheduler.plan(pool, region, max_tasks, now, model_ids, holder)
             if not plan.new and plan.cursor == self.scheduler.cursor:
                 return []
             tasks = await self.runner.call(self.store.issue_leases, plan.new, plan.reissued, plan.cursor)

@@ -33,8 +33,8 @@ from deltamesh.mesh.broker.store import (
     StoreUnavailable, Submission, TaskRecord,
 )
 from deltamesh.mesh.broker.store_rows import (
-    TASK_COLUMNS, TRAJECTORY_COLUMNS, disagreeing_samples, group_mismatch, group_overflow, id_conflict, lease_values,
-    read_snapshot, task_from_row, task_values, trajectory_from_row,
+    TASK_COLUMNS, TRAJECTORY_COLUMNS, check_lease_holders, disagreeing_samples, group_mismatch, group_overflow,
+    id_conflict, lease_values, read_snapshot, task_from_row, task_values, trajectory_from_row,
 )
 from deltamesh.data import Trajectory
 
@@ -199,6 +199,13 @@ class SqliteStore:
         if reused:
             raise id_conflict(reused)
         new = [t for t in trajectories if t.id not in existing]
+        group_ids = list(dict.fromkeys(t.group_id for t in new))
+        lease_pools: dict[str, str] = {}
+        for i in range(0, len(group_ids), _ID_CHUNK):
+            chunk = group_ids[i:i + _ID_CHUNK]
+            lease_pools.update(db.execute(
+                f"SELECT lease_id, pool FROM leases WHERE lease_id IN ({','.join('?' * len(chunk))})", chunk))
+        check_lease_holders(new, lease_pools)
         db.executemany(
             "INSERT INTO trajectories VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [rows[t.id] for t in new])

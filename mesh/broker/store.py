@@ -12,6 +12,7 @@ never from its event loop.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -47,6 +48,15 @@ class StoreConflict(Exception):
 
 class IdConflict(StoreConflict):
     """A trajectory id already stored with other content: ids are idempotency keys, never reused. HTTP 409."""
+
+
+class LeaseNotHeld(StoreConflict):
+    """A trajectory for a group named after a lease that its pool does not hold (another pool's lease,
+    or a lease id not issued yet): only the lease's holder may fill its group. HTTP 403."""
+
+
+LEASE_ID = re.compile(r"^L[0-9]+$")
+"""What a lease id looks like (`Lease.lease_id`): a group of that name is a lease's, and only its pool's."""
 
 
 def content_digest(t: Trajectory) -> str:

@@ -8,15 +8,16 @@ tokens int32 | logprobs float32 (raw little-endian) | zstd(versions int32 | loss
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import zstandard
 
+from deltamesh.auth import speaks_for
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.store import (
-    Delivery, GroupKey, GroupSummary, IdConflict, Lease, StoreConflict, StoreSnapshot, Submission, TaskRecord,
-    content_digest,
+    LEASE_ID, Delivery, GroupKey, GroupSummary, IdConflict, Lease, LeaseNotHeld, StoreConflict, StoreSnapshot,
+    Submission, TaskRecord, content_digest,
 )
 
 SUMMARY_COLUMNS = ("model_id, group_id, task_id, size, min_version, max_version, reward_min, reward_max, reward_mean, "
@@ -161,3 +162,18 @@ def group_mismatch(key: GroupKey, size: int, task_id: str, sample: Trajectory) -
 
 def group_overflow(key: GroupKey, total: int, size: int) -> StoreConflict:
     return StoreConflict(f"group {key[1]!r} of {key[0]!r} would hold {total} samples; its size is {size}")
+
+
+def check_lease_holders(new: Sequence[Trajectory], lease_pools: Mapping[str, str]) -> None:
+    """LeaseNotHeld unless each of `new` fills a group that no lease names, or one of a lease its pool
+    holds (`lease_pools`: lease id -> the pool it was issued to, in any state, for the group ids of
+    `new`). A lease's group id is known in advance (`L` + a number), so one not issued yet is refused
+    too: a pool cannot fill a group before the lease it belongs to goes to another."""
+    for t in new:
+        holder = lease_pools.get(t.group_id)
+        if holder is None and LEASE_ID.match(t.group_id):
+            raise LeaseNotHeld(f"group {t.group_id!r} of {t.model_id!r}: no lease {t.group_id} has been issued; "
+                               f"a pool submits for a lease it holds")
+        if holder is not None and not speaks_for(t.pool, holder):
+            raise LeaseNotHeld(f"group {t.group_id!r} of {t.model_id!r} is lease {t.group_id} of pool {holder!r}; "
+                               f"pool {t.pool!r} may not submit for it")

@@ -4,8 +4,9 @@ The dataset is JSONL, one prompt per line: `{"id": ..., "prompt": ..., ...}`; ev
 (reference answer, tests, ...) travels to pools as the task's metadata. The scheduler walks the
 dataset epoch by epoch with a cursor, asks the curator about each prompt, and issues leases with a
 deadline. Expired leases are issued again (to any pool) before the cursor moves on. Pools pull, and
-each may hold at most `max_inflight_per_pool` leases, so a faster pool, which returns sooner, is
-handed more. `plan` only proposes; the broker applies a plan with `commit` once the store holds it.
+each may hold at most `max_inflight_per_pool` leases (counted per token holder: the names it may lease
+under share them), so a faster pool, which returns sooner, is handed more; one request gets at most
+`max_lease_batch`, whatever it asks for. `plan` only proposes; the broker applies a plan with `commit` once the store holds it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltamesh.auth import speaks_for
 from deltamesh.mesh.broker.config import TasksConfig
 from deltamesh.mesh.broker.curators import Curator
 from deltamesh.mesh.broker.store import Lease, StoreSnapshot, TaskRecord
@@ -64,12 +66,16 @@ class TaskScheduler:
         self.next_lease_no = snapshot.next_lease_no
         self.leases: dict[str, Lease] = {le.lease_id: le for le in snapshot.leases}
 
-    def inflight(self, pool: str) -> int:
-        return sum(1 for le in self.leases.values() if le.pool == pool and le.state == "active")
+    def inflight(self, holder: str) -> int:
+        """Active leases of `holder`, under its own name or one it may speak for (`NAME.SUFFIX`)."""
+        return sum(1 for le in self.leases.values() if le.state == "active" and speaks_for(holder, le.pool))
 
-    def plan(self, pool: str, region: str, want: int, now: float, model_ids: list[str]) -> LeasePlan:
-        """Propose up to `want` leases for `pool`: expired tasks first, then new ones from the cursor."""
-        room = min(want, self.config.max_lease_batch, self.config.max_inflight_per_pool - self.inflight(pool))
+    def plan(self, pool: str, region: str, want: int, now: float, model_ids: list[str],
+             holder: str | None = None) -> LeasePlan:
+        """Propose up to `want` leases for `pool`: expired tasks first, then new ones from the cursor.
+        `holder` (default `pool`) is who asks: the token's name, whose active leases count towards its bound."""
+        inflight = self.inflight(holder if holder is not None else pool)
+        room = min(want, self.config.max_lease_batch, self.config.max_inflight_per_pool - inflight)
         plan = LeasePlan(cursor=self.cursor)
         deadline = now + self.config.lease_timeout_s
         expired = sorted((le for le in self.leases.values() if le.state == "expired"), key=lambda le: le.deadline)

@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
 def run_broker(args: argparse.Namespace) -> int:
     from deltamesh.http import parse_listen, serve
     from deltamesh.mesh.broker.config import BrokerConfig
-    from deltamesh.mesh.broker.server import build_app
+    from deltamesh.mesh.broker.server import build_app, connection_guard
     from deltamesh.mesh.broker.store import StoreUnavailable
     from deltamesh.mesh.broker.tasks import DatasetError
     from deltamesh.mesh.cli import command_config, failed
@@ -38,7 +38,8 @@ def run_broker(args: argparse.Namespace) -> int:
         host, port = parse_listen(config.listen)
         app = build_app(config, config.db)
         app.on_startup.append(_reload_tokens_on_sighup)
-        return serve(app, host, port, ssl_context=server_context(config.tls), what="broker")  # 130/143: stopped
+        return serve(app, host, port, ssl_context=server_context(config.tls), what="broker",
+                     guard=connection_guard(config, app))  # 130/143: stopped
     except (DatasetError, StoreUnavailable, ValueError) as e:  # ValueError: unknown plug-in names, TLS
         return failed(e)
 

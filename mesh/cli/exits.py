@@ -27,6 +27,10 @@ class Exit(IntEnum):
     """The listen address is taken by another process (or not this host's to bind)."""
     DISK_FULL = 6
     """No space left for the store, the pool directory or the database (a gateway's 507 too)."""
+    STALE = 7
+    """The gateways are behind: `pool sync --once` synced as far as they go, but a newer version is known
+    to exist (the trainer's signed head statement, another gateway's head) or a gateway is flagged stale
+    (a frozen or lagging relay). The directory holds a whole version, just not the newest."""
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -2,8 +2,9 @@
 
 The tokens live in a tokens file (`--file`), or for brokers on PostgreSQL in their database (`--db`,
 so that every broker of the database, active or standby, applies a change within a second). Either
-stores each token's SHA-256 with its holder's name, role and model ids; `add` prints the new token
-once (nothing else keeps it), `revoke` removes a holder's tokens. Servers re-read the file, and
+stores each token's SHA-256 with its holder's name, role and model ids; `add` gives the new token
+once (nothing else keeps it): written to `--out FILE`, readable by its owner only (0600), where the
+holder's `--token-file` reads it, or printed; `revoke` removes a holder's tokens. Servers re-read the file, and
 brokers the database, when it changes, so neither needs a restart. Who may change them: whoever may
 write the file, or the database's broker_tokens table with the DSN's credentials.
 """
@@ -11,6 +12,7 @@ write the file, or the database's broker_tokens table with the DSN's credentials
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
@@ -18,12 +20,15 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
     from deltamesh.tokens import ROLES
 
     sub = command_group(commands, "tokens", help="add, revoke and list the bearer tokens of a broker or gateway")
-    add = sub.add_parser("add", help="add a token and print it (once)")
+    add = sub.add_parser("add", help="add a token and write it to --out FILE (mode 0600) or print it (once)")
     _where(add, "the tokens file (created if missing)")
     add.add_argument("--name", required=True, help="the holder: a pool's name, a trainer's, a gateway's region...")
     add.add_argument("--role", required=True, choices=ROLES, help="what the holder may do")
     add.add_argument("--model", action="append", default=[], metavar="ID",
                      help="a model id the holder may act for (once per id; none: every model)")
+    add.add_argument("--out", metavar="FILE",
+                     help="write the token to this new file, readable by you only (0600), instead of printing "
+                          "it; the holder reads it with --token-file FILE. Refused if FILE exists")
     add.set_defaults(run=run_add)
     revoke = sub.add_parser("revoke", help="remove every token of a holder")
     _where(revoke, "the tokens file")
@@ -55,18 +60,27 @@ def _target(args: argparse.Namespace) -> str:
 
 def run_add(args: argparse.Namespace) -> int:
     from deltamesh.mesh.cli import failed
-    from deltamesh.tokens import TokenError, TokenSpec, add_token
+    from deltamesh.tokens import TokenError, TokenSpec, add_token, save_token
 
     spec = TokenSpec(args.name, args.role, args.model)
+    out = Path(args.out) if args.out else None
+    if out is not None and (out.exists() or not out.parent.is_dir()):
+        why = "exists (a token is shown once: remove it or name another file)" if out.exists() else "has no folder"
+        return failed(f"--out {out} {why}", 2)
     try:
         if args.db:
             from deltamesh.mesh.broker.postgres_tokens import add_db_token
 
-            print(add_db_token(args.db, spec))
+            token = add_db_token(args.db, spec)
         else:
-            print(add_token(args.file, spec))
+            token = add_token(args.file, spec)
+        if out is None:
+            print(token)
+            return 0
+        save_token(out, token)
     except (TokenError, OSError) as e:
         return failed(e, 1)
+    print(f"the token of {args.role} {args.name} is in {out} (readable by you only)")
     return 0
 
 

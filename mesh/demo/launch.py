@@ -3,7 +3,9 @@
 `prepare` writes everything the services read into the run directory: the trainer's Ed25519 key
 pair, the task set (digit sums, or for a code workflow its code problems, which the broker cycles
 through as many epochs as the run needs), and one TOML file per broker, trainer and pool (written
-with the services' own config tables, so each one's settings can be read and rerun by hand). `start` then
+with the services' own config tables, so each one's settings can be read and rerun by hand; mode
+0600). No token goes in those files or on a command line, where every user of the host sees it
+(`ps`): each service reads its own from a token file (`--token-file` and the like, mode 0600). `start` then
 launches the broker, the gateways in topology order (each relay gets its link's bandwidth cap and
 added latency), the pools and the trainers, all on free loopback ports; they find each other through
 the URLs given here and retry until their peers answer, so they boot side by side.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
 from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
+from deltamesh.tokens import save_token
 
 
 CONSOLE_PORT = 8790
@@ -43,8 +47,8 @@ class MeshPlan:
     model_dir: Path
     private_key: Path
     public_key: Path
-    pool_token: str
-    """The pools' token on an anonymous (plain-HTTP) mesh, where gateways take any."""
+    pool_token: Path
+    """The file of the pools' token on an anonymous (plain-HTTP) mesh, where gateways take any."""
     epochs: int = 1
     """Passes the broker makes over tasks.jsonl (a small code set is cycled through)."""
     creds: MeshCredentials | None = None
@@ -77,6 +81,10 @@ class MeshPlan:
         """The token of `caller` (`pool/NAME`, `trainer/MODEL`, `gateway/REGION`, `admin`); "" without TLS."""
         return self.creds.tokens[caller] if self.creds is not None else ""
 
+    def token_file(self, caller: str) -> Path | None:
+        """The file (mode 0600) holding the token of `caller`; None without TLS."""
+        return self.creds.token_files[caller] if self.creds is not None else None
+
     def tls_table(self) -> dict[str, str]:
         """The `[SECTION.tls]` table of a client config: the run's CA, or nothing."""
         return {"ca": str(self.creds.ca)} if self.creds is not None else {}
@@ -103,7 +111,9 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
     key_path = run_dir / "keys" / "trainer.key"
     key_path.parent.mkdir(exist_ok=True)
     public = save_keypair(generate_key(), key_path)
-    plan = MeshPlan(config, run_dir, model_dir(config.model, config.engine), key_path, Path(public), secrets.token_hex(16))
+    pool_token = run_dir / "keys" / "pool.token"
+    save_token(pool_token, secrets.token_hex(16), replace=True)
+    plan = MeshPlan(config, run_dir, model_dir(config.model, config.engine), key_path, Path(public), pool_token)
     if config.tls:
         plan.creds = make_credentials(run_dir / "pki", [g.region for g in config.topology.gateways],
                                       [p.name for p in config.topology.pools], list(config.model_ids))
@@ -122,8 +132,12 @@ def code_problems(source: str) -> list[CodeProblem]:
 
 
 def _write_toml(path: Path, tables: dict) -> Path:
+    """A service's config file, readable by its owner only (it names keys and paths of the run)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(tomli_w.dumps(tables).encode())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)
+        f.write(tomli_w.dumps(tables).encode())
     return path
 
 
@@ -157,7 +171,7 @@ def gateway_service(plan: MeshPlan, spec: GatewaySpec) -> Service:
     if spec.upstream:
         args += ["--upstream", plan.gateways[spec.upstream].url]
         if plan.creds is not None:
-            args += ["--upstream-token", plan.token(f"gateway/{spec.region}")]
+            args += ["--upstream-token-file", str(plan.token_file(f"gateway/{spec.region}"))]
         if spec.bandwidth_mbps:
             args += ["--bandwidth-cap-mbps", str(spec.bandwidth_mbps)]
         if spec.delay_ms:
@@ -170,12 +184,12 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
     cfg, port = plan.config, free_port()
     assert plan.broker is not None
     config = _write_toml(plan.run_dir / "pools" / f"{name}.toml", {"pool": {
-        "name": name, "broker": plan.broker.url, "broker_token": plan.token(f"pool/{name}"),
+        "name": name, "broker": plan.broker.url,
         "dir": str(plan.pool_dir(name)), "region": region,
         "engine": cfg.engine, "device": "cpu", "threads": 1, "seed": cfg.seed * 1000 + index,
         "listen": f"127.0.0.1:{port}",
         "models": [{"model_id": m, "model_path": str(plan.model_dir)} for m in cfg.model_ids],
-        "sync": {"gateways": [plan.gateways[region].url], "token": plan.token(f"pool/{name}") or plan.pool_token,
+        "sync": {"gateways": [plan.gateways[region].url],
                  "trusted_keys": [str(plan.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
                  "tls": plan.tls_table()},
         "worker": {"workflow": cfg.workflow, "workflow_options": cfg.workflow_options(), "lease_batch": 2,
@@ -183,7 +197,10 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
         **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}),
     }})
-    args = ["pool", "run", "--config", str(config)]
+    token = plan.token_file(f"pool/{name}")
+    args = ["pool", "run", "--config", str(config), "--token-file", str(token or plan.pool_token)]
+    if token is not None:
+        args += ["--broker-token-file", str(token)]
     return _http(name, "pool", args, plan.run_dir / "logs" / f"pool-{name}.log", port)
 
 
@@ -195,15 +212,18 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
     plan.trainer_metrics[model_id] = f"http://127.0.0.1:{metrics_port}"
     config = _write_toml(plan.run_dir / "trainer" / f"{model_id}.toml", {"trainer": {
         "model_id": model_id, "seed": cfg.seed, "broker": plan.broker.url, "gateway": origin.url,
-        "broker_token": plan.token(f"trainer/{model_id}"), "gateway_token": plan.token(f"trainer/{model_id}"),
         "tls": plan.tls_table(),
         "model": str(plan.model_dir), "key": str(plan.private_key), "batch_size": cfg.batch_size,
         "max_steps": cfg.steps, "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
         "metrics_file": str(plan.metrics_file(model_id)), "optim": {"lr": cfg.lr},
         "metrics_listen": f"127.0.0.1:{metrics_port}",
     }})
+    args = ["train", "--config", str(config)]
+    token = plan.token_file(f"trainer/{model_id}")
+    if token is not None:
+        args += ["--broker-token-file", str(token), "--gateway-token-file", str(token)]
     # The trainer may use both cores for the real model; the tiny one gains nothing from a second thread.
-    return Service(f"trainer-{model_id}", "trainer", ["train", "--config", str(config)],
+    return Service(f"trainer-{model_id}", "trainer", args,
                    plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)
 
 

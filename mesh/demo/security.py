@@ -6,7 +6,9 @@ client verifies them against that CA, and every caller presents a token of its r
 file that the gateways and the broker share (roles do not overlap: the broker ignores gateway
 tokens and the other way round). Relays pull from their upstreams with a gateway token named after
 their region; each pool's token is named after the pool; each trainer's is scoped to its model id;
-the demo's monitor reads everything as an admin. Everything lives under RUN_DIR/pki, keys mode 0600.
+the demo's monitor reads everything as an admin. Everything lives under RUN_DIR/pki, keys mode 0600;
+each caller's token is also in a file of its own (`token_files`, mode 0600), which its service reads
+with `--token-file` and the like: a token never goes on a command line (`ps`) nor in a config file.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Sequence
 
 from deltamesh.certs import Issued, issue, make_ca
 from deltamesh.tls import TlsSettings
-from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.tokens import TokenSpec, add_token, save_token
 
 ADMIN = "demo-monitor"
 
@@ -30,6 +32,8 @@ class MeshCredentials:
     """Server name (`gateway-REGION`, `broker`) -> its certificate and key."""
     tokens: dict[str, str] = field(default_factory=dict)
     """Caller (`gateway/REGION`, `pool/NAME`, `trainer/MODEL`, `admin`) -> its token."""
+    token_files: dict[str, Path] = field(default_factory=dict)
+    """Caller -> the file (mode 0600) holding its token, for its service's `--token-file`-style flag."""
 
     def client_tls(self) -> TlsSettings:
         """What every client of the mesh verifies servers with."""
@@ -57,4 +61,9 @@ def make_credentials(pki: Path, regions: Sequence[str], pools: Sequence[str], mo
         creds.tokens[f"trainer/{model_id}"] = add_token(creds.tokens_file,
                                                         TokenSpec(f"{model_id}-trainer", "trainer", [model_id]))
     creds.tokens["admin"] = add_token(creds.tokens_file, TokenSpec(ADMIN, "admin"))
+    folder = pki / "tokens"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for caller, token in creds.tokens.items():
+        creds.token_files[caller] = folder / f"{caller.replace('/', '-')}.token"
+        save_token(creds.token_files[caller], token, replace=True)
     return creds

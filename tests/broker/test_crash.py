@@ -45,7 +45,10 @@ def test_sigkill_during_submissions_loses_nothing_acknowledged(broker_process, m
     async def before_kill() -> list[dict]:
         async with BrokerClient(broker.url, pool="holder") as holder, BatchClient(broker.url, "m") as trainer:
             leases = await holder.lease(3)
-            await holder.submit(make_group(leases[0].group_id, [1.0, 0.0, 0.0, 1.0], task_id=leases[0].task_id))
+            done = make_group(leases[0].group_id, [1.0, 0.0, 0.0, 1.0], task_id=leases[0].task_id)
+            for t in done:
+                t.pool = "holder"  # only the pool holding a lease may fill its group
+            await holder.submit(done)
             await holder.submit(make_group("early", [1.0, 0.0, 1.0, 0.0]))
             await trainer.report_version(2)
             assert (await trainer.next_batch(4, timeout_s=5)).groups == [leases[0].group_id]

@@ -67,8 +67,10 @@ def test_groups_complete_across_commits_and_finish_their_lease(store_factory, ma
     assert tasks == {"t2": TaskRecord("t2", "p", {"k": 1}, 2, ["m", "m2"])}
 
     def sample(model_id, i, reward, version):
-        return make_trajectory(f"{model_id}-{i}", "L1", model_id=model_id, group_size=2, reward=reward,
-                               version=version, task_id="t2", seed=i)
+        t = make_trajectory(f"{model_id}-{i}", "L1", model_id=model_id, group_size=2, reward=reward,
+                            version=version, task_id="t2", seed=i)
+        t.pool = "pool"  # the lease's holder: only it may fill the lease's group
+        return t
 
     [half] = store.ingest(submissions([sample("m", 0, 1.0, 2)]), zero_adv)
     assert (half.accepted, half.completed, half.done_leases) == (1, [], [])

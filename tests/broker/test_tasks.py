@@ -25,6 +25,14 @@ def config(tmp_path: Path, n: int = 3, **tasks) -> BrokerConfig:
     return BrokerConfig(models=["m"], tasks=TasksConfig(dataset=str(write_dataset(tmp_path / "d.jsonl", n)), **tasks))
 
 
+def leased_group(make_group, lease, pool: str, rewards=(1.0, 0.0), **kw) -> list:
+    """A complete group for `lease`, submitted by `pool` (only the pool holding a lease may fill its group)."""
+    group = make_group(lease.group_id, list(rewards), task_id=lease.task_id, **kw)
+    for t in group:
+        t.pool = pool
+    return group
+
+
 def test_read_dataset_keeps_extra_fields_and_names_bad_lines(tmp_path):
     tasks = read_dataset(write_dataset(tmp_path / "d.jsonl", 2))
     assert [(t.task_id, t.prompt, t.metadata) for t in tasks] == [
@@ -84,7 +92,7 @@ def test_expired_leases_are_issued_again(serve_broker, make_group, tmp_path):
             await asyncio.sleep(0.8)  # both deadlines pass; the expiry loop runs every 0.075 s
             assert {le["state"] for le in broker.leases()} == {"expired"}
             # a late result still completes its lease, which is then not issued again
-            await slow.submit(make_group(late.group_id, [1.0, 0.0], task_id=late.task_id))
+            await slow.submit(leased_group(make_group, late, "slow"))
             again = await other.lease(5)
             assert [(le.task_id, le.epoch) for le in again] == [(stuck.task_id, 0)]
             assert again[0].lease_id != stuck.lease_id
@@ -104,7 +112,7 @@ def test_faster_pools_get_more_tasks(serve_broker, make_group, tmp_path):
             held = await slow.lease(2)
             for _ in range(10):  # the fast pool returns its groups at once; the slow one still holds its two
                 for le in await fast.lease(2):
-                    await fast.submit(make_group(le.group_id, [1.0, 0.0], task_id=le.task_id))
+                    await fast.submit(leased_group(make_group, le, "fast"))
                 assert await slow.lease(2) == []  # at its in-flight limit
             pools = broker.balance()["pools"]
             assert pools["fast"]["leased"] == 20 and pools["slow"]["leased"] == len(held) == 2

@@ -25,15 +25,17 @@ DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"
 
 
-def _deltamesh(*args: str, timeout: float = 120, **options) -> subprocess.CompletedProcess:
+def _deltamesh(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+               **options) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DELTAMESH_")}
-    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout, env=clean, **options)
+    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**clean, **(env or {})}, **options)
 
 
 @pytest.fixture
 def deltamesh():
-    """`deltamesh(*args, timeout=120, **subprocess_options)`: run `deltamesh ARGS...` to its end, its output
-    captured, without the caller's DELTAMESH_* settings."""
+    """`deltamesh(*args, timeout=120, env=None, **subprocess_options)`: run `deltamesh ARGS...` to its end,
+    its output captured, without the caller's DELTAMESH_* settings (`env` adds some: a token goes there)."""
     return _deltamesh
 
 

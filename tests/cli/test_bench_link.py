@@ -68,8 +68,8 @@ def gateway(tmp_path_factory):
         for step in (0, 1):  # v0 a full; v1 a delta, and a full too (--full-every 1)
             write_weights(tmp_path / f"w{step}", weights(step))
             done = run("publish", "--gateway", url, "--model", MODEL, "--key", str(tmp_path / "trainer.key"),
-                       "--token", trainer, "--state", str(tmp_path / "state"), "--piece-mib", "0.25",
-                       "--full-every", "1", str(tmp_path / f"w{step}"))
+                       "--state", str(tmp_path / "state"), "--piece-mib", "0.25",
+                       "--full-every", "1", str(tmp_path / f"w{step}"), env={"DELTAMESH_TOKEN": trainer})
             assert done.returncode == 0, done.stderr
         yield url, pool, admin
     finally:

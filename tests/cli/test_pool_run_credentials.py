@@ -22,11 +22,13 @@ pytestmark = pytest.mark.slow
 def pool_run(deltamesh, tmp_path):
     """`pool_run(gateway, token, *flags, broker=URL)`: a `deltamesh pool run` process run to its end, and
     the directory it would sync into."""
-    def run(gw, token: str, *extra: str, broker: str = "http://127.0.0.1:9") -> tuple[subprocess.CompletedProcess, Path]:
+    def run(gw, token: str, *extra: str, broker: str = "http://127.0.0.1:9",
+            broker_token: str = "") -> tuple[subprocess.CompletedProcess, Path]:
         pool_dir = tmp_path / "pool-p1"
-        done = deltamesh("pool", "run", "--name", "p1", "--gateway", gw.url, "--token", token, "--trusted-key",
+        tokens = {"DELTAMESH_TOKEN": token, **({"DELTAMESH_BROKER_TOKEN": broker_token} if broker_token else {})}
+        done = deltamesh("pool", "run", "--name", "p1", "--gateway", gw.url, "--trusted-key",
                          str(gw.public_key), "--dir", str(pool_dir), "--model", str(tmp_path / "no-model-here"),
-                         "--broker", broker, *extra)
+                         "--broker", broker, *extra, env=tokens)
         return done, pool_dir
     return run
 
@@ -65,8 +67,8 @@ def test_a_refused_broker_token_exits_4_before_anything_is_downloaded(published_
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, broker, timeout=60)
-        done, pool_dir = pool_run(gw, gw.tokens["p1"], "--broker-token", "dm_" + "y" * 43, "--region", "eu",
-                                  "--model-id", gw.model, broker=url)
+        done, pool_dir = pool_run(gw, gw.tokens["p1"], "--region", "eu", "--model-id", gw.model, broker=url,
+                                  broker_token="dm_" + "y" * 43)
         refused_in_one_line(done, "the broker refused its credentials", "401")
         assert nothing_fetched(pool_dir) and gw.served_bytes() == 0
     finally:

@@ -164,7 +164,7 @@ def mini_mesh(tmp_path_factory: pytest.TempPathFactory) -> MiniMesh:
             args = ["gateway", "--region", region, "--listen", f"127.0.0.1:{port}", "--advertise", url,
                     "--store", str(tmp_path / f"store-{region}"), *common]
             if upstream:
-                args += ["--upstream", mesh.url(upstream), "--upstream-token", tokens["eu"]]
+                args += ["--upstream", mesh.url(upstream), "--upstream-token-file", str(mesh.write_token("eu"))]
             mesh.start("origin" if upstream is None else "relay", args, url)
         port = free_port()
         mesh.start("broker", ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "broker.db"),

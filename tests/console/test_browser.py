@@ -38,11 +38,10 @@ def browser():
 
 
 def cell(driver, selector: str) -> str:
-    """The text of the first element `selector` finds, or "" when there is none yet."""
-    from selenium.webdriver.common.by import By
-
-    found = driver.find_elements(By.CSS_SELECTOR, selector)
-    return found[0].text if found else ""
+    """The text of the first element `selector` finds, or "" when there is none yet. Read in one script
+    call: the page re-renders every poll, so an element found by one call may be gone by the next."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText.trim() : '';", selector)
 
 
 def test_the_page_shows_a_publish_a_links_rtt_and_a_stale_pool_after_its_gateway_stops(mini_mesh, browser, tmp_path):

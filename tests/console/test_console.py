@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import ssl
 import subprocess
 import sys
@@ -133,11 +134,12 @@ def test_with_a_login_token_a_browser_without_a_session_gets_nothing(mini_mesh, 
         console.stop()
 
 
-@pytest.mark.parametrize("extra", [[], ["--login-token", "x"]], ids=["no-login", "login-but-no-tls"])
-def test_it_refuses_to_listen_off_loopback_without_tls_and_a_login_token(extra):
+@pytest.mark.parametrize("login", ["", "x"], ids=["no-login", "login-but-no-tls"])
+def test_it_refuses_to_listen_off_loopback_without_tls_and_a_login_token(login):
     port = free_port()
-    proc = subprocess.run([DELTAMESH, "console", "--listen", f"0.0.0.0:{port}", "--gateway", "http://127.0.0.1:1",
-                           *extra], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "DELTAMESH_CONSOLE_LOGIN_TOKEN": login}
+    proc = subprocess.run([DELTAMESH, "console", "--listen", f"0.0.0.0:{port}", "--gateway", "http://127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "not loopback" in proc.stderr and "Traceback" not in proc.stderr
 

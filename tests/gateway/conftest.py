@@ -187,12 +187,15 @@ class PoolProc:
     dir: Path
     args: list[str]
     log_path: Path
+    token: str = ""
+    """Given by the environment ($DELTAMESH_TOKEN): a token never goes on a command line."""
     proc: subprocess.Popen | None = None
 
     def start(self) -> "PoolProc":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(DELTAMESH + ["pool", "sync", *self.args], stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "DELTAMESH_TOKEN": self.token})
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -210,11 +213,11 @@ def spawn_pool(tmp_path: Path, trainer_key: TrainerKey) -> Callable[..., PoolPro
 
     def spawn(name: str, gateways: list[str], *, token: str = POOL_TOKEN, extra: list[str] = ()) -> PoolProc:
         directory = tmp_path / "pools" / name
-        args = ["--token", token, "--name", name, "--dir", str(directory), "--trusted-key", str(trainer_key.public),
+        args = ["--name", name, "--dir", str(directory), "--trusted-key", str(trainer_key.public),
                 "--heartbeat-s", "0.5", "--stall-timeout-s", "3", *extra]
         for g in gateways:
             args += ["--gateway", g]
-        pool = PoolProc(name, directory, args, tmp_path / f"pool-{name}.log")
+        pool = PoolProc(name, directory, args, tmp_path / f"pool-{name}.log", token)
         started.append(pool)
         return pool.start()
 

@@ -2,8 +2,9 @@
 
 Everything is passed through to the real gateway, except that piece bodies (and the bodies of parts
 of a version) can be trickled, stalled mid-piece, cut short or have a byte flipped, parts can claim
-another version, and control-plane answers (heads, listings, plans, pool
-registration) can be slowed down. What it does can change while a test runs (`mode`), and it counts
+another version, control-plane answers (heads, listings, plans, pool
+registration) can be slowed down, and the answers of any stage (`ENDLESS`) can go on for ever: the
+honest body, then filler bytes, with no declared length, until the client hangs up. What it does can change while a test runs (`mode`), and it counts
 every piece request it got, so a test can bound how often a bad source is asked.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +26,12 @@ from deltamesh.http import serving
 
 PIECE_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/pieces/([0-9]+)$")
 PART_PATH = re.compile(r"^/v1/models/([^/]+)/newest/(delta|full)/parts/([0-9]+)$")
+HEAD_PATH = re.compile(r"^/v1/models/([^/]+)/head$")
 MANIFEST_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/manifest$")
+ENDLESS = ("parts", "pieces", "manifest", "control")
+"""The stages whose answers `Mode.endless` can make endless: parts of a newest version, pieces, manifests,
+and everything else (heads, plans, statements, listings, pool registration, health)."""
+FILLER = b"\xa5" * (256 * 1024)
 
 
 @dataclass
@@ -45,6 +52,11 @@ class Mode:
     """Misbehave on the pieces of these versions only (None: all)."""
     part_version: int | None = None
     """Say that parts are of this version."""
+    endless: frozenset[str] = frozenset()
+    """The stages (of ENDLESS) whose successful answers never end. With "manifest", head answers carry
+    no manifests inline (so that the client asks for them)."""
+    endless_sent: int = 0
+    """Filler bytes sent so far by endless answers."""
 
 
 @dataclass
@@ -63,11 +75,17 @@ class Hostile:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         piece, part = PIECE_PATH.match(request.path), PART_PATH.match(request.path)
-        if piece is None and part is None and not MANIFEST_PATH.match(request.path):
+        manifest = MANIFEST_PATH.match(request.path)
+        if piece is None and part is None and not manifest:
             self.control_requests += 1
             await asyncio.sleep(self.mode.control_delay_s)
         data, status, out = await passthrough.pass_through(self._session, self.real, request)
         mode = self.mode
+        stage = "parts" if part else "pieces" if piece else "manifest" if manifest else "control"
+        if "manifest" in mode.endless and HEAD_PATH.match(request.path) and status == 200:
+            data = json.dumps({k: v for k, v in json.loads(data).items() if k != "manifests"}).encode()
+        if stage in mode.endless and status in (200, 206):
+            return await self._endless(request, status, out, data)
         if part is not None:
             self.part_requests[int(part.group(3))] += 1
             if mode.part_version is not None and "X-Deltamesh-Version" in out:
@@ -101,6 +119,20 @@ class Hostile:
             request.transport.close()  # the body ends early: a short read at the client
             return resp
         await resp.write_eof()
+        return resp
+
+    async def _endless(self, request: web.Request, status: int, headers: dict, data: bytes) -> web.StreamResponse:
+        """The honest answer, then filler for ever (no declared length), until the client hangs up."""
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.enable_chunked_encoding()
+        try:
+            await resp.prepare(request)
+            await resp.write(data)
+            while not self._closing.is_set():
+                await resp.write(FILLER)
+                self.mode.endless_sent += len(FILLER)
+        except (ConnectionError, RuntimeError, aiohttp.ClientError):
+            pass  # the client hung up (aiohttp raises one of these, by when it noticed)
         return resp
 
     @contextlib.asynccontextmanager

@@ -26,9 +26,10 @@ FAR = "http://10.11.12.13:8700"
 """Plain http to a host that is not loopback: no token goes there unless `insecure`."""
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
+def _run(*args: str, timeout: float = 60, token: str = "") -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DELTAMESH_")}
+    env = {**clean, "COLUMNS": "200", **({"DELTAMESH_TOKEN": token} if token else {})}  # never on argv
+    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_a_gateway_without_credentials_refuses_to_start(kit, tmp_path):
@@ -77,7 +78,7 @@ def test_tokens_never_travel_in_clear_text(kit, tmp_path):
                   tls=TlsSettings(insecure=True))
     with pytest.raises(ValueError, match="refusing to send a token"):
         PublishConfig(gateway=FAR, model="m", key="k", token="dm_x")
-    refused = _run("pools", "--gateway", FAR, "--token", "dm_x")
+    refused = _run("pools", "--gateway", FAR, token="dm_x")
     assert refused.returncode == 2 and "refusing to send a token over plain http://" in refused.stderr
 
 
@@ -94,14 +95,14 @@ def test_cli_clients_carry_their_tokens(kit, spawn_gateway, tmp_path):
               "--piece-mib", "0.01", str(src)]
     refused = _run("publish", *common)
     assert refused.returncode == 4 and "401" in refused.stderr  # credentials refused (docs/CLI.md)
-    published = _run("publish", *common, "--token", trainer)
+    published = _run("publish", *common, token=trainer)
     assert published.returncode == 0 and "published cli-m v0: full" in published.stdout, published.stderr
 
-    listed = _run("pools", "--gateway", gw.url, "--json", "--token", admin)
+    listed = _run("pools", "--gateway", gw.url, "--json", token=admin)
     assert listed.returncode == 0 and json.loads(listed.stdout)["pools"] == []
-    refused = _run("pools", "--gateway", gw.url, "--token", pool)
+    refused = _run("pools", "--gateway", gw.url, token=pool)
     assert refused.returncode == 4 and "403" in refused.stderr and "roles: admin" in refused.stderr
-    links = _run("links", "--gateway", gw.url, "--json", "--token", admin)
+    links = _run("links", "--gateway", gw.url, "--json", token=admin)
     assert links.returncode == 0 and json.loads(links.stdout)["region"] == "eu-1"
     refused = _run("links", "--gateway", gw.url)
     assert refused.returncode == 4 and "401" in refused.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,44 @@ def test_every_route_is_decided(kit, tmp_path, tokens):
         assert unlisted_routes(create_app(cfg), policy) == []
         assert policy.roles_for("GET", "/healthz") == OPEN
         assert [r for r, roles in ROUTES.items() if roles == OPEN] == [("GET", "/healthz")]
+
+
+def documented_routes() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The route table of docs/api/gateway.md, "Who may call what", as (method, route) -> roles; a route
+    written `.../SUFFIX` is the route of the code's table ending in SUFFIX."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api" / "gateway.md").read_text()
+    table = text[text.index("| route | who may call it |"):]
+    out = {}
+    for row in table[:table.index("\n\n")].splitlines()[2:]:
+        routes, who = row.strip("|").split("|")
+        roles = tuple(r for r in ROLES if re.search(rf"\b{r}\b", who)) if "anyone" not in who else OPEN
+        for method, path in re.findall(r"`([A-Z]+) ([^`]+)`", routes):
+            found = [(m, r) for m, r in ROUTES if m == method and (r == path or (
+                path.startswith("...") and r.endswith(path[3:])))]
+            assert len(found) == 1, (method, path, found)
+            out[found[0]] = roles
+    return out
+
+
+def test_the_documented_route_table_is_the_codes():
+    documented = documented_routes()
+    assert {k: set(v) for k, v in documented.items()} == {k: set(v) for k, v in ROUTES.items()}
+
+
+def test_a_trainer_token_reads_pieces_of_its_models_and_an_unscoped_one_of_every_model(kit, tmp_path, tokens):
+    path, tok = tokens
+    unscoped = add_token(path, TokenSpec("trainer-any", "trainer"))
+
+    async def main():
+        async with gateway(kit, tmp_path, path) as (url, s, _):
+            await setup(kit, url, s, tok)
+            piece = f"{url}/v1/models/{MODEL}/versions/1/full/pieces/0"
+            assert (await call(s, "GET", piece, unscoped))[0] == 200
+            assert (await call(s, "GET", piece, tok["trainer"]))[0] == 200
+            status, body = await call(s, "GET", piece, tok["other_trainer"])
+            assert status == 403 and MODEL in body["error"]
+
+    asyncio.run(main())
 
 
 def test_every_refusal_is_401_or_403_and_changes_nothing(kit, tmp_path, tokens):

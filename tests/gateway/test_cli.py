@@ -17,10 +17,10 @@ DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 pytestmark = pytest.mark.slow
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    # A wide terminal, so that rich does not wrap the tables' cells.
-    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
+def _run(*args: str, timeout: float = 60, token: str = "") -> subprocess.CompletedProcess:
+    # A wide terminal, so that rich does not wrap the tables' cells; a token by the environment, never argv.
+    env = {**os.environ, "COLUMNS": "200", **({"DELTAMESH_TOKEN": token} if token else {})}
+    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_gateway_config_publish_sync_and_tables(kit, spawn_gateway, tmp_path):
@@ -57,8 +57,8 @@ def test_gateway_config_publish_sync_and_tables(kit, spawn_gateway, tmp_path):
     assert [(v["version"], v["kind"]) for v in versions] == [(0, "full"), (1, "delta")]
 
     pool_dir = tmp_path / "pool"
-    sync = _run("pool", "sync", "--gateway", gw.url, "--token", "cli-token", "--name", "cli-pool",
-                "--dir", str(pool_dir), "--trusted-key", str(kit.key.public), "--once")
+    sync = _run("pool", "sync", "--gateway", gw.url, "--name", "cli-pool",
+                "--dir", str(pool_dir), "--trusted-key", str(kit.key.public), "--once", token="cli-token")
     assert sync.returncode == 0, sync.stderr
     assert sync.stdout.strip() == "cli-m v1"
     assert dir_manifest(pool_dir).version == 1 and kit.same_bits(read_weights(pool_dir), w1)
@@ -67,8 +67,8 @@ def test_gateway_config_publish_sync_and_tables(kit, spawn_gateway, tmp_path):
     from deltamesh.delta import generate_key, save_keypair
 
     save_keypair(generate_key(), tmp_path / "other", wrong_key)
-    refused = _run("pool", "sync", "--gateway", gw.url, "--token", "cli-token", "--name", "p2",
-                   "--dir", str(tmp_path / "p2"), "--trusted-key", str(wrong_key), "--once")
+    refused = _run("pool", "sync", "--gateway", gw.url, "--name", "p2",
+                   "--dir", str(tmp_path / "p2"), "--trusted-key", str(wrong_key), "--once", token="cli-token")
     # Its gateway's head statement is the first thing signed by a key it does not trust: refused.
     assert refused.returncode == 1 and "which is not trusted" in refused.stderr
     assert dir_manifest(tmp_path / "p2") is None

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns]
 RELAY_HOLDS = """import json, ssl, sys, urllib.request
 ctx = ssl.create_default_context(cafile="pki/ca.pem")
 req = urllib.request.Request("https://localhost:8701/v1/models/policy/head?after=-1&wait=30",
-                             headers={"Authorization": "Bearer " + open("pool.token").read()})
+                             headers={"Authorization": "Bearer " + open("pool.token").read().strip()})
 head = json.load(urllib.request.urlopen(req, context=ctx, timeout=60))["head"]
 sys.exit(0 if head == 0 else f"relay head {head}")
 """

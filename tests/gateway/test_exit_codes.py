@@ -20,9 +20,10 @@ from deltamesh.tokens import TokenSpec, add_token
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 60, token: str = "") -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DELTAMESH_")}
-    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout, env=clean)
+    env = {**clean, **({"DELTAMESH_TOKEN": token} if token else {})}  # a token never goes on the command line
+    return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def one_line(done: subprocess.CompletedProcess, code: int, text: str, *, alone: bool = True) -> str:
@@ -46,8 +47,9 @@ def test_key_files_missing_or_of_the_wrong_kind(kit, tmp_path):
     write_weights(src, kit.tiny_weights())
     one_line(run("publish", "--gateway", "http://127.0.0.1:9", "--model", "m", "--key", str(kit.key.public),
                  "--state", str(tmp_path / "st"), str(src)), Exit.USAGE, "holds a public key")
-    one_line(run("pool", "sync", "--once", "--gateway", "http://127.0.0.1:9", "--token", "t", "--name", "p",
-                 "--dir", str(tmp_path / "p"), "--trusted-key", str(kit.key.private)), Exit.USAGE, "holds a private key")
+    one_line(run("pool", "sync", "--once", "--gateway", "http://127.0.0.1:9", "--name", "p",
+                 "--dir", str(tmp_path / "p"), "--trusted-key", str(kit.key.private), token="t"), Exit.USAGE,
+             "holds a private key")
 
 
 def test_unreachable_urls(kit, tmp_path):
@@ -78,13 +80,13 @@ def test_a_refused_token_fails_before_any_download(kit, spawn_gateway, tmp_path)
     gw = spawn_gateway("eu", anonymous=False, extra=["--tokens-file", str(tokens)])
     src = tmp_path / "weights"
     write_weights(src, kit.tiny_weights())
-    published = run("publish", "--gateway", gw.url, "--model", "m", "--key", str(kit.key.private), "--token",
-                    trainer, "--state", str(tmp_path / "st"), str(src))
+    published = run("publish", "--gateway", gw.url, "--model", "m", "--key", str(kit.key.private),
+                    "--state", str(tmp_path / "st"), str(src), token=trainer)
     assert published.returncode == 0, published.stderr
     for token, why in (("dm_wrong", "401"), (other_pool, "403")):
         pool_dir = tmp_path / f"pool-{why}"
-        done = run("pool", "sync", "--once", "--gateway", gw.url, "--token", token, "--name", "p1", "--dir",
-                   str(pool_dir), "--trusted-key", str(kit.key.public))
+        done = run("pool", "sync", "--once", "--gateway", gw.url, "--name", "p1", "--dir",
+                   str(pool_dir), "--trusted-key", str(kit.key.public), token=token)
         one_line(done, Exit.REFUSED, why)
         assert not pool_dir.exists() or not any(pool_dir.iterdir()), why  # nothing was downloaded
     assert "/pieces/" not in gw.log_tail(100_000)
@@ -106,8 +108,8 @@ def test_a_full_disk(kit, spawn_gateway, tmp_path):
         published = run("publish", "--gateway", gw.url, "--model", "m", "--key", str(kit.key.private), "--state",
                         str(tmp_path / "st"), str(src))
         assert published.returncode == 0, published.stderr  # 1 MiB of weights, 256 KiB of disk
-        done = run("pool", "sync", "--once", "--gateway", gw.url, "--token", "t", "--name", "p1", "--dir",
-                   str(tiny / "pool"), "--trusted-key", str(kit.key.public))
+        done = run("pool", "sync", "--once", "--gateway", gw.url, "--name", "p1", "--dir",
+                   str(tiny / "pool"), "--trusted-key", str(kit.key.public), token="t")
         one_line(done, Exit.DISK_FULL, "No space left on device", alone=False)
     finally:
         subprocess.run(["umount", str(tiny)], capture_output=True)

@@ -138,11 +138,11 @@ def test_pool_sync_once_against_only_a_trickling_gateway_fails_with_one_clear_er
                 deltamesh = str(Path(sys.executable).with_name("deltamesh"))
                 t0 = time.monotonic()
                 proc = await asyncio.create_subprocess_exec(
-                    deltamesh, "pool", "sync", "--once", "--gateway", bad.url, "--token", "region-token-1",
+                    deltamesh, "pool", "sync", "--once", "--gateway", bad.url,
                     "--name", "p", "--dir", str(tmp_path / "pool"), "--trusted-key", str(kit.key.public),
                     "--model", MODEL, "--stall-timeout-s", str(STALL),
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                    env={**os.environ, "DELTAMESH_LOG": "INFO"})
+                    env={**os.environ, "DELTAMESH_LOG": "INFO", "DELTAMESH_TOKEN": "region-token-1"})
                 out, _ = await asyncio.wait_for(proc.communicate(), 60)
                 return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0, bad
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import socket
 import subprocess
@@ -79,9 +80,9 @@ def test_a_gateway_that_never_answers_ends_a_one_off_sync_after_the_stall_timeou
     threading.Thread(target=lambda: [held.append(silent.accept()) for _ in range(20)], daemon=True).start()
     started = time.monotonic()
     done = subprocess.run([*DELTAMESH, "pool", "sync", "--once", "--gateway", f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           "--token", "t", "--name", "p1", "--dir", str(tmp_path / "p1"), "--trusted-key",
+                           "--name", "p1", "--dir", str(tmp_path / "p1"), "--trusted-key",
                            str(trainer_key.public), "--model", MODEL, "--stall-timeout-s", "1"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "DELTAMESH_TOKEN": "t"})
     assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr
     assert time.monotonic() - started < 20
     assert len([line for line in done.stderr.splitlines() if " E " in line]) == 1, done.stderr

@@ -34,8 +34,9 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # The pool's token by the environment (the gateway is anonymous and takes any): never on the command line.
     return subprocess.run([DELTAMESH, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "200"})
+                          env={**os.environ, "COLUMNS": "200", "DELTAMESH_TOKEN": "t"})
 
 
 def _manifest(kit, url: str, version: int, kind: str) -> Manifest:
@@ -73,7 +74,7 @@ def test_a_fresh_pool_syncs_a_loadable_model_directory_and_deltas_reship_only_ch
 
     pool = tmp_path / "pool"
     pool.mkdir()  # empty: nothing pre-seeded
-    sync = ["pool", "sync", "--gateway", gw.url, "--token", "t", "--name", "fresh", "--dir", str(pool),
+    sync = ["pool", "sync", "--gateway", gw.url, "--name", "fresh", "--dir", str(pool),
             "--trusted-key", str(kit.key.public), "--once"]
     done = _run(*sync)
     assert done.returncode == 0, done.stderr

@@ -88,9 +88,11 @@ class Service:
     log_path: Path
     proc: subprocess.Popen | None = None
     health: str = "/healthz"
+    env: dict[str, str] = field(default_factory=dict)
+    """Set for this process only: its tokens go here, never on its command line."""
 
     def start(self) -> "Service":
-        env = {**os.environ, "DELTAMESH_LOG": os.environ.get("DELTAMESH_LOG", "INFO")}
+        env = {**os.environ, "DELTAMESH_LOG": os.environ.get("DELTAMESH_LOG", "INFO"), **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([DELTAMESH, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
@@ -146,8 +148,9 @@ class PoolKit:
     def base_weights(self) -> dict[str, torch.Tensor]:
         return read_weights(self.model_dir)
 
-    def _spawn(self, name: str, args: list[str], url: str, health: str = "/healthz") -> Service:
-        service = Service(name, args, url, self.tmp / f"{name}.log", health=health)
+    def _spawn(self, name: str, args: list[str], url: str, health: str = "/healthz",
+               env: dict[str, str] | None = None) -> Service:
+        service = Service(name, args, url, self.tmp / f"{name}.log", health=health, env=env or {})
         self.started.append(service)
         return service.start()
 
@@ -175,12 +178,12 @@ class PoolKit:
 
     def pool(self, name: str, gateway: str, broker: str, *extra: str, max_new_tokens: int = 4) -> Service:
         port = free_port()
-        args = ["pool", "run", "--gateway", gateway, "--broker", broker, "--token", TOKEN, "--name", name,
+        args = ["pool", "run", "--gateway", gateway, "--broker", broker, "--name", name,
                 "--model", str(self.model_dir), "--dir", str(self.tmp / "weights" / name),
                 "--trusted-key", str(self.public_key), "--listen", f"127.0.0.1:{port}", "--threads", "1",
                 "--sampling.max-new-tokens", str(max_new_tokens), "--sync.heartbeat-s", "0.5",
                 "--sync.stall-timeout-s", "3", *extra]
-        return self._spawn(name, args, f"http://127.0.0.1:{port}")
+        return self._spawn(name, args, f"http://127.0.0.1:{port}", env={"DELTAMESH_TOKEN": TOKEN})
 
     def broker_config(self, tasks: list[dict], *, models: tuple[str, ...] = (MODEL,), n_samples: int = 2,
                       epochs: int = 1) -> BrokerConfig:

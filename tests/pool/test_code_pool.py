@@ -15,8 +15,14 @@ from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import PoolError, RolloutPool
 from deltamesh.mesh.sandbox import SandboxConfig
 
-BASE = ["pool", "run", "--gateway", "http://127.0.0.1:1", "--broker", "http://127.0.0.1:2", "--token", "t",
+BASE = ["pool", "run", "--gateway", "http://127.0.0.1:1", "--broker", "http://127.0.0.1:2",
         "--name", "p1", "--trusted-key", "k.pem", "--model", "/m"]
+
+
+@pytest.fixture(autouse=True)
+def _pool_token(monkeypatch):
+    """The pool's token, from the environment as a real pool takes it (never on the command line)."""
+    monkeypatch.setenv("DELTAMESH_TOKEN", "t")
 
 
 @pytest.mark.parametrize("workflow", ["code", "tool_use", "solver_selector", "solver_testgen"])

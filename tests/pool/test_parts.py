@@ -23,8 +23,14 @@ from deltamesh.mesh.pool.pool import PoolError, resolve_roles
 from deltamesh.mesh.pool.staleness import lease_verdict
 from deltamesh.mesh.pool.worker import task_from_lease
 
-BASE = ["pool", "run", "--gateway", "http://127.0.0.1:1", "--broker", "http://127.0.0.1:2", "--token", "t",
+BASE = ["pool", "run", "--gateway", "http://127.0.0.1:1", "--broker", "http://127.0.0.1:2",
         "--name", "p1", "--trusted-key", "k.pem"]
+
+
+@pytest.fixture(autouse=True)
+def _pool_token(monkeypatch):
+    """The pool's token, from the environment as a real pool takes it (never on the command line)."""
+    monkeypatch.setenv("DELTAMESH_TOKEN", "t")
 
 
 def _config(argv: list[str], path=None) -> PoolConfig:

@@ -113,8 +113,8 @@ class Mesh:
         self.env = {**os.environ, "DELTAMESH_LOG": "INFO", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                     "TOKENIZERS_PARALLELISM": "false"}
 
-    def _spawn(self, name: str, cmd: list[str]) -> Proc:
-        proc = Proc(name, cmd, self.root / f"{name}.log", self.env).start()
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name, cmd, self.root / f"{name}.log", {**self.env, **(env or {})}).start()
         self.procs.append(proc)
         return proc
 
@@ -153,9 +153,9 @@ class Mesh:
     def pool(self, name: str, gateway: str, model_id: str) -> Path:
         directory = self.root / "pools" / name
         self._spawn(f"pool-{name}", [
-            DELTAMESH, "pool", "sync", "--gateway", gateway, "--token", POOL_TOKEN, "--name", name,
+            DELTAMESH, "pool", "sync", "--gateway", gateway, "--name", name,
             "--dir", str(directory), "--trusted-key", str(self.public_key), "--model", model_id,
-            "--heartbeat-s", "0.5", "--stall-timeout-s", "3"])
+            "--heartbeat-s", "0.5", "--stall-timeout-s", "3"], env={"DELTAMESH_TOKEN": POOL_TOKEN})
         return directory
 
     def trainer(self, name: str, *, broker: str, gateway: str, model_id: str, args: Sequence[str] = (),
