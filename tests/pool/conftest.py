@@ -27,7 +27,7 @@ import torch
 from deltamesh.delta import generate_key, read_weights, save_keypair
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server import create_app
-from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
+from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
 from deltamesh.mesh.broker.server import build_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
@@ -190,8 +190,11 @@ class PoolKit:
         """An in-process broker's settings, serving `tasks` (written as its JSONL dataset)."""
         dataset = self.tmp / "tasks.jsonl"
         dataset.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        # No trainer reports a version to this broker: its pools serve versions published straight to
+        # the gateway, so claims a few versions ahead of "v0" are taken.
         return BrokerConfig(models=list(models), durability="process",
-                            tasks=TasksConfig(dataset=str(dataset), n_samples=n_samples, epochs=epochs))
+                            tasks=TasksConfig(dataset=str(dataset), n_samples=n_samples, epochs=epochs),
+                            policies=PoliciesConfig(max_version_ahead=8))
 
     def gateway_config(self, **kw) -> GatewayConfig:
         kw.setdefault("store", str(self.tmp / "store"))

@@ -10,7 +10,7 @@ import time
 
 from deltamesh.http import client_session, request_json
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
+from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
 from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
@@ -21,8 +21,10 @@ from deltamesh.trainer.batch_client import BatchClient
 def test_a_pool_serves_two_policies_each_following_its_own_weights(kit):
     dataset = kit.tmp / "tasks.jsonl"
     dataset.write_text("".join(json.dumps(t) + "\n" for t in digit_sum_tasks(50)))
+    # No trainer reports a version here, and the pool serves v3: the broker must take claims 3 ahead.
     broker_config = BrokerConfig(models=["solver", "verifier"], durability="process",
-                                 tasks=TasksConfig(dataset=str(dataset), n_samples=2, epochs=5))
+                                 tasks=TasksConfig(dataset=str(dataset), n_samples=2, epochs=5),
+                                 policies=PoliciesConfig(max_version_ahead=3))
     base = kit.base_weights()
     versions = {"solver": kit.next_version(base, 11), "verifier": kit.next_version(base, 12)}
 
