@@ -47,6 +47,15 @@ def task_from_lease(lease: TaskLease) -> Task:
                 n_samples=lease.n_samples, model_ids=tuple(lease.model_ids))
 
 
+def record_acknowledged(path: str, lease_id: str, ids: list[str]) -> None:
+    """Append one acknowledged submission to the pool's ledger (`WorkerConfig.ledger`). Written after the
+    broker's answer, so a pool killed in between leaves out a submission the broker holds, never the
+    other way round."""
+    line = json.dumps({"time": time.time(), "lease": lease_id, "ids": ids}) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
+
+
 @dataclass
 class WorkerCounts:
     leased: int = 0
@@ -145,6 +154,8 @@ class RolloutWorker:
             log.error("submission of lease %s refused: %s", lease.lease_id, e)
             return
         self._episode_done(True, started)
+        if self.settings.ledger:
+            record_acknowledged(self.settings.ledger, lease.lease_id, [t.id for t in trajectories])
         c = self.counts
         c.submitted += len(trajectories)
         c.last_submit_at = time.time()
