@@ -134,6 +134,7 @@ class Soak:
         t = self.now()
         converged = checks.convergence(t, self.marks["last_heal"], readings.head_at(self.marks["last_heal"]),
                                        readings.pools, self.marks["end"])
+        checks.recoveries(t, self.faults.entries, readings.pools, readings.head_at, self.marks["last_heal"])
         checks.trainer_wait(t, (self.marks["ready"], self.marks["faults_start"]), (self.marks["settled"], self.marks["end"]))
         await mesh.services.stop([s for s in mesh.all_services() if s.kind in ("pool", "trainer")], grace_s=30.0)
         self.observer.read_steps()  # the records of the trainer's last steps
