@@ -167,7 +167,7 @@ class PostgresCluster:
         atexit.register(cluster.close)
         try:
             cluster._run("pg_basebackup", "-D", str(cluster.data), "-h", "127.0.0.1", "-p", str(primary.port),
-                         "-U", "postgres", "-R", "-X", "stream", "--no-sync")
+                         "-U", "postgres", "-R", "-X", "stream", "--no-sync", "--checkpoint=fast")
             # The copied settings name the primary's port and socket folder; later lines win.
             with open(cluster.data / "postgresql.auto.conf", "a") as conf:
                 conf.write(f"port = {cluster.port}\nunix_socket_directories = '{root}'\n")

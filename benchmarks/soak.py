@@ -10,11 +10,11 @@ cut, lossy or trickling; a full disk; a corrupted stored piece; a malicious rela
 for the mesh to settle, and checks its invariants (soak_checks.py) on every reading and at the end.
 The same seed replays the same schedule; every run's fault log is RUN_DIR/faults.jsonl.
 
-Needs root (network namespaces, tmpfs, PostgreSQL as its own user) and what benchmarks/wan/setup.sh,
-benchmarks/setup_postgres.sh and benchmarks/setup_soak.sh install. An 8-minute run injects about 35
-faults of all 10 kinds; an hour about 240.
+Needs root (network namespaces, tmpfs, PostgreSQL as its own user), what benchmarks/wan/setup.sh and
+benchmarks/setup_postgres.sh install, and a C compiler (the clock shim, soak_clock.py). An 8-minute run
+injects about 35 faults of all 10 kinds; an hour about 240. `--quick` is the 4-minute run of the tests.
 
-    .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 [--json] [--run-dir DIR] [--vllm]
+    .venv/bin/python benchmarks/soak.py --minutes 8 --seed 1 [--json] [--save PATH] [--run-dir DIR] [--vllm]
 
 `--json` prints one object: `faults` ({kind: count}), `violations` (each with `invariant`, `time_s`,
 `seed`, `detail` and the log lines around it; empty when every invariant held), `converged_s_max`
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from common import emit
+from soak_mesh import VLLM_POOL
 from soak_net import SoakNet
 from soak_report import print_tables
 from soak_run import Soak, SoakSettings
@@ -48,9 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=8.0, help="length of the fault phase (default 8)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--save", metavar="PATH", help="also write the JSON object to PATH")
+    p.add_argument("--quick", action="store_true", help="a 4-minute fault phase (what the tests run)")
     p.add_argument("--run-dir", help="where logs, stores and the report go (default runs/soak-<time>)")
     p.add_argument("--vllm", action="store_true", help="add a fifth pool on vLLM's CPU build")
     args = p.parse_args(argv)
+    if args.quick:
+        args.minutes = 4.0
     if args.minutes <= 0:
         p.error("--minutes must be > 0")
     return args
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_to(run_dir, args.json)
-    schedule = make_schedule(args.seed, args.minutes)
+    schedule = make_schedule(args.seed, args.minutes, extra_processes=(f"pool-{VLLM_POOL[0]}",) if args.vllm else ())
     (run_dir / "schedule.json").write_text(json.dumps([f.as_json() for f in schedule], indent=1))
     log.info("soak: seed %d, %g min, %d faults planned; run directory %s", args.seed, args.minutes,
              len(schedule), run_dir)

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -244,12 +245,14 @@ class Injector:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=out, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         out.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 90
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([proc.stdout], [], [], left)[0]:
+                break
             line = proc.stdout.readline()
             if line.strip() == b"ready":
                 return proc
-            if not line and proc.poll() is not None:
+            if not line:
                 break
         self._hostile = proc
         self.end_hostile()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from deltamesh.delta.manifest import load_manifest_unverified
 from deltamesh.gateway_client import version_url
-from deltamesh.http import bearer, client_session, request_bytes, request_json
+from deltamesh.http import HttpError, bearer, client_session, request_bytes, request_json
 from deltamesh.tls import TlsSettings, server_context
 
 HELPERS = Path(__file__).resolve().parents[1] / "tests" / "gateway"
@@ -45,9 +45,17 @@ def load_helpers() -> None:
 
 
 async def old_version(honest: str, token: str, model: str) -> tuple[int, int, str, bytes, list[bytes]]:
-    """(head, old version, its kind, its signed manifest, its pieces): the oldest complete version held."""
+    """(head, old version, its kind, its signed manifest, its pieces): the oldest complete version held
+    (asked again until the real relay, restarted beside this process, answers)."""
     async with client_session(headers=bearer(token)) as s:
-        listing = await request_json(s, "GET", f"{honest}/v1/models/{model}/versions")
+        for attempt in range(120):
+            try:
+                listing = await request_json(s, "GET", f"{honest}/v1/models/{model}/versions")
+                break
+            except HttpError:
+                if attempt == 119:
+                    raise
+                await asyncio.sleep(0.5)
         complete = [v for v in listing["versions"] if v["complete"]]
         old = min(complete, key=lambda v: v["version"])
         base = version_url(honest, model, old["version"], old["kind"])

@@ -63,7 +63,8 @@ class PgPair:
 
     def __init__(self) -> None:
         self.primary = PostgresCluster.start_new()
-        self.standby = PostgresCluster.start_standby(self.primary)
+        self.standby: PostgresCluster | None = PostgresCluster.start_standby(self.primary)
+        self._spare_port = self.standby.port
         self.primary.set_setting("synchronous_standby_names", "*")
         self.dbname = "soak"
         self.primary.create_database(self.dbname)
@@ -71,7 +72,8 @@ class PgPair:
     @property
     def dsn(self) -> str:
         """Both servers; libpq connects to whichever accepts writes."""
-        hosts = ",".join(f"127.0.0.1:{c.port}" for c in (self.primary, self.standby))
+        ports = sorted({self.primary.port, self.standby.port if self.standby else self._spare_port})
+        hosts = ",".join(f"127.0.0.1:{port}" for port in ports)
         return f"postgresql://postgres@{hosts}/{self.dbname}?target_session_attrs=read-write"
 
     @property
@@ -82,14 +84,23 @@ class PgPair:
         """Crash the primary (immediate stop: no checkpoint, clients cut off), promote the standby, then
         build a new standby of it on the dead primary's port. Every commit acknowledged before the crash
         was on the standby too (synchronous replication); while the new standby is built the new primary
-        commits alone, so no second failover may come before `fail_over` returns."""
+        commits alone, so no second failover may come before `fail_over` returns. Should the last build
+        have failed, this one only builds the standby (a crash with none would lose acknowledged data)."""
+        if self.standby is None:
+            self._new_standby(self._spare_port)
+            return
         dead = self.primary
-        dead.stop(mode="immediate")
+        if dead.running():
+            dead.stop(mode="immediate")
         self.standby.promote()
         self.primary, self.standby = self.standby, None
         self.primary.set_setting("synchronous_standby_names", "")
         dead.close()
-        self.standby = PostgresCluster.start_standby(self.primary, port=dead.port)
+        self._new_standby(dead.port)
+
+    def _new_standby(self, port: int) -> None:
+        self._spare_port = port
+        self.standby = PostgresCluster.start_standby(self.primary, port=port)
         self.primary.set_setting("synchronous_standby_names", "*")
 
     def data_dirs(self) -> list[Path]:

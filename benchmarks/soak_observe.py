@@ -70,11 +70,18 @@ class Observer:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def run(self, stop: asyncio.Event) -> None:
+    def admin_session(self):
         assert self.mesh.creds is not None
-        admin = client_session(timeout_s=5.0, tls=self.mesh.creds.client_tls(), headers=bearer(self.mesh.token("admin")))
+        return client_session(timeout_s=5.0, tls=self.mesh.creds.client_tls(), headers=bearer(self.mesh.token("admin")))
+
+    async def listings_now(self) -> None:
+        """One more reading of every gateway's listing (at the end: the versions published since the last)."""
+        async with self.admin_session() as session:
+            await self._listings(session)
+
+    async def run(self, stop: asyncio.Event) -> None:
         plain = client_session(timeout_s=3.0)
-        async with admin as secure, plain as pools:
+        async with self.admin_session() as secure, plain as pools:
             loops = [self._every(POOL_S, stop, lambda: self._pools(pools)),
                      self._every(HEAD_S, stop, lambda: self._head(secure)),
                      self._every(LISTING_S, stop, lambda: self._listings(secure)),

@@ -14,9 +14,10 @@ records that as a violation.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,7 @@ class Soak:
         checks.trainer_wait(t, (self.marks["ready"], self.marks["faults_start"]), (self.marks["settled"], self.marks["end"]))
         await mesh.services.stop([s for s in mesh.all_services() if s.kind in ("pool", "trainer")], grace_s=30.0)
         self.observer.read_steps()  # the records of the trainer's last steps
+        await self.observer.listings_now()  # and the versions it published since the last listing
         assert mesh.pg is not None
         stored, batches = await asyncio.to_thread(soak_audit.database, mesh.pg.primary_dsn)
         checks.trajectories(t, await asyncio.to_thread(soak_audit.ledgers, mesh), stored)
@@ -151,6 +153,9 @@ class Soak:
         logs = {svc.name: svc.log_path for svc in mesh.all_services()}
         for v in self.checks.violations:
             v.context = context_lines(v, self.faults.entries, logs, self.wall_t0)
+        (s.run_dir / "readings.json").write_text(json.dumps({
+            "pools": readings.pools, "heads": readings.heads, "disk": readings.disk,
+            "procs": {name: [asdict(x) for x in samples] for name, samples in readings.procs.items()}}))
         drawn = plot(s.run_dir / "versions.png", readings.pools, readings.heads, self.faults.entries,
                      f"soak seed {s.seed}: versions served per pool, faults shaded")
         extra = {"run_dir": str(s.run_dir), "fault_log": str(self.faults.path), "plot": str(drawn) if drawn else None,

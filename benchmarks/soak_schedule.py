@@ -72,12 +72,12 @@ class PlannedFault:
         return asdict(self)
 
 
-def _draw(kind: str, rng: random.Random) -> tuple[str, float, dict[str, Any]]:
+def _draw(kind: str, rng: random.Random, processes: tuple[str, ...]) -> tuple[str, float, dict[str, Any]]:
     """Target, duration and parameters of one fault of `kind`."""
     if kind == "kill":
-        return rng.choice(PROCESSES), round(rng.uniform(0.5, 8.0), 1), {}
+        return rng.choice(processes), round(rng.uniform(0.5, 8.0), 1), {}
     if kind == "stop":
-        return rng.choice(PROCESSES), round(rng.uniform(2.0, 15.0), 1), {}
+        return rng.choice(processes), round(rng.uniform(2.0, 15.0), 1), {}
     if kind == "pg_failover":
         return "postgres", 0.0, {}
     if kind == "link_cut":
@@ -93,15 +93,18 @@ def _draw(kind: str, rng: random.Random) -> tuple[str, float, dict[str, Any]]:
     if kind == "malicious_relay":
         return "eu", round(rng.uniform(15.0, 40.0), 1), {"mode": rng.choice(("tamper", "rollback"))}
     if kind == "clock_jump":
-        process = rng.choice(PROCESSES)
+        process = rng.choice(processes)
         seconds = rng.choice((-1, 1, 1)) * round(rng.uniform(20.0, 150.0 if rng.random() < 0.5 else 900.0), 1)
         return process, round(rng.uniform(5.0, 60.0), 1), {"seconds": max(seconds, -150.0)}
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
-def make_schedule(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS) -> list[PlannedFault]:
-    """The faults of a fault phase of `minutes`, in start order (see the module docstring)."""
+def make_schedule(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS,
+                  extra_processes: tuple[str, ...] = ()) -> list[PlannedFault]:
+    """The faults of a fault phase of `minutes`, in start order (see the module docstring);
+    `extra_processes` (a vLLM pool) join the processes a fault may hit."""
     rng = random.Random(seed)
+    processes = PROCESSES + tuple(extra_processes)
     end_s = minutes * 60.0
     busy: dict[str, float] = {}
     running: list[float] = []  # end times of placed faults
@@ -114,7 +117,7 @@ def make_schedule(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS) -> 
             rng.shuffle(rounds)
         kind = rounds[0]
         for _ in range(20):  # a target that is free now, if the kind has one
-            target, duration, params = _draw(kind, rng)
+            target, duration, params = _draw(kind, rng, processes)
             fault = PlannedFault(len(planned), round(t, 1), kind, target, duration, params)
             if all(busy.get(r, 0.0) <= t for r in fault.holds):
                 break
