@@ -295,7 +295,8 @@ class Invariants:
             return statistics.median(waits) if waits else None
 
         base, late = median_wait(before), median_wait(tail)
-        self.figures["convergence"].update(wait_before_s=base, wait_tail_s=late)
+        self.figures["convergence"].update(wait_before_s=None if base is None else round(base, 3),
+                                           wait_tail_s=None if late is None else round(late, 3))
         if late is None:
             self.violate("convergence", t, "the trainer made no step in the quiet tail")
         elif base is not None and late > WAIT_RATIO * base + WAIT_SLACK_S:

@@ -199,10 +199,12 @@ class SoakMesh:
         self.pg = PgPair()
         self.model_dir  # built before the services race to build it
 
-    def _service(self, name: str, kind: str, host: str, args: list[str], *, url: str = "") -> Service:
+    def _service(self, name: str, kind: str, host: str, args: list[str], *, url: str = "",
+                 secrets: dict[str, str] | None = None) -> Service:
+        """`secrets`: tokens by environment variable, never on the command line (ps) nor in a config file."""
         assert self.clock is not None
         return Service(name, kind, args, self.run_dir / "logs" / f"{name}.log", url=url,
-                       prefix=self.net.netns_prefix(host), env=self.clock.env(name))
+                       prefix=self.net.netns_prefix(host), env={**self.clock.env(name), **(secrets or {})})
 
     def _write_toml(self, path: Path, tables: dict) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +227,7 @@ class SoakMesh:
             args += ["--listen", f"{ip}:{GATEWAY_PORT}", "--advertise", self.gateway_url(region),
                      "--tls-cert", str(cert.cert), "--tls-key", str(cert.key)]
         if r.upstream:
-            args += ["--upstream", self.gateway_url(r.upstream), "--upstream-token", self.token(f"gateway/{region}")]
+            args += ["--upstream", self.gateway_url(r.upstream)]  # its token: $DELTAMESH_UPSTREAM_TOKEN
         return args
 
     def broker_args(self, index: int) -> list[str]:
@@ -246,7 +248,6 @@ class SoakMesh:
         recipe = DemoConfig()
         config = self._write_toml(self.run_dir / "trainer" / "trainer.toml", {"trainer": {
             "model_id": MODEL, "seed": 0, "broker": ",".join(self.broker_urls), "gateway": self.gateway_url("us"),
-            "broker_token": self.token(f"trainer/{MODEL}"), "gateway_token": self.token(f"trainer/{MODEL}"),
             "tls": {"ca": str(self.creds.ca)} if self.creds else {},
             "model": str(self.model_dir), "key": str(self.run_dir / "keys" / "trainer.key"),
             "batch_size": recipe.batch_size, "full_every": 10, "poll_s": 1.0, "device": "cpu",
@@ -262,11 +263,11 @@ class SoakMesh:
         region = self.pool_regions[name]
         engine = "vllm" if (name, region) == VLLM_POOL else "transformers"
         config = self._write_toml(self.run_dir / "pools" / f"{name}.toml", {"pool": {
-            "name": name, "broker": ",".join(self.broker_urls), "broker_token": self.token(f"pool/{name}"),
+            "name": name, "broker": ",".join(self.broker_urls),
             "dir": str(self.pool_dir(name)), "region": region, "engine": engine, "device": "cpu", "threads": 1,
             "seed": index, "listen": f"{self.net.ip(self.host_of_region(region))}:{POOL_PORT + index}",
             "models": [{"model_id": MODEL, "model_path": str(self.model_dir)}],
-            "sync": {"gateways": [self.gateway_url(region)], "token": self.token(f"pool/{name}"),
+            "sync": {"gateways": [self.gateway_url(region)],
                      "trusted_keys": [str(self.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
                      "tls": {"ca": str(self.creds.ca)}},
             "worker": {"workflow": "math", "workflow_options": recipe.workflow_options(), "lease_batch": 2,
@@ -283,12 +284,17 @@ class SoakMesh:
                 f"broker-{'ab'[index]}", "broker", "core", self.broker_args(index), url=self.broker_urls[index])))
         for r in REGIONS:
             self.gateways[r.name] = self.services.start(self._service(
-                f"gateway-{r.name}", "gateway", r.host, self.gateway_args(r.name), url=self.gateway_url(r.name)))
-        self.trainer = self.services.start(self._service("trainer", "trainer", "core", self.trainer_args()))
+                f"gateway-{r.name}", "gateway", r.host, self.gateway_args(r.name), url=self.gateway_url(r.name),
+                secrets={"DELTAMESH_UPSTREAM_TOKEN": self.token(f"gateway/{r.name}")} if r.upstream else None))
+        trainer = self.token(f"trainer/{MODEL}")
+        self.trainer = self.services.start(self._service(
+            "trainer", "trainer", "core", self.trainer_args(),
+            secrets={"DELTAMESH_BROKER_TOKEN": trainer, "DELTAMESH_GATEWAY_TOKEN": trainer}))
         for index, (name, region) in enumerate(self.pool_regions.items()):
             self.pools[name] = self.services.start(self._service(
                 f"pool-{name}", "pool", self.host_of_region(region), self.pool_args(name, index),
-                url=self.pool_url(name)))
+                url=self.pool_url(name),
+                secrets={"DELTAMESH_BROKER_TOKEN": self.token(f"pool/{name}"), "DELTAMESH_TOKEN": self.token(f"pool/{name}")}))
 
     def restart(self, service: Service) -> None:
         self.services.restart(service)

@@ -128,15 +128,16 @@ def test_leaks_are_judged_on_long_lives_only_and_their_slope_is_per_minute():
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the soak needs root (network namespaces, tmpfs, PostgreSQL)")
 def test_a_short_soak_under_faults_keeps_every_invariant(tmp_path):
-    """`benchmarks/soak.py --minutes 4 --seed 1 --json`, as scripts outside the tests drive it."""
+    """`benchmarks/soak.py --quick --seed 1 --json` (a 1.5-minute fault phase), as scripts outside the
+    tests drive it; CI runs it, so any violation fails the build."""
     run = tmp_path / "soak"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "soak.py"), "--minutes", "4", "--seed", "1", "--json",
-                           "--run-dir", str(run)], capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "soak.py"), "--quick", "--seed", "1", "--json",
+                           "--run-dir", str(run)], capture_output=True, text=True, timeout=900)
     assert done.stdout.strip(), done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["violations"] == [], json.dumps(result["violations"], indent=1)
     assert done.returncode == 0
-    assert sum(result["faults"].values()) >= 12 and len(result["faults"]) >= 6, result["faults"]
+    assert sum(result["faults"].values()) >= 6 and len(result["faults"]) >= 6, result["faults"]
     assert result["converged_s_max"] is not None and result["converged_s_max"] <= CONVERGE_BOUND_S
     assert set(result["leaks"]) >= {"gateway-us", "broker-a", "trainer", "pool-eu-1"}
     assert all({"fds_slope", "rss_slope"} <= set(row) for row in result["leaks"].values())
