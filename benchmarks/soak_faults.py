@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.demo.processes import Service
@@ -83,6 +83,13 @@ class Injector:
             tasks.append(asyncio.create_task(self._fire(fault), name=f"fault-{fault.index}"))
         await asyncio.gather(*tasks)
 
+    def actions(self) -> dict[str, Callable[[PlannedFault], Awaitable[None]]]:
+        """Each fault kind (soak_schedule.KINDS) -> what injects and heals it."""
+        return {"kill": self._kill, "stop": self._stop, "clock_jump": self._clock_jump, "pg_failover": self._pg_failover,
+                "link_cut": self._link_cut, "link_loss": self._link_loss, "link_trickle": self._link_trickle,
+                "disk_full": self._disk_full, "corrupt_piece": self._corrupt_piece,
+                "malicious_relay": self._malicious_relay}
+
     async def _fire(self, fault: PlannedFault) -> None:
         names = sorted(fault.holds)
         locks = [self._locks.setdefault(n, asyncio.Lock()) for n in names]
@@ -94,7 +101,7 @@ class Injector:
             if late > 1.0:
                 self.log.write("late", fault, waited_s=round(late, 1))
             try:
-                await getattr(self, f"_{fault.kind}")(fault)
+                await self.actions()[fault.kind](fault)
             except Exception as e:  # noqa: BLE001 - a fault that cannot be done is logged, the soak goes on
                 log.exception("fault %s failed", fault.describe())
                 self.log.write("failed", fault, error=f"{type(e).__name__}: {e}")

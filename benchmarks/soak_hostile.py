@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ from deltamesh.delta.manifest import load_manifest_unverified
 from deltamesh.gateway_client import version_url
 from deltamesh.http import HttpError, bearer, client_session, request_bytes, request_json
 from deltamesh.tls import TlsSettings, server_context
+
+log = logging.getLogger("soak_hostile")
 
 HELPERS = Path(__file__).resolve().parents[1] / "tests" / "gateway"
 AHEAD = 2000
@@ -76,15 +79,14 @@ async def serve(args: argparse.Namespace) -> None:
         for version in range(old + 1, head + AHEAD):
             for k in ("delta", "full"):
                 double.versions[(version, k)] = (manifest, pieces)
-        print(f"rollback: announcing v{old} ({kind}) and serving it as every version up to v{head + AHEAD}",
-              file=sys.stderr, flush=True)
+        log.info("rollback: announcing v%d (%s) and serving it as every version up to v%d", old, kind, head + AHEAD)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     context = server_context(TlsSettings(cert=args.cert, key=args.key))
     async with double.serving(args.listen, ssl_context=context):
-        print("ready", flush=True)
+        print("ready", flush=True)  # the handshake the injector waits for on stdout, not a log line
         await stop.wait()
 
 
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-file", required=True, help="the relay's own gateway token (reads the old version)")
     p.add_argument("--model", required=True)
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
     load_helpers()
     asyncio.run(serve(args))
 

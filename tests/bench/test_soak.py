@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from soak_checks import CONVERGE_BOUND_S, JUDGE_MIN_S, Invariants, slope_per_min
-from soak_schedule import MAX_CONCURRENT, count_kinds, make_schedule
+from soak_faults import FaultLog, Injector
+from soak_schedule import KINDS, MAX_CONCURRENT, count_kinds, make_schedule
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -40,6 +41,12 @@ def test_faults_never_share_a_target_and_at_most_a_few_run_at_once():
         assert not any(set(g.holds) & set(f.holds) for g in overlapping), f.describe()
         running = [g for g in schedule if g.at_s <= f.at_s < g.at_s + g.duration_s]
         assert len(running) <= MAX_CONCURRENT
+
+
+def test_every_kind_the_schedule_draws_has_an_action(tmp_path):
+    """Each kind is injected by its own method; no kind is planned that nothing can inject."""
+    injector = Injector(mesh=None, faults=FaultLog(tmp_path / "faults.jsonl", 0.0))  # type: ignore[arg-type]
+    assert set(injector.actions()) == set(KINDS)
 
 
 def _checks() -> Invariants:
