@@ -81,8 +81,9 @@ class WeightSync:
         gateway newly found stale: a pool's metrics count them)."""
         self._peer = {PEER_HEADER: f"pool/{config.name}"}
         self._round: Source | None = None
-        self._step: tuple[int, str] | None = None  # the plan step being fetched
         """The gateway whose head this round follows: its plan is asked for first."""
+        self._step: tuple[int, str] | None = None
+        """The plan step being fetched (version, kind), for a stall's report of what no gateway serves."""
         self._opening: asyncio.Future | None = None
         self._parts_due = False
         self._parts: EarlyParts | None = None
