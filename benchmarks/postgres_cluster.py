@@ -6,6 +6,8 @@
     cluster.stop(mode="immediate")             # like a crash: no shutdown checkpoint, clients cut off
     cluster.start()                            # the same data directory and port again
     cluster.close()                            # stop and delete the data directory (idempotent)
+    standby = PostgresCluster.start_standby(cluster)   # a streaming replica of it, on its own port
+    standby.promote()                          # the replica becomes a primary (after the primary died)
 
 The server runs with fsync on and synchronous_commit on, trust authentication for 127.0.0.1 only,
 and its Unix socket in the temp dir (never the system's /var/run/postgresql). PostgreSQL refuses to
@@ -151,6 +153,41 @@ class PostgresCluster:
     def stop(self, mode: str = "fast") -> None:
         """Stop the server: "immediate" is a crash (recovery on the next start), "fast" a clean shutdown."""
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    @classmethod
+    def start_standby(cls, primary: PostgresCluster, *, port: int | None = None) -> PostgresCluster:
+        """A streaming standby of `primary`, started on `port` (default: a free one): a base backup of its
+        data that follows its WAL (`pg_basebackup -R`), read-only until `promote`. With
+        `synchronous_standby_names` set on the primary, its commits wait for this standby."""
+        root = Path(tempfile.mkdtemp(prefix="deltamesh-pg-"))
+        if primary.user is not None:
+            entry = pwd.getpwnam(primary.user)
+            os.chown(root, entry.pw_uid, entry.pw_gid)
+        cluster = cls(root, port or free_port(), primary.bin_dir, primary.user)
+        atexit.register(cluster.close)
+        try:
+            cluster._run("pg_basebackup", "-D", str(cluster.data), "-h", "127.0.0.1", "-p", str(primary.port),
+                         "-U", "postgres", "-R", "-X", "stream", "--no-sync", "--checkpoint=fast")
+            # The copied settings name the primary's port and socket folder; later lines win.
+            with open(cluster.data / "postgresql.auto.conf", "a") as conf:
+                conf.write(f"port = {cluster.port}\nunix_socket_directories = '{root}'\n")
+            cluster.start()
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    def promote(self) -> None:
+        """Make this standby a primary that accepts writes (returns once it does)."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+
+    def set_setting(self, name: str, value: str) -> None:
+        """ALTER SYSTEM SET `name` to `value` and reload, on the running server."""
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def running(self) -> bool:
         cmd = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "status"]

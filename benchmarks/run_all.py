@@ -33,9 +33,11 @@ BENCHMARKS: tuple[str, ...] = (
     "swap",
     "e2e",
     "console",
+    "soak",  # last: an hour of faults on the whole mesh
 )
 OWN_FLAGS: dict[str, list[str]] = {
     "broker": ["--sweep", "1,2,4,8,16"],  # ingest against submission size: report.py's broker plot
+    "soak": ["--minutes", "60"],
 }
 
 

@@ -48,6 +48,7 @@ from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
+from deltamesh.gateway.supersede import fetch_superseding
 from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class WeightSync:
         self._peer = {PEER_HEADER: f"pool/{config.name}"}
         self._round: Source | None = None
         """The gateway whose head this round follows: its plan is asked for first."""
+        self._step: tuple[int, str] | None = None
+        """The plan step being fetched (version, kind), for a stall's report of what no gateway serves."""
         self._opening: asyncio.Future | None = None
         self._parts_due = False
         self._parts: EarlyParts | None = None
@@ -254,17 +257,26 @@ class WeightSync:
         return await self.fetch_plan(failed.to_version, full=True)
 
     async def fetch_decoded(self, plan: Plan) -> list[DecodedVersion]:
-        """Every step of `plan`, fetched and verified, then decoded once (off the event loop)."""
+        """Every step of `plan`, fetched and verified, then decoded once (off the event loop); a step that
+        no gateway serves may be left for a newer plan from the same base (`deltamesh.gateway.supersede`)."""
+        return await fetch_superseding(
+            plan, self._fetch_steps, stall_s=self.config.stall_timeout_s, who=f"pool {self.config.name}",
+            progress=lambda: self.transfer.get("bytes_done", 0), stuck_step=lambda: self._step,
+            replan=lambda old: self.fetch_plan(None, full=old.from_version is None, base=old.from_version))
+
+    async def _fetch_steps(self, plan: Plan) -> list[DecodedVersion]:
         self.state = "fetching"
         self.transfer = {"from": plan.from_version, "to": plan.to_version, "reason": plan.reason,
                          "bytes_total": plan.payload_bytes, "bytes_done": 0, "started": time.time()}
         self._progressed()
         versions = []
         for i, step in enumerate(plan.steps):
+            self._step = (step.version, step.kind)
             manifest, pieces = await self.fetch_step(step, final=i == len(plan.steps) - 1)
             self._staged(step.version, "fetched")
             versions.append(await asyncio.to_thread(decode_version, manifest, pieces))
             self._staged(step.version, "verified")
+        self._step = None
         self.state = "applying"
         self._fetched[plan.to_version] = self.transfer
         return versions

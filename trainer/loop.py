@@ -20,8 +20,10 @@ Batches are acknowledged to the broker once their update is in a checkpoint (or,
 directory, once the step has applied it): a restart resumes the newest checkpoint, so the batches
 trained after it would otherwise be lost with the steps made from them. The broker serves every
 unacknowledged batch again once the restarted trainer polls, and the resumed weights train on it.
-Delivery is at least once: a trainer that dies after a checkpoint but before its acknowledgement
-reaches the broker trains on those batches a second time.
+Each checkpoint names the batches it takes in, and a trainer that resumes it acknowledges them before
+its first poll: one that died after a checkpoint but before its acknowledgement reached the broker
+does not train on those batches a second time. Each step's record (`metrics_file`) is written before
+the checkpoint that takes the step in, with the ids of the trajectories it trained on.
 
 SIGTERM or SIGINT stops the loop cleanly once the current poll or step ends: the last publish is
 finished, a final checkpoint written and its batches acknowledged.
@@ -165,6 +167,7 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
     model, reference = _build_models(cfg, ctx)
     state = TrainState(model, build_optimizer(model, cfg.optim))
     ckpt = cfg.checkpoint
+    resumed_unacked: list[str] = []  # batches in the resumed checkpoint whose acknowledgement may not have reached the broker
     if ckpt.dir is None:
         log.warning("no checkpoint directory: a restarted trainer starts again from %s", cfg.model)
     else:
@@ -174,6 +177,8 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
         elif meta["extra"].get("model_id", cfg.model_id) != cfg.model_id:
             raise CheckpointError(f"{ckpt.dir} holds checkpoints of {meta['extra']['model_id']!r}, "
                                   f"not of {cfg.model_id!r}")
+        else:
+            resumed_unacked = [str(b) for b in meta["extra"].get("unacked", [])]
     checkpointed = state.version
     encode_first = cfg.encode_first == "on" or (cfg.encode_first == "auto" and
                                                  resolve_device(cfg.device, ctx).type == "cpu")
@@ -193,6 +198,8 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
         if counter is None:
             return
         state.version = counter
+        if client is not None and resumed_unacked:
+            client.ack(resumed_unacked)  # before the first poll, which would have them served again
         steps = 0
         trained: list[str] = []  # batches trained on since the last checkpoint, not yet acknowledged
         while cfg.max_steps is None or state.step < cfg.max_steps:
@@ -217,15 +224,9 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
             train_s = time.monotonic() - poll_start - wait_s - encode_wait_s
             steps += 1
             stall_s = encode_wait_s + stream.publish(state.version, {"step_end": step_end})
-            if ckpt.dir is not None and state.version % ckpt.every == 0:
-                if client is not None:
-                    client.wait_published()  # a checkpoint must not get ahead of the gateway
-                save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
-                checkpointed = state.version
-            if client is not None and trained and (ckpt.dir is None or checkpointed == state.version):
-                client.ack(trained)  # their updates are now as safe as this trainer can make them
-                trained = []
             if client is not None and records is not None and batch is not None:
+                # Recorded before the checkpoint that takes the step in: the step records show every step
+                # whose update a checkpoint holds (a restart redoes those after its checkpoint).
                 assert watch is not None
                 mismatch = _judge_mismatch(watch, state, batch, trained_on)
                 step_s = time.monotonic() - poll_start
@@ -233,9 +234,20 @@ def _train(cfg: TrainLoopConfig, ctx: DistContext, stop: threading.Event) -> Non
                 records.add(step_record(step=state.step, version=state.version, batch=batch, metrics=metrics,
                                         trained_on=trained_on, wait_s=wait_s, train_s=train_s, stall_s=stall_s,
                                         step_s=step_s, mismatch=mismatch))
+            if ckpt.dir is not None and state.version % ckpt.every == 0:
+                if client is not None:
+                    client.wait_published()  # a checkpoint must not get ahead of the gateway
+                # The batches it takes in go with it: a restart from it acknowledges them before it
+                # polls, so a kill between this checkpoint and their acknowledgement trains none twice.
+                save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id,
+                                                                              "unacked": trained})
+                checkpointed = state.version
+            if client is not None and trained and (ckpt.dir is None or checkpointed == state.version):
+                client.ack(trained)  # their updates are now as safe as this trainer can make them
+                trained = []
         stream.wait_published()
         if ckpt.dir is not None and steps and checkpointed != state.version:
-            save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id})
+            save_checkpoint(ckpt.dir, state, ctx, keep=ckpt.keep, extra={"model_id": cfg.model_id, "unacked": trained})
         if client is not None and trained:
             client.ack(trained)
         log.info("%s: stopped at step %d, version %d (%d steps this run)", cfg.model_id, state.step, state.version,

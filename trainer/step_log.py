@@ -3,9 +3,10 @@
 A step's record is complete only when its version's publish has ended, which happens in the
 background while the next batch is polled, so `StepLog` pairs each record with its publish outcome
 and writes it the moment both are in. The fields are what the demo and the end-to-end benchmark read:
-step, version, reward mean, the loss terms, how many samples came from each rollout pool, and where
-the step's time went (waiting for the batch, training, stalled on the previous publish: its encode
-with `encode_first`, its end when a new one starts; the publish itself) with the wait fraction, and
+step, version, the ids of the trajectories trained on, reward mean, the loss terms, how many samples
+came from each rollout pool, and where the step's time went (waiting for the batch, training, stalled
+on the previous publish: its encode with `encode_first`, its end when a new one starts; the publish
+itself) with the wait fraction, and
 each pool's trainer-side mismatch on the tokens of the version trained on (`mismatch`: {"version",
 "pools": {pool: {"tokens", "abs", "k3", "flagged", "reason"}}}), and the wall-clock times
 (`time.time()` on the trainer's host) at which the version passed each stage of its publish
@@ -40,7 +41,8 @@ def step_record(*, step: int, version: int, batch: Batch, metrics: dict[str, flo
     lags = [trained_on - int(s.get("min_version", trained_on)) for s in batch.samples]
     return {
         "time": time.time(), "step": step, "version": version, "batch_id": batch.batch_id,
-        "samples": len(batch), "reward_mean": float(batch.rewards.mean()) if len(batch) else 0.0,
+        "samples": len(batch), "ids": [str(s.get("id", "")) for s in batch.samples],
+        "reward_mean": float(batch.rewards.mean()) if len(batch) else 0.0,
         **{k: metrics[k] for k in LOSS_TERMS},
         "staleness_mean": sum(lags) / len(lags) if lags else 0.0, "staleness_max": max(lags, default=0),
         "pools": dict(Counter(str(s.get("pool", "")) for s in batch.samples)),

@@ -110,6 +110,10 @@ class Service:
     ports: list[int] = field(default_factory=list)
     threads: int = 1
     """CPU threads its math libraries may use."""
+    prefix: list[str] = field(default_factory=list)
+    """A command its `deltamesh` runs under (`ip netns exec NS`: inside a network namespace)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables it gets beyond `child_env`."""
 
     @property
     def pid(self) -> int | None:
@@ -149,14 +153,29 @@ class ServiceSet:
         self._command = deltamesh_command()
 
     def start(self, service: Service) -> Service:
-        service.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(service.log_path, "ab") as out:
-            service.proc = subprocess.Popen([*self._command, *service.args], stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=child_env(service.threads),
-                                            preexec_fn=_die_with_parent)
+        self._launch(service)
         self.services.append(service)
         log.info("started %s (pid %d): deltamesh %s", service.name, service.proc.pid, " ".join(service.args[:2]))
         return service
+
+    def restart(self, service: Service) -> Service:
+        """Start a service of this set again with the same command, once its process has exited (its
+        log goes on in the same file)."""
+        if service not in self.services:
+            raise ValueError(f"{service.name} is not a service of this set")
+        if service.running():
+            raise ServiceError(f"{service.name} (pid {service.pid}) is still running")
+        self._launch(service)
+        log.info("restarted %s (pid %d)", service.name, service.proc.pid)
+        return service
+
+    def _launch(self, service: Service) -> None:
+        service.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(service.log_path, "ab") as out:
+            service.proc = subprocess.Popen([*service.prefix, *self._command, *service.args], stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**child_env(service.threads), **service.env},
+                                            preexec_fn=_die_with_parent)
 
     def of_kind(self, kind: str) -> list[Service]:
         return [s for s in self.services if s.kind == kind]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from deltamesh.certs import Issued, issue, make_ca
 from deltamesh.tls import TlsSettings
@@ -45,14 +45,17 @@ class MeshCredentials:
                 "--ca", str(self.ca)]
 
 
-def make_credentials(pki: Path, regions: Sequence[str], pools: Sequence[str], model_ids: Sequence[str]
-                     ) -> MeshCredentials:
-    """A CA, server certificates for every gateway and the broker, and a token for every caller."""
+def make_credentials(pki: Path, regions: Sequence[str], pools: Sequence[str], model_ids: Sequence[str],
+                     hosts: Mapping[str, Sequence[str]] | None = None) -> MeshCredentials:
+    """A CA, server certificates for every gateway and the broker, and a token for every caller.
+    `hosts`: server name -> the addresses its certificate names (default 127.0.0.1, where the demo's
+    servers listen)."""
     ca = make_ca(pki / "ca")
     creds = MeshCredentials(ca.cert, pki / "tokens.toml")
     for server in [*(f"gateway-{r}" for r in regions), "broker"]:
         role, _, name = server.partition("-")
-        creds.certs[server] = issue(ca, pki, f"{role}/{name or 'main'}", hosts=["127.0.0.1"], file_stem=server)
+        names = list((hosts or {}).get(server, ["127.0.0.1"]))
+        creds.certs[server] = issue(ca, pki, f"{role}/{name or 'main'}", hosts=names, file_stem=server)
     for region in regions:
         creds.tokens[f"gateway/{region}"] = add_token(creds.tokens_file, TokenSpec(region, "gateway"))
     for pool in pools:

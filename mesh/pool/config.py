@@ -93,6 +93,10 @@ class WorkerConfig:
     """How often the trainer versions are read from the broker for the staleness bound."""
     drain_s: float = 30.0
     """On stop: how long running episodes may take to finish and submit (unfinished leases expire)."""
+    ledger: str = field(default="", metadata=flag(metavar="PATH"))
+    """A file each acknowledged submission is appended to, as one JSON line (time, lease id, trajectory
+    ids): the pool's record of what the broker acknowledged, to check the broker's records against;
+    empty: none."""
 
     def __post_init__(self) -> None:
         if not self.workflow:

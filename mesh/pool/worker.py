@@ -7,7 +7,8 @@ trajectories (tagged by the workflow with pool, region, model_id and the version
 submitted together; submission is idempotent, so the client retries it (and fails over to another
 broker) on a 503 or a lost broker. An
 episode that fails, or a pool that dies, simply lets its lease expire: the broker then hands the
-task out again. On stop the worker leases nothing more and gives running episodes `drain_s` to finish.
+task out again. On stop the worker leases nothing more (a lease request under way, retrying through a
+broker outage, is given up) and gives running episodes `drain_s` to finish.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, TypeVar
 
 from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient, TaskLease
@@ -24,9 +26,11 @@ from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
-from deltamesh.signals import sleep_or_stop
+from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def task_from_lease(lease: TaskLease) -> Task:
@@ -45,6 +49,22 @@ def task_from_lease(lease: TaskLease) -> Task:
         metadata["metadata"] = nested
     return Task(task_id=lease.task_id, prompt=prompt, group_id=lease.group_id, metadata=metadata,
                 n_samples=lease.n_samples, model_ids=tuple(lease.model_ids))
+
+
+async def unless_stopped(call: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """What `call` returns, or None once `stop` is set first (the call is then cancelled)."""
+    task = asyncio.ensure_future(call)
+    await until_stopped(task, stop)
+    return None if task.cancelled() else task.result()
+
+
+def record_acknowledged(path: str, lease_id: str, ids: list[str]) -> None:
+    """Append one acknowledged submission to the pool's ledger (`WorkerConfig.ledger`). Written after the
+    broker's answer, so a pool killed in between leaves out a submission the broker holds, never the
+    other way round."""
+    line = json.dumps({"time": time.time(), "lease": lease_id, "ids": ids}) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
 
 
 @dataclass
@@ -83,16 +103,19 @@ class RolloutWorker:
                 if room <= 0:
                     await asyncio.wait(self._running, timeout=s.idle_s, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                verdict = await self.gate.check()
-                if not verdict.may_lease:
+                # A broker outage makes these calls retry for a while: a stop does not wait them out.
+                verdict = await unless_stopped(self.gate.check(), stop)
+                if verdict is None or not verdict.may_lease:
                     await sleep_or_stop(stop, s.idle_s)
                     continue
                 try:
-                    leases = await self.client.lease(min(room, s.lease_batch))
+                    leases = await unless_stopped(self.client.lease(min(room, s.lease_batch)), stop)
                 except HttpError as e:
                     log.warning("cannot lease from the broker: %s", e)
                     await sleep_or_stop(stop, s.idle_s)
                     continue
+                if leases is None:
+                    continue  # stopped while asking; a lease granted meanwhile expires and goes out again
                 if not leases:
                     await sleep_or_stop(stop, s.idle_s)
                     continue
@@ -145,6 +168,8 @@ class RolloutWorker:
             log.error("submission of lease %s refused: %s", lease.lease_id, e)
             return
         self._episode_done(True, started)
+        if self.settings.ledger:
+            record_acknowledged(self.settings.ledger, lease.lease_id, [t.id for t in trajectories])
         c = self.counts
         c.submitted += len(trajectories)
         c.last_submit_at = time.time()

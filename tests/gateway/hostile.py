@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import re
+import ssl
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -136,13 +137,15 @@ class Hostile:
         return resp
 
     @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator["Hostile"]:
+    async def serving(self, listen: str = "127.0.0.1:0", *, ssl_context: ssl.SSLContext | None = None
+                      ) -> AsyncIterator["Hostile"]:
+        """Serve on `listen` (HTTPS with `ssl_context`: standing in for a gateway at its own address)."""
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         self._closing = asyncio.Event()
         try:
-            async with serving(app, "127.0.0.1:0") as url:
+            async with serving(app, listen, ssl_context=ssl_context) as url:
                 self.url = url
                 try:
                     yield self

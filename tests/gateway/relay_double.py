@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import ssl
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -84,12 +85,14 @@ class RelayDouble:
                             headers={"Content-Range": f"bytes {start}-{end - 1}/{len(data)}"})
 
     @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator["RelayDouble"]:
+    async def serving(self, listen: str = "127.0.0.1:0", *, ssl_context: ssl.SSLContext | None = None
+                      ) -> AsyncIterator["RelayDouble"]:
+        """Serve on `listen` (HTTPS with `ssl_context`: standing in for a gateway at its own address)."""
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         try:
-            async with serving(app, "127.0.0.1:0") as url:
+            async with serving(app, listen, ssl_context=ssl_context) as url:
                 self.url = url
                 yield self
         finally:

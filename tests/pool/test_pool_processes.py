@@ -170,3 +170,28 @@ def test_staleness_bound_stops_leasing_and_a_restarted_pool_syncs_before_it_gene
 
     samples = [s for s in _drain(broker.url, kit.model, 2) if s["timings"]["finished_at"] > restarted_at]
     assert samples and all(s["min_version"] == s["max_version"] == 4 for s in samples)
+
+
+def test_a_pool_told_to_stop_while_its_broker_is_gone_stops_at_once(kit):
+    """Found by the chaos soak (benchmarks/soak.py, seed 1): with no broker answering, a pool's lease
+    request retries for its failover time (a minute), and a SIGTERM waited that out before the pool
+    drained, so a supervisor's stop grace ran out first and killed it. The pool always has room for more
+    episodes here, so its worker is asking for a lease when the broker dies; the episodes still running
+    retry their submissions, which the drain bounds (`worker.drain_s`)."""
+    broker = kit.broker(tasks=digit_sum_tasks(400), n_samples=2, epochs=10)
+    gateway = kit.gateway("east")
+    broker.wait_healthy()
+    gateway.wait_healthy()
+    pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    _publish(pub, kit.next_version(kit.base_weights(), 1), 1)
+    pool = kit.pool("p1", gateway.url, broker.url, "--worker.max-episodes", "256", "--worker.drain-s", "2")
+    procs = (broker, gateway, pool)
+    pool.wait_healthy()
+    kit.wait_until(lambda: _submitted(pool) > 0, 120, "the pool to submit", procs=procs)
+    broker.kill(signal.SIGKILL)
+    time.sleep(3.0)  # the pool's next lease request is retrying by now
+    started = time.monotonic()
+    pool.kill(signal.SIGTERM)
+    took = time.monotonic() - started
+    assert pool.proc.returncode == 143, pool.log_tail()
+    assert took < 15.0, f"the pool took {took:.0f} s to stop"

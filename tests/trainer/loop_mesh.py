@@ -231,3 +231,58 @@ def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class AckDropper:
+    """A proxy in front of the broker that loses every request carrying an acknowledgement, as a network
+    that cuts a trainer off right after its checkpoint would: `POST .../acks`, and every poll once it
+    has an acknowledgement to carry, answer 503; everything else passes through. It runs in a thread of
+    its own (`LoopThread`); `dropped` lists the batch ids whose acknowledgements it lost."""
+
+    def __init__(self, broker: str):
+        from deltamesh.loop_thread import LoopThread
+
+        self.broker = broker
+        self.dropped: list[str] = []
+        self._thread = LoopThread("ack-dropper")
+        self.url = self._thread.call(self._start())
+
+    async def _start(self) -> str:
+        import aiohttp
+        from aiohttp import web
+
+        self._session = aiohttp.ClientSession()
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def _handle(self, request):
+        from aiohttp import web
+
+        body = await request.read()
+        acks = []
+        if request.method == "POST" and request.path.endswith("/acks"):
+            acks = json.loads(body).get("batch_ids", [])
+        elif request.method == "POST" and request.path.endswith("/batch") and body:
+            acks = json.loads(body).get("ack") or []
+        if acks:
+            self.dropped += [a for a in acks if a not in self.dropped]
+            return web.json_response({"error": "lost on the way"}, status=503, headers={"Retry-After": "1"})
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
+        async with self._session.request(request.method, self.broker + request.path_qs, data=body or None,
+                                         headers=headers) as answer:
+            data = await answer.read()
+            out = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "transfer-encoding",
+                                                                              "content-encoding", "connection")}
+            return web.Response(body=data, status=answer.status, headers=out)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._runner.cleanup()
+            await self._session.close()
+
+        self._thread.call(stop())
+        self._thread.close()

@@ -160,6 +160,42 @@ def test_trainer_killed_and_restarted_continues_the_delta_chain(real_mesh, tiny_
 
 
 @pytest.mark.slow
+def test_a_trainer_killed_after_a_checkpoint_whose_ack_was_lost_trains_nothing_twice(real_mesh, tiny_lm, tmp_path,
+                                                                                   mesh):
+    """The window the chaos soak's exactly-once invariant (benchmarks/soak.py) covers: a trainer killed
+    after it wrote a checkpoint and before that checkpoint's acknowledgement reached the broker was, once
+    restarted, served the batch it had trained again, and trained on those samples a second time. The
+    checkpoint now names its batches and the restarted trainer acknowledges them before it polls."""
+    model = tiny_lm[1]
+    broker = real_mesh.broker([MODEL])
+    gateway = real_mesh.gateway()
+    real_mesh.ready()
+    lossy = mesh.AckDropper(broker)
+    try:
+        metrics_file = tmp_path / "steps.jsonl"
+        args = ["--batch-size", str(2 * mesh.GROUP), "--max-steps", "2", "--checkpoint.dir", str(tmp_path / "ckpt"),
+                "--checkpoint.every", "1", "--poll-s", "1", "--metrics-file", str(metrics_file)]
+        first = real_mesh.trainer("trainer-1", broker=lossy.url, gateway=gateway, model_id=MODEL, args=args)
+        feed(mesh, broker, model, MODEL, 1, seed=1)
+        mesh.wait_until(lambda: len(mesh.read_records(metrics_file)) == 1 and (tmp_path / "ckpt" / "v0000000001").exists()
+                        and lossy.dropped, 180, "step 1 checkpointed, its acknowledgement lost", [first])
+        first.signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        lossy.close()
+    feed(mesh, broker, model, MODEL, 1, seed=2, version=1)
+    second = real_mesh.trainer("trainer-2", broker=broker, gateway=gateway, model_id=MODEL, args=args)
+    assert second.wait(180) == 0, second.tail()
+    steps = mesh.read_records(metrics_file)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert not set(steps[0]["ids"]) & set(steps[1]["ids"]), "step 2 trained on step 1's trajectories again"
+    served = mesh.get_text(f"{broker}/metrics")
+    assert mesh.metric(served, "deltamesh_broker_batches_requeued_total", {"model_id": MODEL, "reason": "not_held"}) == 0
+    status = mesh.get_json(f"{broker}/v1/status")["models"][MODEL]
+    assert (status["fresh_groups"], status["unacked_batches"]) == (0, 0)
+
+
+@pytest.mark.slow
 def test_two_policies_share_one_broker_each_with_its_own_stream(real_mesh, tiny_lm, tmp_path, mesh):
     """A Solver trainer (one process, stopped with SIGTERM) and a Verifier trainer (two FSDP ranks
     under torchrun, batches of one group of three padded to split over them) consume only their own
