@@ -1,4 +1,4 @@
-"""A minimal NFQUEUE client over a raw netlink socket: bind a queue, receive packet ids, accept them.
+"""A minimal NFQUEUE client over a raw netlink socket: bind a queue, receive packet ids, accept or drop them.
 
 Only what the delayer needs, and none of what makes a general binding costly: the queue copies no
 packet bytes (metadata only), takes GSO packets whole instead of having the kernel cut each into
@@ -15,14 +15,14 @@ import struct
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3
-NFQNL_MSG_PACKET, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 2, 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 1, 2, 3
 NFQA_PACKET_HDR = 1
 NFQA_VERDICT_HDR = 2
 NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
 NFQNL_CFG_CMD_BIND, NFQNL_CFG_CMD_UNBIND = 1, 2
 NFQNL_COPY_META = 1
 NFQA_CFG_F_GSO = 4
-NF_ACCEPT = 1
+NF_DROP, NF_ACCEPT = 0, 1
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 
@@ -129,6 +129,10 @@ class Queue:
         """Accept every packet of the queue with an id up to `packet_id` (one batch verdict)."""
         self._sock.send(self._message(NFQNL_MSG_VERDICT_BATCH,
                                       _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, packet_id))))
+
+    def drop(self, packet_id: int) -> None:
+        """Drop one packet of the queue (a verdict of its own; the packets around it stay queued)."""
+        self._sock.send(self._message(NFQNL_MSG_VERDICT, _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP, packet_id))))
 
     def close(self) -> None:
         try:

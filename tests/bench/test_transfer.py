@@ -23,7 +23,8 @@ from deltamesh.tls import TlsSettings, server_context
 from transfer_link import pool_link_mbit
 from transfer_mesh import metric_sum
 from transfer_report import print_report
-from transfer_scenarios import Sample, steady_mbit, summarize, tls_gap
+from transfer_long_link import tls_gap
+from transfer_runs import Sample, steady_mbit, summarize
 from transfer_tls import RunPki
 from transfer_training import stage_times, staleness, training_json
 
