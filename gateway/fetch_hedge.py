@@ -77,6 +77,9 @@ class Flights:
         self.live: list[Flight] = []
         self.taken_over = 0
         """Take-overs that won (each one a request that had stalled)."""
+        self._changed = asyncio.Event()
+        """Set (and replaced) when a request ends: idle lanes waiting for a stall look again at once, and
+        the last one to end lets them all go, so the version's end is not held up by their polling."""
 
     async def race(self, work: Awaitable[T], left: Callable[[], int], take_over: Callable[[], Awaitable[Any]],
                    what: str) -> T | TakenOver:
@@ -107,6 +110,8 @@ class Flights:
         finally:
             self.live.remove(flight)
             flight.ended.set()
+            self._changed.set()
+            self._changed = asyncio.Event()
             await _cancelled(task)
 
     async def hedge(self) -> bool:
@@ -120,7 +125,11 @@ class Flights:
             ready = [f for f in self.live if not f.taking and not f.outcome.done() and f.left() > 0 and f.stalled_for(now) >= (
                 self.after_s if f.started else UNANSWERED_FACTOR * self.after_s)]
             if not ready:
-                await asyncio.sleep(poll)
+                changed = self._changed
+                try:
+                    await asyncio.wait_for(changed.wait(), poll)
+                except TimeoutError:
+                    pass
                 continue
             flight = max(ready, key=lambda f: f.left())
             await self._take(flight)

@@ -4,12 +4,13 @@ only each packet's id (the payload stays in the kernel, and GSO packets stay who
 keeps the ids in a FIFO with the time each is due (one delay per queue, so release order is arrival
 order and no heap is needed), and accepts everything due with one batch verdict.
 
-It wakes at most once per `--batch-ms` (default 0.5 ms): what arrived since is stamped then and what
+It wakes at most once per `--batch-ms` (default 1 ms): what arrived since is stamped then and what
 fell due since is released then, so on a busy link a wake-up (a few system calls and a pass of this
 loop) carries tens of packets instead of one, and a packet is held at most that much longer than
 asked; a lone packet (an RTT probe) is not held at all. `--loss` drops packets at random, and
 `--burst-rate` starts bursts that drop `--burst-len` packets in a row on average (a Gilbert model,
-loss.py); a dropped packet gets its own verdict as it arrives. On SIGUSR2 it reads the loss again from
+loss.py: once per segment a GSO packet carries); a dropped packet gets its own verdict as it arrives.
+On SIGUSR2 it reads the loss again from
 `--control` (a JSON object of Loss's fields), so a running link can start or stop losing packets.
 
 It counts what it did and, on SIGUSR1, writes the counts to `--stats` as one JSON object (see
@@ -31,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loss import Dropper, Loss
+from loss import Dropper, Loss, segments_of
 from nfqueue import Queue
 
 # The kernel holds every delayed packet in the queue: 400 Mbit/s x 150 ms one-way is ~5,000
@@ -40,7 +41,7 @@ DEFAULT_MAX_LEN = 262144
 # Room for the notices the kernel sends while this process is busy releasing a batch.
 DEFAULT_SOCK_BYTES = 64 << 20
 REALTIME_PRIORITY = 10
-DEFAULT_BATCH_MS = 0.5
+DEFAULT_BATCH_MS = 1.0
 LATE_MS = 2.0
 LATE_SHARE_OF_DELAY = 0.02
 """A packet released more than LATE_MS or this share of its delay (whichever is more) after it was due
@@ -65,6 +66,9 @@ class Counts:
     released: int = 0
     dropped: int = 0
     """Dropped on purpose: the loss asked for."""
+    segments: int = 0
+    """Wire packets the packets received stood for (counted while the link loses packets)."""
+    dropped_segments: int = 0
     late: int = 0
     """Released more than LATE_MS after they were due."""
     overflows: int = 0
@@ -89,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stats", type=Path, default=None, help="where SIGUSR1 writes the counts (JSON)")
     parser.add_argument("--control", type=Path, default=None,
                         help="JSON of the loss (rate, burst_rate, burst_len), read again on SIGUSR2")
+    parser.add_argument("--lossy", action="store_true",
+                        help="a link that may lose packets: learn each packet's length, to count its segments")
     return parser.parse_args(argv)
 
 
@@ -110,7 +116,7 @@ def read_loss(path: Path) -> Loss:
 
 def run(queue: int, delay_s: float, max_len: int, *, batch_s: float = DEFAULT_BATCH_MS / 1000,
         loss: Loss = Loss(), seed: int | None = None, stats: Path | None = None,
-        control: Path | None = None) -> None:
+        control: Path | None = None, lossy: bool = False) -> None:
     """Delay every packet of `queue` by `delay_s` (dropping some, if `loss` says so) until SIGTERM/SIGINT."""
 
     def stop(_signum: int, _frame: object) -> None:
@@ -134,7 +140,7 @@ def run(queue: int, delay_s: float, max_len: int, *, batch_s: float = DEFAULT_BA
         dropper = Dropper(new, rng) if new.active else None
 
     _prefer_cpu()
-    nfq = Queue(queue, max_len, DEFAULT_SOCK_BYTES)
+    nfq = Queue(queue, max_len, DEFAULT_SOCK_BYTES, sized=lossy or loss.active)
     try:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -153,14 +159,7 @@ def run(queue: int, delay_s: float, max_len: int, *, batch_s: float = DEFAULT_BA
             woke = now
             counts.wakeups += 1
             if readable or batch_s:
-                ids = nfq.receive()
-                counts.received += len(ids)
-                if dropper is not None:
-                    kept = [i for i in ids if not dropper.drop()]
-                    for i in set(ids).difference(kept):
-                        nfq.drop(i)
-                    counts.dropped += len(ids) - len(kept)
-                    ids = kept
+                ids = arrivals(nfq, dropper, counts)
                 due = now + delay_s
                 pending.extend((due, i) for i in ids)
                 counts.max_held = max(counts.max_held, len(pending))
@@ -186,6 +185,27 @@ def run(queue: int, delay_s: float, max_len: int, *, batch_s: float = DEFAULT_BA
         nfq.close()
 
 
+def arrivals(nfq: Queue, dropper: Dropper | None, counts: Counts) -> list[int]:
+    """Ids of the packets that arrived since the last call and are to be delayed: all of them, or those
+    the dropper keeps (the others are dropped at once)."""
+    if dropper is None or not nfq.sized:
+        ids = nfq.receive()
+        counts.received += len(ids)
+        return ids
+    kept = []
+    for packet_id, size in nfq.receive_sized():
+        segments = segments_of(size)
+        counts.received += 1
+        counts.segments += segments
+        if dropper.drop(segments):
+            nfq.drop(packet_id)
+            counts.dropped += 1
+            counts.dropped_segments += segments
+        else:
+            kept.append(packet_id)
+    return kept
+
+
 def _prefer_cpu() -> None:
     """Run under a low real-time priority: on a busy machine an ordinary process wakes
     milliseconds late, and every late wake-up is added to the emulated delay. The delayer
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     run(args.queue, args.delay_ms / 1000.0, args.max_len, batch_s=args.batch_ms / 1000.0, loss=loss,
-        seed=args.seed, stats=args.stats, control=args.control)
+        seed=args.seed, stats=args.stats, control=args.control, lossy=args.lossy)
     return 0
 
 

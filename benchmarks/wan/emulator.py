@@ -79,13 +79,15 @@ class Wan:
 
     def link(self, a: Host, b: Host, *, mbit: float, rtt_ms: float,
              mbit_back: float | None = None, queue_ms: float | None = None,
-             loss: Loss | float | None = None, loss_back: Loss | float | None = None) -> Link:
+             loss: Loss | float | None = None, loss_back: Loss | float | None = None,
+             wire_packets: bool = False) -> Link:
         """Join `a` and `b`: `mbit` from a to b (`mbit_back` from b to a, default the same),
         `rtt_ms / 2` of delay each way, and a sender queue of `queue_ms` (default: one RTT,
         at least 20 ms) of traffic at the link's rate. With `loss` (a `Loss`, or a random drop
-        rate) a to b loses packets, and b to a too (`loss_back`, default the same); such a link
-        sends one segment per packet both ways and can change its loss later (`Link.set_loss`),
-        even to none. Without it, it never loses a packet but to its queues."""
+        rate) a to b loses packets, and b to a too (`loss_back`, default the same), and can change
+        its loss later (`Link.set_loss`), even to none; without it, it never loses a packet but to
+        its queues. `wire_packets` sends one segment per packet both ways (no GSO): exact per-packet
+        loss, at a per-packet cost the delayers cannot keep up with at hundreds of Mbit/s here."""
         self._check_open()
         if a is b or b.name in a.links:
             raise WanError(f"cannot link {a.name} to {b.name}: same host or already linked")
@@ -100,7 +102,8 @@ class Wan:
         lossy = loss is not None or loss_back is not None
         link = Link(index, a, b, f"{stem}.{int(base) + 1}", f"{stem}.{int(base) + 2}", mbit, mbit_back,
                     rtt_ms, max(20.0, rtt_ms) if queue_ms is None else queue_ms,
-                    loss_ab=Loss.of(loss), loss_ba=Loss.of(loss if loss_back is None else loss_back), lossy=lossy)
+                    loss_ab=Loss.of(loss), loss_ba=Loss.of(loss if loss_back is None else loss_back), lossy=lossy,
+                    wire_packets=wire_packets)
         run(["ip", "link", "add", a.iface_to(b), "netns", a.namespace, "type", "veth",
              "peer", "name", b.iface_to(a), "netns", b.namespace])
         a.links[b.name], b.links[a.name] = link, link
@@ -111,13 +114,13 @@ class Wan:
             run(["ip", "-n", me.namespace, "link", "set", iface, "up"])
             run(["ip", "-n", me.namespace, "route", "add", f"{peer.ip}/32", "dev", iface])
             limit_rate(me.namespace, iface, link.mbit_from(me), link.queue_ms)
-            if lossy:
+            if wire_packets:
                 one_segment_per_packet(me.namespace, iface)
             if rtt_ms > 0 or lossy:  # `me` receives what `peer` sends: the delay line of peer -> me
                 queue, me.next_queue = me.next_queue, me.next_queue + 1
                 log_path = self.log_dir() / f"delayer-{me.name}-{iface}.log"
                 delayer = start_delayer(me.namespace, iface, queue, rtt_ms / 2, log_path,
-                                        loss=link.loss_from(peer))
+                                        loss=link.loss_from(peer), lossy=lossy)
                 self._delayers.append(delayer)
                 link.delayers.append(delayer)
                 link.lines[peer.name] = DelayLine(peer, me, iface, log_path, delayer)
@@ -169,7 +172,8 @@ class Wan:
             "links": [{"a": k.a.name, "b": k.b.name, "addr_a": k.addr_a, "addr_b": k.addr_b,
                        "mbit_ab": k.mbit_ab, "mbit_ba": k.mbit_ba, "rtt_ms": k.rtt_ms,
                        "queue_ms": k.queue_ms, "loss_ab": k.loss_ab.as_dict(), "loss_ba": k.loss_ba.as_dict(),
-                       "lossy": k.lossy, "lines": {sender: line.log_path.name for sender, line in k.lines.items()}}
+                       "lossy": k.lossy, "wire_packets": k.wire_packets,
+                       "lines": {sender: line.log_path.name for sender, line in k.lines.items()}}
                       for k in self.links],
         }
 
@@ -210,7 +214,8 @@ class Wan:
             a, b = wan.hosts[item["a"]], wan.hosts[item["b"]]
             link = Link(index, a, b, item["addr_a"], item["addr_b"], item["mbit_ab"], item["mbit_ba"],
                         item["rtt_ms"], item["queue_ms"], loss_ab=Loss.of(item.get("loss_ab")),
-                        loss_ba=Loss.of(item.get("loss_ba")), lossy=item.get("lossy", False))
+                        loss_ba=Loss.of(item.get("loss_ba")), lossy=item.get("lossy", False),
+                        wire_packets=item.get("wire_packets", False))
             for sender, log_name in item.get("lines", {}).items():
                 receiver = b if sender == a.name else a
                 link.lines[sender] = DelayLine(wan.hosts[sender], receiver, receiver.iface_to(wan.hosts[sender]),

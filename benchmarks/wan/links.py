@@ -98,7 +98,7 @@ class DelayLine:
 @dataclass(eq=False)
 class Link:
     """A point-to-point link; `mbit_ab` is the rate from `a` to `b`, the delay is `rtt_ms / 2` each way,
-    `loss_ab` what a->b loses (`lossy`: created able to lose packets, one segment per packet)."""
+    `loss_ab` what a->b loses (`lossy`: created able to lose packets)."""
 
     index: int
     a: Host
@@ -113,6 +113,8 @@ class Link:
     loss_ab: Loss = field(default_factory=Loss)
     loss_ba: Loss = field(default_factory=Loss)
     lossy: bool = False
+    wire_packets: bool = False
+    """Every packet one segment (no GSO): a drop loses exactly one wire packet."""
     lines: dict[str, DelayLine] = field(default_factory=dict, repr=False)
     """The delay line of each direction, by its sender's name."""
 
@@ -138,8 +140,8 @@ class Link:
 
     def set_loss(self, sender: Host, loss: Loss | float | None) -> None:
         """Change what the direction `sender` sends on loses, at once, on the running link (its
-        delayer reads it on SIGUSR2). Only a link made with `loss=` can lose packets: it was built
-        sending one segment per packet, so that a drop loses one wire packet."""
+        delayer reads it on SIGUSR2). Only a link made with `loss=` (even 0) can lose packets: a
+        link without a delayer (no delay, no loss) has nothing that could drop them."""
         loss = Loss.of(loss)
         line = self.line_from(sender)
         if not self.lossy or line is None:

@@ -1,8 +1,13 @@
 """Loss on an emulated link direction: random drops at a rate, and bursts (a Gilbert model: a burst
 starts at `burst_rate` per packet and drops `burst_len` packets in a row on average). `Loss` is what a
 link is asked for (`Wan.link(..., loss=)`, `Link.set_loss`); `Dropper` is what the delayer of that
-direction (delayer.py, which imports this file as a plain module) decides packet by packet with.
-A lossy link sends one segment per packet (no GSO, shaping.py), so a drop loses one wire packet.
+direction (delayer.py, which imports this file as a plain module) decides with.
+
+Rates are per wire packet (segment). A delayer sees TCP's GSO packets whole (several segments each,
+as TCP handed them to the link), so it runs the model once per segment a packet carries and drops the
+packet when any of its segments is lost: loss events come at the rate asked, and each costs the
+segments that TCP sent together (`segments_of`; on a link made with `wire_packets=True` every packet
+is one segment, and a drop loses exactly one).
 """
 
 from __future__ import annotations
@@ -10,6 +15,16 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 from typing import Any
+
+TCP_HEADERS = 52
+"""IPv4 and TCP headers with timestamps: what a GSO packet carries once for all its segments."""
+MSS = 1448
+"""Payload of one segment at MTU 1500 with TCP timestamps."""
+
+
+def segments_of(length: int) -> int:
+    """Wire packets a packet of `length` bytes (IP header on) stands for: one, or a GSO packet's segments."""
+    return max(1, -(-(length - TCP_HEADERS) // MSS))
 
 
 @dataclass(frozen=True)
@@ -64,7 +79,14 @@ class Dropper:
         self.random = rng.random
         self.in_burst = False
 
-    def drop(self) -> bool:
+    def drop(self, segments: int = 1) -> bool:
+        """Whether a packet of `segments` segments is lost (any of them is)."""
+        lost = False
+        for _ in range(segments):
+            lost = self._segment() or lost
+        return lost
+
+    def _segment(self) -> bool:
         if self.in_burst:
             # After each packet of a burst, it ends with probability 1/len: a mean of `burst_len`.
             self.in_burst = self.random() >= 1.0 / self.loss.burst_len

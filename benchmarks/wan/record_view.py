@@ -71,7 +71,10 @@ def summary(record: dict[str, Any]) -> str:
             continue
         text = f"{d['name']}: {d['packets']} pkts"
         if d.get("dropped"):
-            text += f", {d['dropped']} dropped as asked ({d['dropped'] / d['packets']:.2%})"
+            text += f", {d['dropped']} dropped as asked"
+            if d.get("segments"):  # one loss event per dropped packet, of the segments it carried
+                text += (f" ({d['dropped'] / d['segments']:.2%} of {d['segments']} segments as loss events, "
+                         f"{d['dropped_segments'] / d['segments']:.2%} of them lost)")
         if d.get("tbf_drops"):
             text += f", {d['tbf_drops']} at the rate limit"
         if "late_share" in d:
@@ -118,7 +121,7 @@ def _direction(samples: list[Sample], link: Link, sender, receiver) -> dict[str,
         else:
             first, last = delayer[0], delayer[-1]
             out.update({key: last[key] - first[key] for key in ("received", "released", "dropped", "late",
-                                                                 "overflows")})
+                                                                 "overflows", "segments", "dropped_segments")})
             out["packets"] = out.pop("received")
             out["max_late_ms"] = round(max(d["max_late_ms"] for d in delayer[1:]), 2)
             out["max_held"] = max(d["max_held"] for d in delayer[1:])
@@ -169,7 +172,8 @@ def _connections(samples: list[Sample]) -> list[dict[str, Any]]:
             "from": sender["host"], "to": sender["peer_host"], "sender": sender["local"], "receiver": sender["peer"],
             "cc": sender.get("cc"), "bytes": moved, "retrans": sender.get("retrans", 0),
             "bytes_retrans": sender.get("bytes_retrans", 0), "busy_ms": sender.get("busy_ms", 0),
-            "rwnd_limited_ms": sender.get("rwnd_limited_ms", 0), "sndbuf_limited_ms": sender.get("sndbuf_limited_ms", 0),
+            "rwnd_limited_ms": sender.get("rwnd_limited_ms", 0),
+            "sndbuf_limited_ms": sender.get("sndbuf_limited_ms", 0),
             "max_cwnd": sender.get("max_cwnd"), "max_snd_wnd": sender.get("max_snd_wnd"),
             "max_rcv_space": receiver.get("max_rcv_space") if receiver is not sender else None,
             "min_rtt_ms": sender.get("minrtt_ms"),

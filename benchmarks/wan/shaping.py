@@ -4,10 +4,10 @@ INPUT chain sends them to an NFQUEUE, without `--queue-bypass`, and a delayer pr
 each once it is due; netem is not available here). With no bypass a packet never skips the
 delay, and a dead delayer darkens its link instead of silently turning it into a LAN.
 
-Loss is the delayer's too (loss.py): it drops what the link should lose. For a drop to lose one
-wire packet, a link that may lose packets sends one segment per packet (`one_segment_per_packet`:
-the sender's veth end takes no GSO packets, so TCP builds no multi-segment ones for it); a link
-that never loses keeps GSO, which the delayers pass whole, at a fraction of the per-packet cost.
+Loss is the delayer's too (loss.py): it drops what the link should lose, per segment even in GSO
+packets. A link asked to carry wire packets (`one_segment_per_packet`: the sender's veth end takes no
+GSO packets, so TCP builds no multi-segment ones for it) makes each drop exactly one packet, at a
+per-packet cost; otherwise GSO packets pass whole, at a fraction of it.
 """
 
 from __future__ import annotations
@@ -72,20 +72,20 @@ def write_loss(control: Path, loss: Loss) -> None:
 
 
 def start_delayer(namespace: str, iface: str, queue_num: int, delay_ms: float, log_path: Path, *,
-                  loss: Loss = Loss()) -> subprocess.Popen:
+                  loss: Loss = Loss(), lossy: bool = False) -> subprocess.Popen:
     """Start a delayer for what arrives on `iface`, then send that traffic through it.
 
     The process runs inside `namespace` in its own session (a Ctrl-C on the terminal reaches
     only the emulator, which then ends its delayers in order), with its stderr in `log_path`
     (never the caller's, which a detached network would otherwise hold open), its counts and its
-    loss beside it (`delayer_files`). Raises WanError and leaves nothing running if the delayer
-    does not report ready.
+    loss beside it (`delayer_files`); `lossy`: a link that may lose packets (now or later). Raises
+    WanError and leaves nothing running if the delayer does not report ready.
     """
     stats, control = delayer_files(log_path)
     write_loss(control, loss)
     cmd = in_netns(namespace, [
         sys.executable, str(DELAYER), "--queue", str(queue_num), "--delay-ms", str(delay_ms),
-        "--stats", str(stats), "--control", str(control),
+        "--stats", str(stats), "--control", str(control), *(["--lossy"] if lossy else []),
     ])
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,

@@ -1,8 +1,9 @@
 """Loss on emulated links, and the record of what a link did during a run: real namespaces, veths,
 tbf and NFQUEUE delayers, real TCP streams (probe.py); needs root.
 
-A lossy link drops the share of packets it was asked to (one wire packet per drop: it sends one
-segment per packet), TCP retransmits them and the run's record says so; its loss changes on the
+A lossy link drops the share of packets it was asked to (a link of wire packets: one packet per drop;
+else a GSO packet whenever one of its segments is lost), TCP retransmits them and the run's record says
+so; its loss changes on the
 running link, from a detached network's view too, and a link made without loss refuses to lose
 packets later; a run during which a delayer died is recorded with its link check failed."""
 
@@ -31,10 +32,10 @@ def bulk(sender, receiver, seconds: float = 3.0, streams: int = 4) -> tuple[floa
     return t0, time.time()
 
 
-def test_a_lossy_link_drops_its_share_and_the_record_shows_drops_and_retransmits(prefix):
+def test_a_link_of_wire_packets_drops_its_share_and_the_record_shows_drops_and_retransmits(prefix):
     with Wan(prefix) as wan:
         a, b = wan.host("a"), wan.host("b")
-        link = wan.link(a, b, mbit=40, rtt_ms=20, loss=0.02)
+        link = wan.link(a, b, mbit=40, rtt_ms=20, loss=0.02, wire_packets=True)
         with LinkRecorder(wan) as recorder:
             t0, t1 = bulk(a, b)
             record = recorder.record(t0, t1)
@@ -53,6 +54,19 @@ def test_a_lossy_link_drops_its_share_and_the_record_shows_drops_and_retransmits
     assert tcp["retrans"] >= 0.5 * forward["dropped"], (tcp, forward)
 
 
+def test_a_link_of_gso_packets_loses_them_at_the_rate_of_loss_events_per_segment(prefix):
+    with Wan(prefix) as wan:
+        a, b = wan.host("a"), wan.host("b")
+        wan.link(a, b, mbit=100, rtt_ms=20, loss=0.01)
+        with LinkRecorder(wan) as recorder:
+            record = recorder.record(*bulk(a, b))
+    forward = next(d for d in record.directions if d["name"] == "a -> b")
+    assert forward["segments"] > forward["packets"], "no GSO packets crossed: nothing to test"
+    assert 0.006 < forward["dropped"] / forward["segments"] < 0.015, forward
+    assert forward["dropped_segments"] >= forward["dropped"]
+    assert forward["segments"] == pytest.approx(forward["tbf_packets"], rel=0.05)  # the estimate of segments
+
+
 def test_loss_changes_on_the_running_link_and_through_a_detached_view(prefix):
     with Wan(prefix) as wan:
         a, b = wan.host("a"), wan.host("b")
@@ -66,9 +80,9 @@ def test_loss_changes_on_the_running_link_and_through_a_detached_view(prefix):
             view.links[0].set_loss(view.hosts["a"], 0.05)
             heavy = recorder.record(*bulk(a, b, seconds=2))
             view.close()
-    def share(record):
+    def share(record):  # loss events per segment
         d = next(d for d in record.directions if d["name"] == "a -> b")
-        return d["dropped"] / d["packets"]
+        return d["dropped"] / max(1, d["segments"])
     assert share(clean) == 0
     assert 0.005 < share(bursty) < 0.04
     assert 0.03 < share(heavy) < 0.08

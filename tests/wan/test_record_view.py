@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 from wan.links import DelayLine
-from wan.loss import Dropper, Loss
+from wan.loss import Dropper, Loss, segments_of
 from wan.record_view import LATE_SHARE, build_record, summary
 from wan.records import Sample
 from wan.tcp_info import parse_ss
@@ -67,8 +67,8 @@ class _Link:
 
 def _counts(seq: int, received: int, late: int = 0, max_late: float = 0.3, dropped: int = 0, overflows: int = 0):
     return {"pid": 1, "queue": 0, "seq": seq, "time": 0.0, "received": received, "released": received - dropped,
-            "dropped": dropped, "late": late, "overflows": overflows, "wakeups": 0, "max_late_ms": max_late,
-            "max_held": received // 10}
+            "dropped": dropped, "segments": 3 * received, "dropped_segments": 3 * dropped, "late": late,
+            "overflows": overflows, "wakeups": 0, "max_late_ms": max_late, "max_held": received // 10}
 
 
 def _sample(t: float, received: int, *, late: int = 0, max_late: float = 0.3, kernel_drops: int = 0,
@@ -132,7 +132,8 @@ def test_the_summary_says_what_was_dropped_as_asked():
     record = build_record(samples, [_Link(Loss(0.001))], 0, 1)
     assert record.ok
     line = summary(record.as_dict())
-    assert "origin -> far: 100000 pkts, 100 dropped as asked (0.10%)" in line
+    assert ("origin -> far: 100000 pkts, 100 dropped as asked (0.03% of 300000 segments as loss events, "
+            "0.10% of them lost)") in line
     assert "TCP 1 conns, 90 retrans on 1" in line
 
 
@@ -140,6 +141,15 @@ def test_random_loss_drops_its_rate():
     dropper = Dropper(Loss(rate=0.01), random.Random(1))
     dropped = sum(dropper.drop() for _ in range(200_000))
     assert 0.009 < dropped / 200_000 < 0.011
+
+
+def test_a_gso_packet_is_lost_when_any_of_its_segments_is():
+    """Loss events per segment stay at the rate asked: a 4-segment packet is lost 1-(1-p)^4 of the time."""
+    dropper = Dropper(Loss(rate=0.01), random.Random(3))
+    dropped = sum(dropper.drop(4) for _ in range(100_000))
+    assert dropped / 100_000 == pytest.approx(1 - 0.99 ** 4, rel=0.08)
+    assert segments_of(52) == 1 and segments_of(52 + 1448) == 1 and segments_of(52 + 3 * 1448) == 3
+    assert segments_of(52 + 3 * 1448 + 1) == 4
 
 
 def test_bursts_drop_packets_in_a_row_of_their_mean_length():
