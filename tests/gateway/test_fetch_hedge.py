@@ -234,3 +234,27 @@ def test_a_request_that_moves_is_not_taken_over():
         return result, await asyncio.gather(*lanes)
 
     assert _run(main()) == ("own", [False, False, False])
+
+
+def test_idle_lanes_let_the_version_end_as_soon_as_its_last_request_does():
+    """Lanes waiting for a stall must not hold the version's end by their polling (a quarter second
+    per version, on every version, when they slept their poll out)."""
+    async def main():
+        flights = Flights(after_s=10.0)
+        lanes = [asyncio.ensure_future(flights.hedge()) for _ in range(4)]
+
+        async def work() -> str:
+            await asyncio.sleep(0.05)
+            return "own"
+
+        async def take_over() -> str:
+            raise AssertionError("nothing stalled")
+
+        result = await flights.race(work(), lambda: 100, take_over, "test")
+        t0 = time.monotonic()
+        ended = await asyncio.gather(*lanes)
+        return result, ended, time.monotonic() - t0
+
+    result, ended, waited = _run(main())
+    assert result == "own" and ended == [False] * 4
+    assert waited < 0.05, f"the lanes ended {waited:.3f}s after the last request"
