@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from transfer_agent_baselines import add_baseline_commands
-from transfer_protocol import GO_POLL_S, Progress, add_sync_args, ready_then_wait, write_json
+from transfer_protocol import GO_POLL_S, Progress, add_sync_args, ready_then_wait, results_then_linger, write_json
 from transfer_tls import add_ca_arg, client_tls, url_context
 
 AHEAD_WAIT_S = 60.0
@@ -59,7 +59,9 @@ def fetch_text(args: argparse.Namespace) -> int:
 # --- deltamesh: publish and pull -----------------------------------------------------------------
 
 def publish(args: argparse.Namespace) -> int:
-    """Upload a prepared version (transfer_payload.py's layout) to the origin gateway as `--version`."""
+    """Upload a prepared version (transfer_payload.py's layout) to the origin gateway as `--version`;
+    with `--after PATH`, `--count` versions from `--version` on, each once `PATH.k` exists (a warm
+    puller's `--armed`: its request for that version waits at the gateway)."""
     import dataclasses
 
     from deltamesh.delta import Manifest, load_private_key
@@ -68,25 +70,30 @@ def publish(args: argparse.Namespace) -> int:
 
     folder = Path(args.payload)
     body = Manifest.from_body((folder / "manifest.json").read_bytes())
-    manifest = dataclasses.replace(body, version=args.version, created_ms=int(time.time() * 1000))
-    envelope = manifest.signed(load_private_key(args.key))
+    key = load_private_key(args.key)
     blob = (folder / "version.bin").read_bytes()
     view, pieces, offset = memoryview(blob), [], 0
-    for entry in manifest.pieces:
+    for entry in body.pieces:
         pieces.append(view[offset:offset + entry.length])
         offset += entry.length
 
     async def main() -> dict:
         async with client_session(connections=max(8, args.connections), timeout_s=None,
                                   tls=client_tls(args)) as session:
-            t_start = ready_then_wait(args)
-            if args.after:
-                while not os.path.exists(args.after):
-                    await asyncio.sleep(GO_POLL_S)
-                t_start = time.time()
-            sent = await upload_version(session, args.gateway, manifest, envelope, pieces,
-                                        connections=args.connections)
-            return {"t_start": t_start, "t_done": time.time(), "bytes": sent}
+            t_go = ready_then_wait(args)
+            done = []
+            for k in range(args.count):
+                t_start = t_go
+                if args.after:
+                    while not os.path.exists(f"{args.after}.{k}"):
+                        await asyncio.sleep(GO_POLL_S)
+                    t_start = time.time()
+                manifest = dataclasses.replace(body, version=args.version + k, created_ms=int(time.time() * 1000))
+                sent = await upload_version(session, args.gateway, manifest, manifest.signed(key), pieces,
+                                            connections=args.connections)
+                done.append({"version": manifest.version, "t_start": t_start, "t_done": time.time(), "bytes": sent})
+            return {"t_start": done[0]["t_start"], "t_done": done[-1]["t_done"], "bytes": done[0]["bytes"],
+                    "versions": done}
 
     write_json(args.out, asyncio.run(main()))
     return 0
@@ -97,9 +104,10 @@ def pull(args: argparse.Namespace) -> int:
 
     With `--after-complete` the fetch starts only once the gateway holds the whole version, as a
     store-and-forward relay would serve it; otherwise it starts the moment the version is announced.
-    With `--warm-version` it first fetches that version (untimed), idles, and then asks for
-    `--version` ahead, before it is published, as a relay that holds the head does (its requests
-    wait at the gateway); it creates `--armed` once they are there, for the publisher to start.
+    With `--warm-version` it first fetches that version (untimed), then `--repeat` times idles and
+    asks for the next version (`--version` on) ahead, before it is published, as a relay that holds
+    the head does (its requests wait at the gateway); it creates `--armed`.k once they are there, for
+    the publisher to start; its result lists those fetches under `runs`.
     """
     from deltamesh.delta import load_manifest, load_public_key
     from deltamesh.gateway.fetch import Fetcher
@@ -166,10 +174,10 @@ def pull(args: argparse.Namespace) -> int:
                 **await fetch_version(session, version, inline=None if args.after_complete else inline, parts=parts,
                                       progress=progress)}
 
-    async def pull_ahead(session, version: int) -> dict:
+    async def pull_ahead(session, version: int, armed: str) -> dict:
         async def arm() -> None:
             await asyncio.sleep(ARM_S)
-            Path(args.armed).touch()
+            Path(armed).touch()
 
         t_asked = time.time()
         result = await fetch_version(session, version, wait_s=AHEAD_WAIT_S, on_asked=arm)
@@ -180,15 +188,17 @@ def pull(args: argparse.Namespace) -> int:
                                   tls=client_tls(args)) as session:
             t_go = ready_then_wait(args)
             if args.warm_version is None:
-                return await pull_one(session, args.version, t_go)
+                return await results_then_linger(args, await pull_one(session, args.version, t_go))
             # Steady state: the previous version came over these same connections, then they idled.
             warm = await pull_one(session, args.warm_version, t_go)
-            await asyncio.sleep(args.idle_s)
-            result = await pull_ahead(session, args.version)
-            result["warm_seconds"] = round(warm["t_done"] - warm["t_go"], 3)
-            return result
+            runs = []
+            for k in range(args.repeat):
+                await asyncio.sleep(args.idle_s)
+                runs.append(await pull_ahead(session, args.version + k, f"{args.armed}.{k}"))
+            return await results_then_linger(args, {"warm_seconds": round(warm["t_done"] - warm["t_go"], 3),
+                                                    "t_done": runs[-1]["t_done"], "runs": runs})
 
-    write_json(args.out, asyncio.run(main()))
+    asyncio.run(main())
     return 0
 
 
@@ -257,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, required=True)
     p.add_argument("--key", required=True, help="trainer private key (PEM)")
     p.add_argument("--connections", type=int, default=4)
-    p.add_argument("--after", help="start only once this file exists (a puller's --armed)")
+    p.add_argument("--after", help="publish version k once PATH.k exists (a warm puller's --armed)")
+    p.add_argument("--count", type=int, default=1, help="versions to publish, from --version on")
     add_ca_arg(p)
     add_sync_args(p)
     p.set_defaults(run=publish)
@@ -284,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after-complete", action="store_true", help="start only once the gateway holds all of it")
     p.add_argument("--warm-version", type=int, default=None,
                    help="first fetch this version over the same connections (untimed), idle, then ask ahead")
-    p.add_argument("--armed", help="with --warm-version: created once the requests for --version wait at the gateway")
+    p.add_argument("--armed", help="with --warm-version: ARMED.k is created once the requests for the k-th timed "
+                                   "version wait at the gateway")
+    p.add_argument("--repeat", type=int, default=1, help="with --warm-version: timed versions, one after another")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle time between the warm-up and the timed fetch")
     p.add_argument("--no-parts", dest="parts", action="store_false",
                    help="pull: do not ask for parts of the newest version beside the head poll")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from transfer_mesh import route_through, set_tcp_buffers
-from transfer_scenarios import Sample, Scenario, Settings, check_link, scenario_json, steady_mbit, work_dir
+from transfer_runs import Sample, Scenario, Settings, check_link, scenario_json, steady_mbit, work_dir
 from wan import Wan
 
 log = logging.getLogger(__name__)
@@ -36,34 +36,35 @@ def pool_link_mbit(mbit: float) -> float:
 def your_link(settings: Settings, mbit: float, rtt_ms: float) -> dict:
     with work_dir(settings) as work, Wan("txy") as wan:
         origin, relay, pool = wan.host("origin"), wan.host("regionA"), wan.host("pool")
-        wan.link(origin, relay, mbit=mbit, rtt_ms=rtt_ms)
+        long = wan.link(origin, relay, mbit=mbit, rtt_ms=rtt_ms)
         lan = wan.link(relay, pool, mbit=pool_link_mbit(mbit), rtt_ms=settings.pool_rtt_ms or 0.0)
-        run = Scenario(wan, settings, work)
         link = check_link(wan, origin, relay, settings)
         set_tcp_buffers(wan, settings.tcp_buffers, settings.congestion, settings.initcwnd)
         route_through(pool, relay, origin)
-        gateway = run.mesh.gateway(origin, "origin")
-        relayed = run.mesh.gateway(relay, "regionA", [gateway], relay_connections=settings.connections)
-        files = run.mesh.file_server(origin, settings.payload / "version.bin") \
-            if settings.runs("single_stream") else None
-        samples: dict[str, list[Sample]] = {"deltamesh": [], "single_stream": []}
-        for _ in range(settings.repeats):
-            for method in filter(settings.runs, samples):
-                batch = run.mesh.batch()
-                if method == "deltamesh":
-                    version = run.next_version()
-                    run.publish(origin, gateway, version, batch)
-                    run.add_pull(batch, pool, relayed, version, connections=POOL_CONNECTIONS)
-                    egress, name = (lambda: run.mesh.gateway_bytes_out(origin)), f"pull-{pool.name}"
-                else:
-                    batch.add(pool, "get", "get", "--url", files)
-                    egress, name = (lambda: run.mesh.file_bytes_out(origin)), "get"
-                seconds, results, out, wire = run.timed(batch, origin, egress)
-                extra = {"steady_mbit": steady_mbit(results[name])}
-                if "publish" in results:
-                    extra["publish_seconds"] = results["publish"]["t_done"] - results["publish"]["t_start"]
-                samples[method].append(Sample(seconds, out, wire, extra))
-                log.info("%s %s: %.2fs", NAME, method, seconds)
+        with Scenario(wan, settings, work, record=[long]) as run:
+            gateway = run.mesh.gateway(origin, "origin")
+            relayed = run.mesh.gateway(relay, "regionA", [gateway], relay_connections=settings.connections)
+            files = run.mesh.file_server(origin, settings.payload / "version.bin") \
+                if settings.runs("single_stream") else None
+            samples: dict[str, list[Sample]] = {"deltamesh": [], "single_stream": []}
+            for _ in range(settings.repeats_of(NAME)):
+                for method in filter(settings.runs, samples):
+                    batch = run.mesh.batch()
+                    if method == "deltamesh":
+                        version = run.next_version()
+                        run.publish(origin, gateway, version, batch)
+                        run.add_pull(batch, pool, relayed, version, connections=POOL_CONNECTIONS)
+                        egress, name = (lambda: run.mesh.gateway_bytes_out(origin)), f"pull-{pool.name}"
+                    else:
+                        batch.add(pool, "get", "get", "--url", files)
+                        egress, name = (lambda: run.mesh.file_bytes_out(origin)), "get"
+                    seconds, results, out, wire = run.timed(batch, origin, egress)
+                    extra = {"steady_mbit": steady_mbit(results[name])}
+                    if "publish" in results:
+                        extra["publish_seconds"] = results["publish"]["t_done"] - results["publish"]["t_start"]
+                    samples[method].append(Sample(seconds, out, wire, extra,
+                                                  link=run.record(run.t_released, run.t_released + seconds)))
+                    log.info("%s %s: %.2fs", NAME, method, seconds)
         out = scenario_json(NAME, link, samples, settings)
         out["pool_link"] = {"mbit": lan.mbit_ab, "rtt_ms": lan.rtt_ms}
         return out

@@ -17,13 +17,14 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.processes import log_tail
+from transfer_protocol import end_file
 from transfer_tls import RunPki
 from wan import Host, Wan, WanError
 
@@ -86,20 +87,20 @@ class Batch:
 
     def start(self, timeout_s: float = 120.0) -> float:
         """Wait until every agent is ready, then release them; returns the release time."""
-        deadline = time.monotonic() + timeout_s
-        for agent in self.agents:
-            while not agent.ready.exists():
-                self._check_alive(agent)
-                if time.monotonic() > deadline:
-                    raise WanError(f"agent {agent.name} not ready after {timeout_s:g} s:\n{agent.log_tail()}")
-                time.sleep(0.02)
+        self._wait_each(lambda agent: agent.ready, "not ready", timeout_s)
         t0 = time.time()
         self.go.touch()
         return t0
 
-    def finish(self, timeout_s: float) -> dict[str, dict]:
-        """Wait for every agent's result (name -> JSON); raises with the agent's log if one fails."""
+    def finish(self, timeout_s: float, on_results: Callable[[], object] | None = None) -> dict[str, dict]:
+        """Wait for every agent's result (name -> JSON); raises with the agent's log if one fails.
+        Agents that keep their connections open after their result (transfer_protocol.results_then_linger)
+        close them once all results are in and `on_results` (a last look at the links) has run."""
         deadline = time.monotonic() + timeout_s
+        self._wait_each(lambda agent: agent.out, "still running", timeout_s)
+        if on_results is not None:
+            on_results()
+        end_file(self.go).touch()
         for agent in self.agents:
             left = max(0.1, deadline - time.monotonic())
             try:
@@ -108,6 +109,16 @@ class Batch:
                 raise WanError(f"agent {agent.name} still running after {timeout_s:g} s:\n{agent.log_tail()}") from None
             self._check_alive(agent)
         return {agent.name: agent.result() for agent in self.agents}
+
+    def _wait_each(self, file_of: Callable[[Agent], Path], late: str, timeout_s: float) -> None:
+        """Wait until every agent has created its `file_of` file; raise (`late`, with its log) after the timeout."""
+        deadline = time.monotonic() + timeout_s
+        for agent in self.agents:
+            while not file_of(agent).exists():
+                self._check_alive(agent)
+                if time.monotonic() > deadline:
+                    raise WanError(f"agent {agent.name} {late} after {timeout_s:g} s:\n{agent.log_tail()}")
+                time.sleep(0.02)
 
     @staticmethod
     def _check_alive(agent: Agent) -> None:

@@ -1,6 +1,9 @@
 """The protocol every timed agent of the transfer benchmark follows (benchmarks/transfer_agent.py):
 it does its set-up, creates its `--ready` file, waits for the `--go` file to appear, does its work and
 writes one JSON object of wall-clock times to `--out`; `Progress` marks each tenth of a transfer.
+An agent whose connections' figures matter keeps them open after writing its result until the go
+file's `.end` sibling appears (`results_then_linger`), so the run's link record (wan/records.py) can
+read their final state with `ss` before they close.
 """
 
 from __future__ import annotations
@@ -19,6 +22,26 @@ def write_json(path: str, value: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(value, f)
     os.replace(tmp, path)
+
+
+LINGER_S = 30.0
+"""Longest an agent keeps its connections open after its result, waiting for the end file."""
+
+
+def end_file(go: str | Path) -> Path:
+    """The file whose appearance lets the agents of a batch close their connections and exit."""
+    return Path(go).with_suffix(".end")
+
+
+async def results_then_linger(args: argparse.Namespace, result: dict) -> dict:
+    """Write `result`, then wait (connections open) until the batch's end file appears."""
+    import asyncio
+
+    write_json(args.out, result)
+    deadline = time.monotonic() + LINGER_S
+    while not end_file(args.go).exists() and time.monotonic() < deadline:
+        await asyncio.sleep(GO_POLL_S * 5)
+    return result
 
 
 def ready_then_wait(args: argparse.Namespace) -> float:

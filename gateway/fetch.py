@@ -5,7 +5,9 @@ Relays (mirroring their upstreams) and pool agents (pulling a plan) fetch the sa
 comes over its own request from the best source; what arrived is kept when a source dies, stalls or
 falls below the minimum useful rate (the progress deadline of `deltamesh.gateway.fetch_http`), and
 the next source is asked only for the rest (HTTP Range). The last pieces of a version are split into
-ranges over all connections, so they finish together (`deltamesh.gateway.fetch_lanes`). A piece is
+ranges over all connections, so they finish together (`deltamesh.gateway.fetch_lanes`), and a request
+that stalls there is taken over by a connection with nothing left to do (`deltamesh.gateway.fetch_hedge`),
+so one connection backing off on a lossy link does not hold the version. A piece is
 accepted only when its length and digest (BLAKE3-256) match the (signed) manifest. A source that served
 something wrong is penalised for the version and for a while, asked again only after a backoff, and
 dropped for a piece after `source_tries` such failures; a piece that no source serves intact fails
@@ -33,6 +35,7 @@ import aiohttp
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
 from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
+from deltamesh.gateway.fetch_hedge import HEDGE_AFTER_S, Flights, TakenOver, race_span
 from deltamesh.gateway.fetch_parts import EarlyParts, early_limit, take_parts
 from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
@@ -91,6 +94,9 @@ class Fetcher:
     max_requests: int = 0
     """Most piece requests in flight at once (0: no bound); set to what `session` can carry, so a request
     never queues for a connection while its progress deadline runs."""
+    hedge_after_s: float = HEDGE_AFTER_S
+    """At a version's end, a request that moved no byte for this long is taken over by an idle connection
+    (0: never)."""
     on_bytes: Callable[[int], None] | None = None
     on_received: Callable[[Source, Key, int], None] | None = None
     """Told of piece bytes as they arrive: from which source, for which (model, version, kind)."""
@@ -99,6 +105,9 @@ class Fetcher:
     _early: dict[Key, dict[int, asyncio.Task]] = field(default_factory=dict, init=False, repr=False)
     _judge: SourceJudge = field(init=False, repr=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+    _flights: dict[Key, Flights] = field(default_factory=dict, init=False, repr=False)
+    _arrived: dict[Key, dict[int, int]] = field(default_factory=dict, init=False, repr=False)
+    """Bytes of each prefetched piece that have arrived (how a stalled one is told from a moving one)."""
 
     def __post_init__(self) -> None:
         self._judge = SourceJudge(self.sources, self.penalty_s, self.source_tries, self.monitor)
@@ -186,6 +195,7 @@ class Fetcher:
 
     def _discard_prefetch(self, key: Key) -> None:
         """Cancel prefetched pieces of one version that no `pieces()` call took."""
+        self._arrived.pop(key, None)
         for task in self._early.pop(key, {}).values():
             task.cancel()
 
@@ -194,6 +204,7 @@ class Fetcher:
         end with the manifest's, within moments. Cancelling them would close their connections, and
         the next version would then start on fresh ones, in slow start."""
         tasks = list(self._early.pop(key, {}).values())
+        self._arrived.pop(key, None)
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.stall_timeout_s)
             for task in late:
@@ -255,9 +266,9 @@ class Fetcher:
 
     # -- pieces ------------------------------------------------------------------------------------
     async def piece(self, manifest: Manifest, index: int, prefix: bytes = b"",
-                    prefix_source: Source | None = None) -> bytearray:
+                    prefix_source: Source | None = None, hedged: bool = True) -> bytearray:
         """One verified piece, resuming across sources with Range requests (from `prefix`, the bytes that
-        `prefix_source` already delivered, if any)."""
+        `prefix_source` already delivered, if any); `hedged` as for `_fill`."""
         key = (manifest.model_id, manifest.version, manifest.kind)
         data = bytearray(manifest.pieces[index].length)
         span = Span(data, 0, len(data))
@@ -267,7 +278,7 @@ class Fetcher:
             span.sources.append(prefix_source)
         deadline = time.monotonic() + self.give_up_s
         while True:
-            await self._fill(manifest, index, span, deadline)
+            await self._fill(manifest, index, span, deadline, hedged)
             try:
                 manifest.check_piece(index, data)
                 return data
@@ -279,9 +290,10 @@ class Fetcher:
                     raise FetchError(f"piece {index} of {name(key)}: no source served it intact within "
                                      f"{self.give_up_s:.0f}s ({self._judge.tries(key, index).describe()})") from e
 
-    async def _fill(self, manifest: Manifest, index: int, span: Span, deadline: float) -> None:
+    async def _fill(self, manifest: Manifest, index: int, span: Span, deadline: float, hedged: bool = True) -> None:
         """Receive `span` of a piece into its buffer from the best source that has it, continuing from
-        another source (with what arrived) when one fails."""
+        another source (with what arrived) when one fails; at a version's end, a stalled request is
+        taken over on another connection (unless not `hedged`: a take-over itself)."""
         key = (manifest.model_id, manifest.version, manifest.kind)
         pending_since: float | None = None
 
@@ -304,8 +316,14 @@ class Fetcher:
                     f"within {self.give_up_s:.0f}s ({span.filled - span.start} arrived; "
                     f"{self._judge.tries(key, index).describe()})")
 
-        await self._judge.rounds(key, index, deadline, ask, f"piece {index} of {name(key)}: no source served it intact",
-                                 timed_out)
+        work = self._judge.rounds(key, index, deadline, ask, f"piece {index} of {name(key)}: no source served it intact",
+                                  timed_out)
+        flights = self._flights.get(key) if hedged else None
+        if flights is None:
+            await work
+            return
+        await race_span(flights, work, span, lambda twin: self._fill(manifest, index, twin, deadline, False),
+                        f"piece {index} of {name(key)} (bytes {span.start}-{span.end})")
 
     async def _received(self, source: Source, key: Key | None, nbytes: int) -> None:
         """Book bytes that just arrived: the source's bandwidth cap, then the progress hooks (those of a
@@ -329,7 +347,10 @@ class Fetcher:
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
 
+        arrived = self._arrived.setdefault(key, {})
+
         async def on_chunk(n: int) -> None:
+            arrived[index] = arrived.get(index, 0) + n
             await self._received(source, key, n)
 
         got = await receive_whole(self.wait_session or self.session, url, {"wait": wait_s} if wait_s > 0 else None,
@@ -378,12 +399,22 @@ class Fetcher:
         key = (manifest.model_id, manifest.version, manifest.kind)
         order = list(indices)
         early = self._early.pop(key, {})
+        arrived = self._arrived.get(key, {})
+        flights = Flights(self.hedge_after_s) if self.hedge_after_s > 0 else None
+        if flights is not None:
+            self._flights[key] = flights
 
         async def whole(i: int) -> bytearray:
             task = early.pop(i, None)
             if task is None:
                 return await self.piece(manifest, i)
-            source, got = await task
+            # A prefetched piece that stalls is taken over like any other request.
+            came = await (task if flights is None else flights.race(
+                task, lambda: manifest.pieces[i].length - arrived.get(i, 0),
+                lambda: self.piece(manifest, i, hedged=False), f"prefetched piece {i} of {name(key)}"))
+            if isinstance(came, TakenOver):
+                return came.value
+            source, got = came
             if got.outcome == "done":
                 try:
                     manifest.check_piece(i, got.data)
@@ -409,7 +440,8 @@ class Fetcher:
             for i in set(early) - set(order):
                 early.pop(i).cancel()
             await run_lanes(manifest, sorted(order, key=lambda i: i not in early), connections, set(early),
-                            whole=whole, fill_range=fill_range, assembled_bad=assembled_bad, on_piece=on_piece)
+                            whole=whole, fill_range=fill_range, assembled_bad=assembled_bad, on_piece=on_piece,
+                            hedge=flights.hedge if flights is not None else None)
         finally:
             if parts is not None:
                 await parts.close()
@@ -417,3 +449,6 @@ class Fetcher:
                 task.cancel()
             await asyncio.gather(*early.values(), return_exceptions=True)
             self._judge.forget(key)
+            self._arrived.pop(key, None)
+            if self._flights.get(key) is flights:
+                self._flights.pop(key, None)

@@ -6,8 +6,10 @@ every connection, so that they all finish together instead of a few connections 
 whole pieces while the others sit idle. With more connections than pieces (many connections fill a
 long link sooner from a cold start, each starting at 10 segments), every piece is cut up front into
 its share of the connections (`first_spans`), so that each connection has a part in the first round
-trip and none waits for a second. No byte is requested twice. How one piece or range is fetched
-(sources, deadlines, verification) is the caller's: `deltamesh.gateway.fetch.Fetcher.pieces`.
+trip and none waits for a second. No byte is requested twice while any is left to ask for; a lane
+with nothing left may take over a stalled request (`hedge`, `deltamesh.gateway.fetch_hedge`). How one
+piece or range is fetched (sources, deadlines, verification) is the caller's:
+`deltamesh.gateway.fetch.Fetcher.pieces`.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ async def run_lanes(
     fill_range: Callable[[int, Span], Awaitable[None]],
     assembled_bad: Callable[[int, list, CorruptError], Awaitable[bytearray]],
     on_piece: Callable[[int, bytearray], Awaitable[None]],
+    hedge: Callable[[], Awaitable[bool]] | None = None,
 ) -> None:
     """Fetch the pieces `order` names over `connections` lanes: `whole(i)` a verified whole piece (always
     for those in `whole_first`, already on their way), `fill_range(i, span)` one range of a split piece;
     a split piece that fails its hash once assembled goes to `assembled_bad(i, senders, error)`, which
-    returns it fetched again. Every verified piece goes to `on_piece`."""
+    returns it fetched again. Every verified piece goes to `on_piece`. A lane with nothing left to ask
+    for calls `hedge()` until it returns False (it may take over a stalled request meanwhile)."""
     unasked = sum(manifest.pieces[i].length for i in order)
     todo = deque(first_spans(manifest, order, connections, whole_first))
     lanes = max(1, min(connections, max(len(todo), -(-unasked // MIN_SPAN))))  # every first span at once
@@ -82,6 +86,8 @@ async def run_lanes(
             data = await part(i, start, end)
             if data is not None:
                 await on_piece(i, data)
+        while hedge is not None and await hedge():
+            pass
 
     await run_lanes_of(worker, lanes)
 

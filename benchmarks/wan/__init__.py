@@ -14,12 +14,16 @@ installs.
 """
 
 from .emulator import Host, Link, Wan
+from .links import DelayLine
+from .loss import Loss
 from .netns import purge
+from .record_view import RunRecord
+from .records import LinkRecorder
 from .shell import WanError
 from .topology import build, load_topology
 from .verify import LinkCheck, format_table, verify_all, verify_link
 
 __all__ = [
-    "Host", "Link", "LinkCheck", "Wan", "WanError", "build", "format_table", "load_topology",
-    "purge", "verify_all", "verify_link",
+    "DelayLine", "Host", "Link", "LinkCheck", "LinkRecorder", "Loss", "RunRecord", "Wan", "WanError", "build",
+    "format_table", "load_topology", "purge", "verify_all", "verify_link",
 ]

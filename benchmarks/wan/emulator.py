@@ -17,14 +17,15 @@ import signal
 import subprocess
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import netns
+from .links import DelayLine, Host, Link
+from .loss import Loss
 from .processes import stop_processes
-from .shaping import limit_rate, start_delayer
-from .shell import WanError, in_netns, run
+from .shaping import limit_rate, one_segment_per_packet, start_delayer
+from .shell import WanError, run
 
 log = logging.getLogger(__name__)
 
@@ -34,83 +35,6 @@ HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,11}$")
 PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,23}$")
 MAX_LINKS = 64 * 256
 MAX_HOSTS = 256 * 256 - 1
-
-
-@dataclass(eq=False)
-class Host:
-    """One emulated region or pool: a network namespace."""
-
-    wan: Wan = field(repr=False)
-    name: str
-    index: int
-    namespace: str
-    ip: str
-    links: dict[str, Link] = field(default_factory=dict, repr=False)
-    next_queue: int = field(default=0, repr=False)
-
-    def link_to(self, peer: Host) -> Link:
-        """The link between this host and `peer` (WanError if there is none)."""
-        try:
-            return self.links[peer.name]
-        except KeyError:
-            raise WanError(f"{self.name} and {peer.name} share no link") from None
-
-    def addr_of(self, peer: Host) -> str:
-        """The address this host reaches `peer` at: the peer's end of their link."""
-        return self.link_to(peer).addr(peer)
-
-    def iface_to(self, peer: Host) -> str:
-        return f"to-{peer.name}"
-
-    def command(self, argv: Sequence[str]) -> list[str]:
-        """`argv` as a command line that runs inside this host's namespace."""
-        return in_netns(self.namespace, [str(a) for a in argv])
-
-    def spawn(self, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
-        """Start `argv` inside this host, in its own session; it is ended at teardown."""
-        return self.wan._spawn(self, argv, popen_kwargs)
-
-    def run(self, argv: Sequence[str], *, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-        """Run `argv` inside this host to completion (text output captured)."""
-        try:
-            done = subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise WanError(f"{self.name}: {' '.join(map(str, argv))} ran past {timeout:g} s") from None
-        if check and done.returncode != 0:
-            raise WanError(f"{self.name}: {' '.join(map(str, argv))} exited {done.returncode}: {done.stderr.strip()}")
-        return done
-
-
-@dataclass(eq=False)
-class Link:
-    """A point-to-point link; `mbit_ab` is the rate from `a` to `b`, the delay is `rtt_ms / 2` each way."""
-
-    index: int
-    a: Host
-    b: Host
-    addr_a: str
-    addr_b: str
-    mbit_ab: float
-    mbit_ba: float
-    rtt_ms: float
-    queue_ms: float
-    delayers: list[subprocess.Popen] = field(default_factory=list, repr=False)
-
-    def addr(self, host: Host) -> str:
-        """The address of `host`'s end of this link."""
-        if host is self.a:
-            return self.addr_a
-        if host is self.b:
-            return self.addr_b
-        raise WanError(f"{host.name} is not on the link {self.a.name}-{self.b.name}")
-
-    def mbit_from(self, sender: Host) -> float:
-        """The rate of the direction that `sender` sends on."""
-        return self.mbit_ab if sender is self.a else self.mbit_ba
-
-    def dead_delayers(self) -> list[str]:
-        """Delayers of this link that have exited (its traffic in that direction is dropped)."""
-        return [" ".join(map(str, p.args[-5:])) for p in self.delayers if p.poll() is not None]
 
 
 class Wan:
@@ -154,10 +78,16 @@ class Wan:
         return host
 
     def link(self, a: Host, b: Host, *, mbit: float, rtt_ms: float,
-             mbit_back: float | None = None, queue_ms: float | None = None) -> Link:
+             mbit_back: float | None = None, queue_ms: float | None = None,
+             loss: Loss | float | None = None, loss_back: Loss | float | None = None,
+             wire_packets: bool = False) -> Link:
         """Join `a` and `b`: `mbit` from a to b (`mbit_back` from b to a, default the same),
         `rtt_ms / 2` of delay each way, and a sender queue of `queue_ms` (default: one RTT,
-        at least 20 ms) of traffic at the link's rate."""
+        at least 20 ms) of traffic at the link's rate. With `loss` (a `Loss`, or a random drop
+        rate) a to b loses packets, and b to a too (`loss_back`, default the same), and can change
+        its loss later (`Link.set_loss`), even to none; without it, it never loses a packet but to
+        its queues. `wire_packets` sends one segment per packet both ways (no GSO): exact per-packet
+        loss, at a per-packet cost the delayers cannot keep up with at hundreds of Mbit/s here."""
         self._check_open()
         if a is b or b.name in a.links:
             raise WanError(f"cannot link {a.name} to {b.name}: same host or already linked")
@@ -169,8 +99,11 @@ class Wan:
         index = len(self.links)
         subnet = f"10.77.{index >> 6}.{(index & 63) << 2}"  # a /30: .1 is a's end, .2 is b's
         stem, _, base = subnet.rpartition(".")
+        lossy = loss is not None or loss_back is not None
         link = Link(index, a, b, f"{stem}.{int(base) + 1}", f"{stem}.{int(base) + 2}", mbit, mbit_back,
-                    rtt_ms, max(20.0, rtt_ms) if queue_ms is None else queue_ms)
+                    rtt_ms, max(20.0, rtt_ms) if queue_ms is None else queue_ms,
+                    loss_ab=Loss.of(loss), loss_ba=Loss.of(loss if loss_back is None else loss_back), lossy=lossy,
+                    wire_packets=wire_packets)
         run(["ip", "link", "add", a.iface_to(b), "netns", a.namespace, "type", "veth",
              "peer", "name", b.iface_to(a), "netns", b.namespace])
         a.links[b.name], b.links[a.name] = link, link
@@ -181,13 +114,18 @@ class Wan:
             run(["ip", "-n", me.namespace, "link", "set", iface, "up"])
             run(["ip", "-n", me.namespace, "route", "add", f"{peer.ip}/32", "dev", iface])
             limit_rate(me.namespace, iface, link.mbit_from(me), link.queue_ms)
-            if rtt_ms > 0:
+            if wire_packets:
+                one_segment_per_packet(me.namespace, iface)
+            if rtt_ms > 0 or lossy:  # `me` receives what `peer` sends: the delay line of peer -> me
                 queue, me.next_queue = me.next_queue, me.next_queue + 1
                 log_path = self.log_dir() / f"delayer-{me.name}-{iface}.log"
-                delayer = start_delayer(me.namespace, iface, queue, rtt_ms / 2, log_path)
+                delayer = start_delayer(me.namespace, iface, queue, rtt_ms / 2, log_path,
+                                        loss=link.loss_from(peer), lossy=lossy)
                 self._delayers.append(delayer)
                 link.delayers.append(delayer)
-        log.info("link %s <-> %s: %s/%s Mbit/s, RTT %s ms", a.name, b.name, mbit, mbit_back, rtt_ms)
+                link.lines[peer.name] = DelayLine(peer, me, iface, log_path, delayer)
+        log.info("link %s <-> %s: %s/%s Mbit/s, RTT %s ms, loss %s / %s", a.name, b.name, mbit, mbit_back, rtt_ms,
+                 link.loss_ab.describe(), link.loss_ba.describe())
         return link
 
     def log_dir(self) -> Path:
@@ -233,7 +171,10 @@ class Wan:
             "hosts": [{"name": h.name, "namespace": h.namespace, "ip": h.ip} for h in self.hosts.values()],
             "links": [{"a": k.a.name, "b": k.b.name, "addr_a": k.addr_a, "addr_b": k.addr_b,
                        "mbit_ab": k.mbit_ab, "mbit_ba": k.mbit_ba, "rtt_ms": k.rtt_ms,
-                       "queue_ms": k.queue_ms} for k in self.links],
+                       "queue_ms": k.queue_ms, "loss_ab": k.loss_ab.as_dict(), "loss_ba": k.loss_ba.as_dict(),
+                       "lossy": k.lossy, "wire_packets": k.wire_packets,
+                       "lines": {sender: line.log_path.name for sender, line in k.lines.items()}}
+                      for k in self.links],
         }
 
     def save_state(self) -> Path:
@@ -253,6 +194,8 @@ class Wan:
         self._delayers.clear()
         for link in self.links:
             link.delayers.clear()
+            for line in link.lines.values():
+                line.proc = None
         return path
 
     @classmethod
@@ -270,7 +213,13 @@ class Wan:
         for index, item in enumerate(state["links"]):
             a, b = wan.hosts[item["a"]], wan.hosts[item["b"]]
             link = Link(index, a, b, item["addr_a"], item["addr_b"], item["mbit_ab"], item["mbit_ba"],
-                        item["rtt_ms"], item["queue_ms"])
+                        item["rtt_ms"], item["queue_ms"], loss_ab=Loss.of(item.get("loss_ab")),
+                        loss_ba=Loss.of(item.get("loss_ba")), lossy=item.get("lossy", False),
+                        wire_packets=item.get("wire_packets", False))
+            for sender, log_name in item.get("lines", {}).items():
+                receiver = b if sender == a.name else a
+                link.lines[sender] = DelayLine(wan.hosts[sender], receiver, receiver.iface_to(wan.hosts[sender]),
+                                               wan.log_dir() / log_name)
             a.links[b.name], b.links[a.name] = link, link
             wan.links.append(link)
         return wan

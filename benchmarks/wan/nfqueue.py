@@ -1,4 +1,4 @@
-"""A minimal NFQUEUE client over a raw netlink socket: bind a queue, receive packet ids, accept them.
+"""A minimal NFQUEUE client over a raw netlink socket: bind a queue, receive packet ids, accept or drop them.
 
 Only what the delayer needs, and none of what makes a general binding costly: the queue copies no
 packet bytes (metadata only), takes GSO packets whole instead of having the kernel cut each into
@@ -15,14 +15,17 @@ import struct
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3
-NFQNL_MSG_PACKET, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 2, 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 1, 2, 3
 NFQA_PACKET_HDR = 1
 NFQA_VERDICT_HDR = 2
+NFQA_CAP_LEN = 13  # the packet's length, sent when part of it is copied (COPY_PACKET with a range)
 NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
 NFQNL_CFG_CMD_BIND, NFQNL_CFG_CMD_UNBIND = 1, 2
-NFQNL_COPY_META = 1
+NFQNL_COPY_META, NFQNL_COPY_PACKET = 1, 2
+SIZED_COPY = 20
+"""Bytes of each packet copied when its length is wanted: the kernel then also sends that length."""
 NFQA_CFG_F_GSO = 4
-NF_ACCEPT = 1
+NF_DROP, NF_ACCEPT = 0, 1
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 
@@ -45,8 +48,11 @@ def _attr(kind: int, payload: bytes) -> bytes:
 class Queue:
     """One bound NFQUEUE: `fileno()` for select, `receive()` for the ids that arrived, `accept_upto`."""
 
-    def __init__(self, number: int, max_len: int, sock_bytes: int):
+    def __init__(self, number: int, max_len: int, sock_bytes: int, sized: bool = False):
         self.number = number
+        self.sized = sized
+        """Whether the kernel sends each packet's length (with its first SIZED_COPY bytes, a slightly
+        larger notice): `receive_sized` needs it, to count the segments of a GSO packet."""
         self.lost = 0
         """Times the socket overflowed: each time, the kernel dropped the packets it could not report."""
         self._seq = 0
@@ -62,7 +68,9 @@ class Queue:
             self._sock.bind((0, 0))
             self._buf = bytearray(RECV_BYTES)
             self._command(_attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, socket.AF_INET)))
-            self._command(_attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0xFFFF, NFQNL_COPY_META))
+            copy = (struct.pack("!IB", SIZED_COPY, NFQNL_COPY_PACKET) if sized
+                    else struct.pack("!IB", 0xFFFF, NFQNL_COPY_META))
+            self._command(_attr(NFQA_CFG_PARAMS, copy)
                           + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", max_len))
                           + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_GSO))
                           + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_GSO)))
@@ -93,7 +101,14 @@ class Queue:
 
     def receive(self) -> list[int]:
         """Ids of the packets queued since the last call (an empty list when none is waiting)."""
-        ids: list[int] = []
+        return [packet_id for packet_id, _ in self._receive(False)]
+
+    def receive_sized(self) -> list[tuple[int, int]]:
+        """(id, length in bytes) of the packets queued since the last call (GSO packets: their whole length)."""
+        return self._receive(True)
+
+    def _receive(self, sized: bool) -> list[tuple[int, int]]:
+        ids: list[tuple[int, int]] = []
         recv_into, buf = self._sock.recv_into, self._buf
         while True:
             try:
@@ -111,24 +126,38 @@ class Queue:
                 if length < _NLMSGHDR.size:
                     break
                 if kind == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
-                    ids.append(self._packet_id(offset + _NLMSGHDR.size + _NFGENMSG.size, offset + length))
+                    ids.append(self._packet(offset + _NLMSGHDR.size + _NFGENMSG.size, offset + length, sized))
                 offset += (length + 3) & ~3
 
-    def _packet_id(self, at: int, end: int) -> int:
+    def _packet(self, at: int, end: int, sized: bool) -> tuple[int, int]:
+        """(id, length) of one notice; the length only when `sized` (0 otherwise, or if not sent)."""
         buf = self._buf
+        packet_id = size = None
         while at + _NLATTR.size <= end:
             length, kind = _NLATTR.unpack_from(buf, at)
             if length < _NLATTR.size:
                 break
-            if kind & 0x7FFF == NFQA_PACKET_HDR:
-                return struct.unpack_from("!I", buf, at + _NLATTR.size)[0]
+            kind &= 0x7FFF
+            if kind == NFQA_PACKET_HDR:
+                packet_id = struct.unpack_from("!I", buf, at + _NLATTR.size)[0]
+                if not sized:
+                    return packet_id, 0
+            elif kind == NFQA_CAP_LEN:
+                size = struct.unpack_from("!I", buf, at + _NLATTR.size)[0]
             at += (length + 3) & ~3
-        raise NfqueueError(errno.EPROTO, "packet notice without a packet header")
+        if packet_id is None:
+            raise NfqueueError(errno.EPROTO, "packet notice without a packet header")
+        return packet_id, size or 0
 
     def accept_upto(self, packet_id: int) -> None:
         """Accept every packet of the queue with an id up to `packet_id` (one batch verdict)."""
         self._sock.send(self._message(NFQNL_MSG_VERDICT_BATCH,
                                       _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, packet_id))))
+
+    def drop(self, packet_id: int) -> None:
+        """Drop one packet of the queue (a verdict of its own; the packets around it stay queued)."""
+        verdict = _attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP, packet_id))
+        self._sock.send(self._message(NFQNL_MSG_VERDICT, verdict))
 
     def close(self) -> None:
         try:

@@ -3,10 +3,16 @@ queue of one bandwidth-delay product) and a one-way delay where they arrive (the
 INPUT chain sends them to an NFQUEUE, without `--queue-bypass`, and a delayer process accepts
 each once it is due; netem is not available here). With no bypass a packet never skips the
 delay, and a dead delayer darkens its link instead of silently turning it into a LAN.
+
+Loss is the delayer's too (loss.py): it drops what the link should lose, per segment even in GSO
+packets. A link asked to carry wire packets (`one_segment_per_packet`: the sender's veth end takes no
+GSO packets, so TCP builds no multi-segment ones for it) makes each drop exactly one packet, at a
+per-packet cost; otherwise GSO packets pass whole, at a fraction of it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import subprocess
@@ -14,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from .loss import Loss
 from .processes import stop_process
 from .shell import WanError, in_netns, run
 
@@ -48,16 +55,37 @@ def limit_rate(namespace: str, iface: str, mbit: float, queue_ms: float) -> None
     ]))
 
 
-def start_delayer(namespace: str, iface: str, queue_num: int, delay_ms: float, log_path: Path) -> subprocess.Popen:
+def one_segment_per_packet(namespace: str, iface: str) -> None:
+    """Make every TCP packet sent out of `iface` carry one segment (connections opened from now on)."""
+    run(in_netns(namespace, ["ip", "link", "set", "dev", iface, "gso_max_segs", "1"]))
+
+
+def delayer_files(log_path: Path) -> tuple[Path, Path]:
+    """(counts, loss control) files of the delayer that logs to `log_path`."""
+    return log_path.with_suffix(".json"), log_path.with_suffix(".loss.json")
+
+
+def write_loss(control: Path, loss: Loss) -> None:
+    tmp = control.with_suffix(".tmp")
+    tmp.write_text(json.dumps(loss.as_dict()))
+    tmp.replace(control)
+
+
+def start_delayer(namespace: str, iface: str, queue_num: int, delay_ms: float, log_path: Path, *,
+                  loss: Loss = Loss(), lossy: bool = False) -> subprocess.Popen:
     """Start a delayer for what arrives on `iface`, then send that traffic through it.
 
     The process runs inside `namespace` in its own session (a Ctrl-C on the terminal reaches
     only the emulator, which then ends its delayers in order), with its stderr in `log_path`
-    (never the caller's, which a detached network would otherwise hold open). Raises WanError
-    and leaves nothing running if the delayer does not report ready.
+    (never the caller's, which a detached network would otherwise hold open), its counts and its
+    loss beside it (`delayer_files`); `lossy`: a link that may lose packets (now or later). Raises
+    WanError and leaves nothing running if the delayer does not report ready.
     """
+    stats, control = delayer_files(log_path)
+    write_loss(control, loss)
     cmd = in_netns(namespace, [
         sys.executable, str(DELAYER), "--queue", str(queue_num), "--delay-ms", str(delay_ms),
+        "--stats", str(stats), "--control", str(control), *(["--lossy"] if lossy else []),
     ])
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,

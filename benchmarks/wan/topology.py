@@ -8,6 +8,7 @@
     rtt_ms = 300
     mbit_back = 100            # optional, b -> a (default: mbit)
     queue_ms = 300             # optional, sender queue (default: one RTT, at least 20 ms)
+    loss = 0.001               # optional, random loss each way (the link is lossy: Link.set_loss)
 
 Hosts are created in the order they are first named. Loaded with the project's config loader,
 so an unknown key or a wrong type is an error, not a silently ignored setting.
@@ -31,6 +32,7 @@ class LinkSpec:
     rtt_ms: float
     mbit_back: float | None = None
     queue_ms: float | None = None
+    loss: float | None = None
 
     def __post_init__(self) -> None:
         if self.a == self.b:
@@ -39,6 +41,8 @@ class LinkSpec:
             raise ValueError(f"link {self.a}-{self.b}: rates must be positive")
         if self.rtt_ms < 0 or (self.queue_ms is not None and self.queue_ms <= 0):
             raise ValueError(f"link {self.a}-{self.b}: rtt_ms must be >= 0 and queue_ms > 0")
+        if self.loss is not None and not 0 <= self.loss < 1:
+            raise ValueError(f"link {self.a}-{self.b}: loss must be in [0, 1)")
 
 
 @dataclass
@@ -66,4 +70,4 @@ def build(wan: Wan, topology: Topology) -> None:
         wan.host(name)
     for spec in topology.link:
         wan.link(wan.hosts[spec.a], wan.hosts[spec.b], mbit=spec.mbit, rtt_ms=spec.rtt_ms,
-                 mbit_back=spec.mbit_back, queue_ms=spec.queue_ms)
+                 mbit_back=spec.mbit_back, queue_ms=spec.queue_ms, loss=spec.loss)

@@ -61,8 +61,10 @@ def default_seconds(rtt_ms: float) -> float:
 def verify_link(sender: Host, receiver: Host, *, seconds: float | None = None, streams: int = 4,
                 rtt_count: int = RTT_SAMPLES, tolerance: float = 0.10, measure_rate: bool = True) -> LinkCheck:
     """Measure the link from `sender` to `receiver`; a link that is off target, dark or unreachable
-    gives a check that says so (ok=False) rather than an exception."""
+    gives a check that says so (ok=False) rather than an exception. A direction that loses packets on
+    purpose carries less than its rate (that is what loss does to TCP): only its RTT is measured."""
     link = sender.link_to(receiver)
+    measure_rate = measure_rate and not link.loss_from(sender).active
     asked_mbit = link.mbit_from(sender)
     seconds = default_seconds(link.rtt_ms) if seconds is None else seconds
     dead = link.dead_delayers()

@@ -20,10 +20,12 @@ from aiohttp import web
 import transfer
 from deltamesh.http import serving
 from deltamesh.tls import TlsSettings, server_context
+from transfer_baseline import MIN_RATE_BPS, baseline_seconds
 from transfer_link import pool_link_mbit
 from transfer_mesh import metric_sum
 from transfer_report import print_report
-from transfer_scenarios import Sample, steady_mbit, summarize, tls_gap
+from transfer_long_link import tls_gap
+from transfer_runs import Sample, steady_mbit, summarize
 from transfer_tls import RunPki
 from transfer_training import stage_times, staleness, training_json
 
@@ -55,6 +57,25 @@ def test_metric_sum_adds_every_labelled_sample_of_one_counter_only():
         "deltamesh_gateway_bytes_out_totalx 5",
     ])
     assert metric_sum(text, "deltamesh_gateway_bytes_out_total") == 3_001_000
+
+
+def test_a_capped_single_stream_is_extrapolated_from_its_windows_second_half_and_says_so():
+    # 10 s window from t_go = 1: 10 MB by 5 s, 30 MB by 10 s (4 MB/s in the second half); 100 MB in all.
+    capped = {"t_go": 101.0, "t_done": 111.0, "bytes": 30_000_000, "total": 100_000_000, "capped": True,
+              "marks": [[2.5, 4_000_000], [5.0, 10_000_000], [7.5, 20_000_000], [10.0, 30_000_000]]}
+    seconds, note = baseline_seconds(capped, t_start=100.0)
+    assert seconds == pytest.approx(1 + 10 + 70_000_000 / 4_000_000)
+    assert note == {"extrapolated": True, "window_s": 10.0, "received_bytes": 30_000_000, "rate_mbit": 32.0}
+    # A download that ended inside its window is measured, not extrapolated.
+    done = {"t_go": 101.0, "t_done": 104.5, "bytes": 100, "total": 100, "capped": False, "marks": []}
+    assert baseline_seconds(done, t_start=100.0) == (4.5, {"extrapolated": False})
+
+
+def test_a_capped_stream_that_stalled_gets_a_huge_time_not_a_division_by_zero():
+    stalled = {"t_go": 0.0, "t_done": 10.0, "bytes": 5_000_000, "total": 6_000_000, "capped": True,
+               "marks": [[5.0, 5_000_000], [10.0, 5_000_000]]}
+    seconds, note = baseline_seconds(stalled, t_start=0.0)
+    assert seconds == pytest.approx(10 + 1_000_000 / MIN_RATE_BPS) and note["extrapolated"]
 
 
 def test_tls_gap_is_tls_minus_plain_utilization_in_points_where_both_ran():
@@ -174,6 +195,13 @@ def test_quick_long_link_run_prints_its_json(tmp_path):
         # Everything the origin served was the version, once; its links carried it plus headers.
         assert m["origin_egress_bytes"] == m["payload_bytes"]
         assert m["payload_bytes"] < m["origin_wire_bytes"] < 1.1 * m["payload_bytes"]
+        # The keys the figures are read by, and one record of what the link did per run.
+        assert len(m["runs"]) == len(m["run_utilization"]) == len(m["link_records"]) >= 1
+        for record in m["link_records"]:
+            assert {"ok", "problems", "directions", "tcp"} <= set(record)
+            assert {d["name"] for d in record["directions"]} == {"origin -> regionA", "regionA -> origin"}
+            assert {"dropped", "late", "max_held", "packets"} <= set(record["directions"][0])
+            assert {"retrans", "min_rcv_window", "max_rcv_window"} <= set(record["tcp"])
     assert not list(tmp_path.glob("transfer-*")), "the scenario's scratch folder was left behind"
 
 

@@ -52,6 +52,7 @@ def test_shipped_topologies_load():
     ('[[link]]\na = "x"\nb = "y"\nmbit = "fast"\nrtt_ms = 5\n', "mbit"),
     ('[[link]]\na = "x"\nb = "y"\nmbit = 1\nrtt_ms = 5\n[[link]]\na = "y"\nb = "x"\nmbit = 1\nrtt_ms = 5\n',
      "same pair"),
+    ('[[link]]\na = "x"\nb = "y"\nmbit = 1\nrtt_ms = 5\nloss = 1.5\n', "loss must be in"),
 ])
 def test_bad_topology_is_rejected(tmp_path, text, error):
     path = tmp_path / "bad.toml"
