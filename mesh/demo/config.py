@@ -275,6 +275,12 @@ class DemoConfig:
     def workflow_options(self) -> dict[str, Any]:
         if self.workflow == "math":
             return {"format_reward": self.format_reward, **self.math_options()}
+        if self.workflow == "solver_verifier" and self.math_options():
+            # The Solver asked as the math policy is (and as the evaluator scores it), the Verifier in kind.
+            math = self.math_options()
+            return {"prompt_format": math["prompt_format"], "solver_prefix": math["reply_prefix"],
+                    "answer": math["answer"], "solver_template": "{prompt}",
+                    "retry_template": "{prompt}\nYou answered: {answer}\nA reviewer rejected it: {feedback}"}
         if self.model != "tiny":
             return {}
         return dict(TINY_CODE[self.workflow] if self.workflow in CODE_WORKFLOWS else TINY_SOLVER_VERIFIER)

@@ -78,6 +78,7 @@ def step_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
             "pools": r.get("pools", {}), "wait_fraction": r["wait_fraction"], "wait_seconds": r["wait_seconds"],
             "train_seconds": r["train_seconds"], "publish_seconds": r.get("publish_seconds"),
             "publish_kinds": r.get("publish_kinds", []), "staleness_mean": r["staleness_mean"],
+            "staleness_max": r.get("staleness_max", 0), "step_seconds": r.get("step_seconds"), "time": r["time"],
             "link_bytes": dict(facts.link_bytes) if facts else {}, "full_bytes": run.full_bytes_at(v),
             "all_pools_seconds": None if everywhere is None else max(0.0, everywhere - r["time"]),
             "pool_behind": {p: None if pv is None else max(0, v - pv) for p, pv in served.items()},
@@ -110,16 +111,19 @@ def mismatch_by_pool(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def eval_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
     """The evaluator's results as the curve: per scored version, its step (the trainer step that made
-    it; 0 for the initial weights), the seconds from the run's start to that step's end, avg@n and its
-    parts, and the weights hash the evaluator's engine proved it served."""
-    ends = {int(r["version"]): (int(r["step"]), float(r["time"])) for r in state.models[model_id].steps}
-    first = min((t for _, t in ends.values()), default=state.started_at)
+    it; 0 for the initial weights), the seconds from the run's start (`wall_s`) and from the start of
+    training (`train_s`: the first step's poll) to that step's end, avg@n and its parts, and the
+    weights hash the evaluator's engine proved it served."""
+    steps = state.models[model_id].steps
+    ends = {int(r["version"]): (int(r["step"]), float(r["time"])) for r in steps}
+    # Training starts when the first step's poll began (its end less its length).
+    first = float(steps[0]["time"]) - float(steps[0].get("step_seconds") or 0.0) if steps else state.started_at
     rows = []
     for r in state.evals:
         step, at = ends.get(int(r["version"]), (int(r["version"]), None))
         rows.append({"version": r["version"], "step": 0 if r["version"] == 0 else step,
                      "wall_s": None if at is None else at - state.started_at,
-                     "train_s": None if at is None else at - first,
+                     "train_s": 0.0 if r["version"] == 0 else (None if at is None else at - first),
                      "accuracy": r["accuracy"], "correct": r["correct"], "problems": r["problems"],
                      "samples": r["samples"], "by_level": r.get("by_level", {}), "weights_hash": r["weights_hash"],
                      "weights_match": state.models[model_id].versions.get(int(r["version"])) is None
