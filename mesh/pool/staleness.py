@@ -2,8 +2,9 @@
 
 The newest version of a policy is the larger of the trainer's version (as the broker reports it: the
 trainer may be ahead of what has reached this region; while it trains on batches it took, the version
-those will make, `training_version`) and the head announced by the region's gateway. A pool whose engine is more than `max_staleness` versions behind it stops leasing until its
-weight sync catches up; episodes already running carry on. `lease_verdict` is the pure rule;
+those will make, `training_version`) and the head announced by the region's gateway. A pool whose
+engine is more than `max_staleness` versions behind it stops leasing until its weight sync catches up;
+episodes already running carry on. `lease_verdict` is the pure rule;
 `LeaseGate` feeds it the live versions, reading the broker's at most every `refresh_s`.
 """
 
