@@ -257,15 +257,16 @@ def eval_service(plan: MeshPlan) -> Service:
         "name": EVALUATOR, "model_id": model_id, "model_path": str(plan.model_dir), "engine": cfg.engine,
         "threads": 1, "seed": cfg.seed, "dir": str(plan.run_dir / "eval" / "weights"),
         "db": str(plan.run_dir / "eval" / "eval.db"), "listen": f"127.0.0.1:{port}",
-        "gateways": [plan.gateways[region].url], "token": plan.token(f"pool/{EVALUATOR}") or plan.pool_token,
+        "gateways": [plan.gateways[region].url],
         "trusted_keys": [str(plan.public_key)], "heartbeat_s": 1.0, "stall_timeout_s": 10.0,
         "every": cfg.eval.every, "samples": cfg.eval.samples, "heldout": heldout,
         "workflow": workflow, "workflow_options": options,
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.eval_temperature},
         **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}), **server,
     }})
-    return _http("eval", "eval", ["eval", "--config", str(config)], plan.run_dir / "logs" / "eval.log", port,
-                 plan.scheme)
+    token = plan.token_file(f"pool/{EVALUATOR}") or plan.pool_token
+    return _http("eval", "eval", ["eval", "--config", str(config), "--token-file", str(token)],
+                 plan.run_dir / "logs" / "eval.log", port, plan.scheme)
 
 
 def console_service(plan: MeshPlan) -> Service:
