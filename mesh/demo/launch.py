@@ -130,6 +130,7 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
         return plan
     if config.tasks == "arithmetic":  # the training split only: the evaluator's held-out problems never appear
         tasks = arithmetic.train_tasks(count, config.levels, seed=config.seed)
+        plan.epochs = math.ceil(count / len(tasks))  # each problem once per pass: a dataset's ids are unique
     else:
         tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
     (run_dir / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))

@@ -110,17 +110,17 @@ def problems(levels: Sequence[int], split: Split, *, split_seed: int = 0, heldou
 
 def train_tasks(count: int, levels: Sequence[int], *, seed: int = 0, split_seed: int = 0,
                 heldout_percent: int = 20) -> list[dict[str, Any]]:
-    """`count` dataset records drawn (seeded, levels in equal shares, problems repeating once every
-    problem of a level was drawn) from the training split only."""
-    by_level = [problems([lv], "train", split_seed=split_seed, heldout_percent=heldout_percent) for lv in levels]
+    """Up to `count` dataset records of the training split only, each problem once (a dataset's ids
+    are unique: the broker cycles it over epochs for more): each level's problems shuffled (seeded)
+    and dealt in turn, so levels come in equal shares until the smallest has none left."""
     rng = random.Random(seed)
-    decks: list[list[Problem]] = [[] for _ in levels]
-    out = []
-    for i in range(count):
-        k = i % len(levels)
-        if not decks[k]:
-            decks[k] = rng.sample(by_level[k], len(by_level[k]))
-        out.append(decks[k].pop().record())
+    decks = [rng.sample(ps, len(ps)) for ps in
+             (problems([lv], "train", split_seed=split_seed, heldout_percent=heldout_percent) for lv in levels)]
+    out: list[dict[str, Any]] = []
+    while len(out) < count and any(decks):
+        for deck in decks:
+            if deck and len(out) < count:
+                out.append(deck.pop().record())
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
 from deltamesh.mesh.demo.launch import prepare
+from deltamesh.mesh.broker.tasks import read_dataset
 from deltamesh.mesh.eval.config import HeldoutConfig
 from deltamesh.mesh.eval.heldout import heldout_records
 from deltamesh.mesh.workflows.arithmetic import LEVELS, problem, problems, split_of, train_tasks, heldout_tasks
@@ -45,11 +46,11 @@ def test_training_tasks_and_the_held_out_set_share_no_problem_id(seed):
     held = heldout_tasks(60, levels)
     assert {t["id"] for t in train}.isdisjoint({t["id"] for t in held})
     assert {t["prompt"] for t in train}.isdisjoint({t["prompt"] for t in held})
-    # Levels in equal shares; every training problem of a level comes before any repeats.
+    # Levels in equal shares, and each training problem once: a dataset's ids are unique (the broker
+    # refuses a file naming one twice, and cycles the dataset over epochs instead).
     assert [t["metadata"]["level"] for t in train[:6]] == [1, 2, 4, 1, 2, 4]
-    level1 = [t["id"] for t in train if t["metadata"]["level"] == 1]
-    n1 = len(problems([1], "train"))
-    assert len(set(level1[:n1])) == n1
+    assert len({t["id"] for t in train}) == len(train) == len(problems(levels, "train")) < 3000
+    assert len(train_tasks(10, levels, seed=seed)) == 10
     assert train_tasks(3000, levels, seed=seed) == train and heldout_tasks(60, levels) == held
     assert sorted({t["metadata"]["level"] for t in held}) == levels
 
@@ -57,10 +58,14 @@ def test_training_tasks_and_the_held_out_set_share_no_problem_id(seed):
 def test_the_demo_trains_on_none_of_the_problems_its_evaluator_holds_out(tmp_path: Path):
     config = DemoConfig(model="smollm2", steps=5, tls=False, run_dir=str(tmp_path))
     assert config.tasks == "arithmetic" and config.eval.every > 0
-    prepare(config, tmp_path)
+    plan = prepare(config, tmp_path)
     trained = {json.loads(line)["id"] for line in (tmp_path / "tasks.jsonl").read_text().splitlines()}
     held = {r["id"] for r in heldout_records(HeldoutConfig(problems=config.eval.problems, levels=config.levels))}
     assert trained and len(held) == config.eval.problems and trained.isdisjoint(held)
+    # The broker reads it (no id twice: the run needs more prompts than a level has, so it makes more
+    # passes over the file rather than repeating problems in it).
+    loaded = read_dataset(tmp_path / "tasks.jsonl")
+    assert len(loaded) == len(trained) and plan.epochs * len(loaded) >= (config.steps + 20) * config.groups_per_step * 4
 
 
 def test_humaneval_held_out_for_the_code_workflows_is_disjoint_from_their_synthetic_training_set():
