@@ -20,6 +20,7 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.console.config import ConsoleConfig
 from deltamesh.mesh.cli import build_parser
 from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.eval.config import EvalConfig
 from deltamesh.mesh.pool.config import PoolConfig
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.trainer.loop_config import TrainLoopConfig
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "CONFIG.md"
 TABLES = {"gateway": GatewayConfig, "pool": PoolConfig, "broker": BrokerConfig, "trainer": TrainLoopConfig,
           "autoscale": AutoscaleConfig, "demo": DemoConfig, "console": ConsoleConfig, "publish": PublishConfig,
-          "vllm_backend": BackendConfig}
+          "vllm_backend": BackendConfig, "eval": EvalConfig}
 OLD = "# older layout"
 
 

@@ -36,6 +36,8 @@ class ModelBuffer:
         self.replay_samples = 0
         self.unacked: dict[str, Unacked] = {}  # batch_id -> delivery, oldest first
         self.unacked_samples = 0
+        self.taken = 0
+        """Batches served since the trainer's version last moved past them: each makes one more version."""
         self.balance = BalanceWindow(window_steps)
         self._changed = asyncio.Event()
         self.taking = asyncio.Lock()  # one batch is planned and taken at a time per model
@@ -64,6 +66,7 @@ class ModelBuffer:
     def deliver(self, delivery: Delivery, deadline: float) -> None:
         self.unacked[delivery.batch_id] = Unacked(delivery, deadline)
         self.unacked_samples += delivery.samples
+        self.taken += 1
 
     def settle(self, batch_id: str) -> Delivery:
         """Forget an unacknowledged batch (acknowledged or requeued now); returns its delivery."""
@@ -101,6 +104,8 @@ class ModelBuffer:
                 self.replay_samples -= g.size
 
     def set_version(self, version: int) -> None:
+        if version > self.version:
+            self.taken = max(0, self.taken - (version - self.version))
         self.version = version
         self._notify()  # a new version can make waiting groups stale: let waiters re-plan
 
@@ -120,6 +125,9 @@ class ModelBuffer:
         self._changed = asyncio.Event()
 
     def status(self) -> dict[str, int]:
-        return {"version": self.version, "fresh_groups": len(self.fresh), "fresh_samples": self.fresh_samples,
+        # training_version: the version the trainer's batches in hand will have made (a pool that far
+        # behind makes samples staler than their lag now says: a synchronous run's pools wait for it).
+        return {"version": self.version, "training_version": self.version + self.taken,
+                "fresh_groups": len(self.fresh), "fresh_samples": self.fresh_samples,
                 "replay_groups": len(self.replay), "replay_samples": self.replay_samples,
                 "unacked_batches": len(self.unacked), "unacked_samples": self.unacked_samples}

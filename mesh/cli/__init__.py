@@ -49,6 +49,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "broker",
     "train",
     "console",
+    "eval",
 )
 
 

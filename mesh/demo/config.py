@@ -30,7 +30,7 @@ from deltamesh.mesh.sandbox.config import SandboxConfig
 
 @dataclass(frozen=True)
 class Recipe:
-    """The RL recipe that works for one model on the digit-sum task."""
+    """The RL recipe that works for one model on its math task (or a code workflow)."""
 
     lr: float
     max_new_tokens: int
@@ -39,14 +39,30 @@ class Recipe:
     format_reward: float
     max_digit: int
     temperature: float = 1.0
+    tasks: str = "digit_sum"
+    """The math task family: digit_sum ("a+b=", one-character answers) or arithmetic (word problems)."""
+    levels: tuple[int, ...] = (1, 2, 4)
+    """Arithmetic: the difficulty levels trained and held out."""
+    math_options: tuple[tuple[str, Any], ...] = ()
+    """More options of the math workflow (how the prompt is shown, how the answer is read)."""
+    kl_coef: float = 1e-3
+    """The trainer's KL penalty weight (0 also spares it the reference model's forward pass)."""
+    eval_every: int = 0
+    """Score every k-th version on the held-out set (0: no evaluator)."""
 
+
+# SmolLM2-Instruct on the arithmetic word problems: asked in chat format with its reply begun as "The
+# answer is", the first number of the reply is its answer (the instruct model otherwise explains at length).
+SMOLLM2_ARITHMETIC: tuple[tuple[str, Any], ...] = (
+    ("prompt_format", "chat"), ("reply_prefix", "The answer is"), ("answer", "first_number"))
 
 # Tiny: lr 5e-3 (AdamW, grad clip 1.0), 4 groups of 8 single-token answers per step; chosen from
 # in-process runs over seeds 0-3, where the mean reward of the last third of 40 steps beat the first
 # third by 0.26-0.42. The format reward (0.2 for any number) gets a random model to emit digits at all.
 RECIPES: dict[str, Recipe] = {
     "tiny": Recipe(lr=5e-3, max_new_tokens=1, group_size=8, groups_per_step=4, format_reward=0.2, max_digit=2),
-    "smollm2": Recipe(lr=5e-6, max_new_tokens=4, group_size=4, groups_per_step=2, format_reward=0.2, max_digit=4),
+    "smollm2": Recipe(lr=5e-6, max_new_tokens=6, group_size=4, groups_per_step=2, format_reward=0.0, max_digit=4,
+                      tasks="arithmetic", math_options=SMOLLM2_ARITHMETIC, eval_every=5),
 }
 
 # Code workflows: a program needs more than a digit, and every sample costs sandbox executions (the
@@ -75,6 +91,30 @@ TINY_CODE: dict[str, dict[str, Any]] = {
     "solver_selector": {"selector_template": "{prompt}#A\n{a}#B\n{b}#?"},
     "solver_testgen": {"retry_template": "{program}\n{feedback}\n{prompt}", "max_feedback_chars": 120},
 }
+
+
+@dataclass
+class DemoEvalConfig:
+    """The demo's evaluator (`deltamesh eval`, `[demo.eval]`): which versions of the first policy it
+    scores on the held-out set, and how."""
+
+    every: int | None = None
+    """Score version 0, every k-th version and the final one (0: no evaluator; unset: the model's
+    recipe: 5 for SmolLM2 on the arithmetic problems, none for the tiny model's digit sums)."""
+    problems: int = 40
+    """Held-out problems (arithmetic: spread over the levels trained; code workflows: HumanEval's first N)."""
+    samples: int = 4
+    """Samples per problem: the score is avg@samples."""
+    temperature: float | None = None
+    """Sampling temperature of the scored answers (unset: the pools')."""
+    region: str = ""
+    """The region whose gateway it follows (empty: the origin's)."""
+
+    def __post_init__(self) -> None:
+        if (self.every is not None and self.every < 0) or self.problems < 1 or self.samples < 1:
+            raise ValueError("eval.every must be >= 0, eval.problems and eval.samples >= 1")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass
@@ -109,6 +149,22 @@ class DemoConfig:
     """Reward for an answer that is a number at all."""
     max_digit: int | None = None
     """Largest digit in the digit-sum prompts (0..4)."""
+    tasks: Literal["digit_sum", "arithmetic"] | None = None
+    """The math workflows' task family: digit_sum ("a+b=") or arithmetic (word problems of graded
+    difficulty whose held-out split the evaluator scores; mesh/workflows/arithmetic.py); unset: the recipe's."""
+    levels: list[int] | None = None
+    """Arithmetic: the difficulty levels (1..5) trained and held out (unset: the recipe's)."""
+    temperature: float | None = None
+    """The pools' sampling temperature, which the trainer's logprobs are taken at too (unset: the recipe's)."""
+    kl_coef: float | None = None
+    """The trainer's KL penalty weight (unset: the recipe's; 0 skips the reference model)."""
+    loss: Literal["m2po", "clip"] = "m2po"
+    """The policy loss: M2PO (PPO's clip plus the second-moment mask on stale tokens) or plain PPO clipping."""
+    max_staleness: int | None = None
+    """Most versions a sample may lag the trainer: the broker drops older groups and pools stop leasing
+    that far behind (0: synchronous on-policy training); unset: no bound."""
+    eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
+    """The evaluator of the first policy (`[demo.eval]`)."""
     full_every: int = 10
     """The trainer also publishes a full snapshot every N versions (0: only v0)."""
     tls: bool = True
@@ -124,7 +180,8 @@ class DemoConfig:
     topology: Topology = field(default_factory=default_topology)
     """Regions, links and pools (`[demo.topology]`, or a `[topology]` file given with --topology)."""
     buffered_groups: int | None = None
-    """Broker backpressure: groups waiting or leased at most (default: two steps' worth)."""
+    """Broker backpressure: groups waiting or leased at most (default: two steps' worth; one step's when
+    max_staleness is 0)."""
     start_timeout_s: float = 300.0
     """How long the mesh may take to come up and reach its first trainer step."""
     settle_timeout_s: float = 120.0
@@ -142,13 +199,19 @@ class DemoConfig:
         if self.workflow not in WORKFLOW_MODELS:
             raise ValueError(f"workflow must be one of {sorted(WORKFLOW_MODELS)}, got {self.workflow!r}")
         recipe = (CODE_RECIPES if self.workflow in CODE_WORKFLOWS else RECIPES)[self.model]
-        for name in ("lr", "group_size", "groups_per_step", "max_new_tokens", "format_reward", "max_digit"):
+        for name in ("lr", "group_size", "groups_per_step", "max_new_tokens", "format_reward", "max_digit", "tasks",
+                     "temperature", "kl_coef"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(recipe, name))
+        if self.levels is None:
+            self.levels = list(recipe.levels)
+        if self.eval.every is None:
+            self.eval.every = recipe.eval_every if self.tasks == "arithmetic" or self.needs_sandbox else 0
+        self._check_eval()
         if self.workflow == "solver_verifier" and self.model == "tiny" and self.max_new_tokens < 2:
             self.max_new_tokens = 2  # the Verifier needs room for a verdict and some feedback
-        if self.buffered_groups is None:
-            self.buffered_groups = 2 * self.groups_per_step
+        if self.buffered_groups is None:  # synchronous: one step's groups, made at the version they train
+            self.buffered_groups = (1 if self.max_staleness == 0 else 2) * self.groups_per_step
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if not self.lr > 0:
@@ -168,6 +231,32 @@ class DemoConfig:
         if min(self.start_timeout_s, self.settle_timeout_s, self.stop_grace_s, self.poll_s) <= 0:
             raise ValueError("start_timeout_s, settle_timeout_s, stop_grace_s and poll_s must be > 0")
 
+    def _check_eval(self) -> None:
+        if self.tasks not in ("digit_sum", "arithmetic"):
+            raise ValueError(f"tasks must be digit_sum or arithmetic, got {self.tasks!r}")
+        if not self.levels or any(lv not in (1, 2, 3, 4, 5) for lv in self.levels):
+            raise ValueError(f"levels must name levels among 1..5, got {self.levels}")
+        if self.temperature < 0 or self.kl_coef < 0:
+            raise ValueError("temperature and kl_coef must be >= 0")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or unset, got {self.max_staleness}")
+        if self.loss not in ("m2po", "clip"):
+            raise ValueError(f"loss must be m2po or clip, got {self.loss!r}")
+        if not self.eval.every:
+            return
+        if self.needs_sandbox and self.code_tasks == "humaneval":
+            raise ValueError("the evaluator's held-out set of the code workflows is HumanEval: train on the "
+                             "synthetic problems (code_tasks = synthetic) or set eval.every = 0")
+        if not self.needs_sandbox and self.tasks != "arithmetic":
+            raise ValueError("the evaluator needs a held-out set: tasks = arithmetic (digit sums have none); "
+                             "or set eval.every = 0")
+        if self.eval.region and self.eval.region not in {g.region for g in self.topology.gateways}:
+            raise ValueError(f"eval.region {self.eval.region!r} is not a region of the topology")
+
+    @property
+    def eval_temperature(self) -> float:
+        return self.temperature if self.eval.temperature is None else self.eval.temperature
+
     @property
     def model_ids(self) -> tuple[str, ...]:
         return WORKFLOW_MODELS[self.workflow]
@@ -185,7 +274,28 @@ class DemoConfig:
 
     def workflow_options(self) -> dict[str, Any]:
         if self.workflow == "math":
-            return {"format_reward": self.format_reward}
+            return {"format_reward": self.format_reward, **self.math_options()}
+        if self.workflow == "solver_verifier" and self.math_options():
+            # The Solver asked as the math policy is (and as the evaluator scores it), the Verifier in kind.
+            math = self.math_options()
+            return {"prompt_format": math["prompt_format"], "solver_prefix": math["reply_prefix"],
+                    "answer": math["answer"], "solver_template": "{prompt}",
+                    "retry_template": "{prompt}\nYou answered: {answer}\nA reviewer rejected it: {feedback}"}
         if self.model != "tiny":
             return {}
         return dict(TINY_CODE[self.workflow] if self.workflow in CODE_WORKFLOWS else TINY_SOLVER_VERIFIER)
+
+    def math_options(self) -> dict[str, Any]:
+        """How the math workflow shows a task and reads its answer: the recipe's, for its task family."""
+        recipe = RECIPES[self.model]
+        return dict(recipe.math_options) if self.tasks == recipe.tasks else {}
+
+    def eval_workflow(self) -> tuple[str, dict[str, Any]]:
+        """The workflow (and its options) the evaluator scores the first policy with: the policy's own
+        for math and the code workflows' single-role `code` (HumanEval); for the solver of
+        solver_verifier, `math` with the solver's prompt."""
+        if self.needs_sandbox:
+            return "code", dict(TINY_CODE["code"]) if self.model == "tiny" else {}
+        if self.workflow == "math":
+            return "math", self.workflow_options()
+        return "math", self.math_options()

@@ -30,10 +30,13 @@ from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
 from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
 from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
+from deltamesh.mesh.workflows import arithmetic
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.tokens import save_token
 
 
+EVALUATOR = "eval"
+"""The demo evaluator's name (at its gateway, where it registers as a pool of tier `eval`)."""
 CONSOLE_PORT = 8790
 """Where the demo serves its web console when the port is free (else any free one)."""
 
@@ -59,6 +62,8 @@ class MeshPlan:
     pools: dict[str, Service] = field(default_factory=dict)
     trainers: dict[str, Service] = field(default_factory=dict)
     """model_id -> its trainer."""
+    evaluator: Service | None = None
+    """The evaluator of the first policy (when `[demo.eval] every` > 0)."""
     trainer_metrics: dict[str, str] = field(default_factory=dict)
     """model_id -> the URL its trainer serves its metrics at (the console reads each pool's mismatch there)."""
     console: Service | None = None
@@ -93,7 +98,7 @@ class MeshPlan:
     def services(self) -> list[Service]:
         out = [self.broker] if self.broker is not None else []
         out += [*self.gateways.values(), *self.pools.values(), *self.trainers.values()]
-        return out + ([self.console] if self.console is not None else [])
+        return out + [s for s in (self.evaluator, self.console) if s is not None]
 
 
 def model_dir(model: str, engine: str = "transformers") -> Path:
@@ -116,13 +121,18 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
     plan = MeshPlan(config, run_dir, model_dir(config.model, config.engine), key_path, Path(public), pool_token)
     if config.tls:
         plan.creds = make_credentials(run_dir / "pki", [g.region for g in config.topology.gateways],
-                                      [p.name for p in config.topology.pools], list(config.model_ids))
+                                      [p.name for p in config.topology.pools], list(config.model_ids),
+                                      evaluator=EVALUATOR if config.eval.every else "")
     # Enough prompts that the trainers never run dry (backpressure keeps production near consumption).
     count = (config.steps + 20) * config.groups_per_step * 4
     if config.needs_sandbox:
         plan.epochs = math.ceil(count / write_tasks(code_problems(config.code_tasks), run_dir / "tasks.jsonl"))
         return plan
-    tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
+    if config.tasks == "arithmetic":  # the training split only: the evaluator's held-out problems never appear
+        tasks = arithmetic.train_tasks(count, config.levels, seed=config.seed)
+        plan.epochs = math.ceil(count / len(tasks))  # each problem once per pass: a dataset's ids are unique
+    else:
+        tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
     (run_dir / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return plan
 
@@ -154,6 +164,7 @@ def broker_service(plan: MeshPlan) -> Service:
         "models": list(cfg.model_ids), "durability": "process",
         "tasks": {"dataset": str(plan.run_dir / "tasks.jsonl"), "n_samples": cfg.group_size, "epochs": plan.epochs,
                   "lease_timeout_s": lease_timeout_s, "max_lease_batch": 4, "max_buffered_groups": cfg.buffered_groups},
+        **({"policies": {"max_staleness": cfg.max_staleness}} if cfg.max_staleness is not None else {}),
     }})
     args = ["broker", "--listen", f"127.0.0.1:{port}", "--db", str(plan.run_dir / "broker" / "broker.db"),
             "--config", str(config)]
@@ -193,8 +204,9 @@ def pool_service(plan: MeshPlan, name: str, region: str, index: int) -> Service:
                  "trusted_keys": [str(plan.public_key)], "heartbeat_s": 0.5, "stall_timeout_s": 10.0,
                  "tls": plan.tls_table()},
         "worker": {"workflow": cfg.workflow, "workflow_options": cfg.workflow_options(), "lease_batch": 2,
-                   "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0},
-        "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": 1.0},
+                   "max_episodes": 4, "idle_s": 0.1, "broker_refresh_s": 0.5, "drain_s": 3.0,
+                   **({"max_staleness": cfg.max_staleness} if cfg.max_staleness is not None else {})},
+        "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature},
         **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}),
     }})
     token = plan.token_file(f"pool/{name}")
@@ -216,6 +228,9 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
         "model": str(plan.model_dir), "key": str(plan.private_key), "batch_size": cfg.batch_size,
         "max_steps": cfg.steps, "full_every": cfg.full_every, "poll_s": 1.0, "device": "cpu",
         "metrics_file": str(plan.metrics_file(model_id)), "optim": {"lr": cfg.lr},
+        # Plain PPO clipping is M2PO without its second-moment bound: an infinite threshold keeps every token.
+        "loss": {"kl_coef": cfg.kl_coef, "temperature": cfg.temperature or 1.0,
+                 **({"m2_threshold": math.inf} if cfg.loss == "clip" else {})},
         "metrics_listen": f"127.0.0.1:{metrics_port}",
     }})
     args = ["train", "--config", str(config)]
@@ -225,6 +240,34 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
     # The trainer may use both cores for the real model; the tiny one gains nothing from a second thread.
     return Service(f"trainer-{model_id}", "trainer", args,
                    plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)
+
+
+def eval_service(plan: MeshPlan) -> Service:
+    """The evaluator of the first policy: it follows `[demo.eval] region`'s gateway (the origin's by
+    default) like a pool, and scores versions on the held-out set with the pools' engine."""
+    cfg, port = plan.config, free_port()
+    model_id = cfg.model_ids[0]
+    region = cfg.eval.region or cfg.topology.origin.region
+    workflow, options = cfg.eval_workflow()
+    heldout = ({"family": "humaneval", "problems": cfg.eval.problems} if cfg.needs_sandbox else
+               {"family": "arithmetic", "problems": cfg.eval.problems, "levels": list(cfg.levels)})
+    server = {"tokens_file": str(plan.creds.tokens_file),
+              "tls": {"cert": str(plan.creds.certs["eval"].cert), "key": str(plan.creds.certs["eval"].key),
+                      "ca": str(plan.creds.ca)}} if plan.creds is not None else {"anonymous": True}
+    config = _write_toml(plan.run_dir / "eval" / "eval.toml", {"eval": {
+        "name": EVALUATOR, "model_id": model_id, "model_path": str(plan.model_dir), "engine": cfg.engine,
+        "threads": 1, "seed": cfg.seed, "dir": str(plan.run_dir / "eval" / "weights"),
+        "db": str(plan.run_dir / "eval" / "eval.db"), "listen": f"127.0.0.1:{port}",
+        "gateways": [plan.gateways[region].url],
+        "trusted_keys": [str(plan.public_key)], "heartbeat_s": 1.0, "stall_timeout_s": 10.0,
+        "every": cfg.eval.every, "samples": cfg.eval.samples, "heldout": heldout,
+        "workflow": workflow, "workflow_options": options,
+        "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.eval_temperature},
+        **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}), **server,
+    }})
+    token = plan.token_file(f"pool/{EVALUATOR}") or plan.pool_token
+    return _http("eval", "eval", ["eval", "--config", str(config), "--token-file", str(token)],
+                 plan.run_dir / "logs" / "eval.log", port, plan.scheme)
 
 
 def console_service(plan: MeshPlan) -> Service:
@@ -264,5 +307,7 @@ def start(plan: MeshPlan, services: ServiceSet) -> None:
         plan.trainers[model_id] = services.start(trainer_service(plan, model_id))
     for index, pool in enumerate(cfg.topology.pools):
         plan.pools[pool.name] = services.start(pool_service(plan, pool.name, pool.region, index))
+    if cfg.eval.every:
+        plan.evaluator = services.start(eval_service(plan))
     if cfg.console:
         plan.console = services.start(console_service(plan))

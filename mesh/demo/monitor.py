@@ -3,8 +3,8 @@
 One `poll` reads, concurrently: each model's version listing at every gateway (at the origin: payload
 sizes and weights hashes; at each: when it held each version whole), each relay gateway's per-version
 traffic (what came over its upstream link for each version), every gateway's link monitor (RTT of its upstream link, bytes served to each of its pools),
-every pool's own status, the broker's status and balance report, and the new lines of each trainer's
-metrics file. A service
+every pool's own status, the broker's status and balance report, the evaluator's results and status,
+and the new lines of each trainer's metrics file. A service
 that does not answer is skipped for this round (it may be busy or still starting); the view shows
 what is known.
 """
@@ -81,6 +81,8 @@ class Monitor:
             jobs.append(self._pool(name, service.url))
         if plan.broker is not None:
             jobs.append(self._broker(plan.broker.url))
+        if plan.evaluator is not None:
+            jobs.append(self._evaluator(plan.evaluator.url))
         await asyncio.gather(*jobs)
         self.read_steps()
         return state
@@ -131,6 +133,24 @@ class Monitor:
         status = await self._get(f"{url}/v1/status")
         if status is not None:
             self.state.pool_status(name, status, time.time())
+
+    async def _evaluator(self, url: str) -> None:
+        results, status = await asyncio.gather(self._get(f"{url}/v1/evals"), self._get(f"{url}/v1/status"))
+        if results is not None:
+            self.state.evals = list(results["results"])
+        if status is not None:
+            self.state.eval_status = status
+
+    async def request_eval(self, version: int) -> bool:
+        """Ask the evaluator (as the run's admin) to score `version` too; False if it did not answer."""
+        assert self.plan.evaluator is not None
+        try:
+            await request_json(self.session, "POST", f"{self.plan.evaluator.url}/v1/evals",
+                               body={"version": version}, timeout_s=TIMEOUT_S)
+        except HttpError as e:
+            log.debug("asking the evaluator for v%d: %s", version, e)
+            return False
+        return True
 
     async def _broker(self, url: str) -> None:
         status, balance = await asyncio.gather(self._get(f"{url}/v1/status"), self._get(f"{url}/v1/balance"))

@@ -11,8 +11,11 @@ Per policy, `latency` follows each version from the trainer's step end through t
 pool serving it, stage by stage, with the medians and the recorded wall-clock times
 (mesh/demo/latency.py). Per pool, for the code workflows, the outcome counts of its sandbox's tests (passed, failed, error,
 timeout, resource_limit), and their sum in the summary.
-The chart (matplotlib, Agg backend, no display needed) shows reward per step, and on a log scale the
-bytes per version on each link with the full-sync size as a dashed line. The mismatch stays in the
+Per policy scored by the evaluator, `eval`: each scored version's held-out avg@n, its step and wall
+time, and whether the weights hash its engine proved matches the trainer's for that version.
+The chart (matplotlib, Agg backend, no display needed) shows reward per step, on a log scale the
+bytes per version on each link with the full-sync size as a dashed line, and the held-out accuracy
+per step when an evaluator ran. The mismatch stays in the
 JSON and the terminal summary, not the chart: it is measured only on tokens generated at the
 trainer's own version, which a short run has at a handful of versions, too few points to read a
 trend from. The summary also lists, per version published as delta + full (the periodic full
@@ -75,6 +78,7 @@ def step_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
             "pools": r.get("pools", {}), "wait_fraction": r["wait_fraction"], "wait_seconds": r["wait_seconds"],
             "train_seconds": r["train_seconds"], "publish_seconds": r.get("publish_seconds"),
             "publish_kinds": r.get("publish_kinds", []), "staleness_mean": r["staleness_mean"],
+            "staleness_max": r.get("staleness_max", 0), "step_seconds": r.get("step_seconds"), "time": r["time"],
             "link_bytes": dict(facts.link_bytes) if facts else {}, "full_bytes": run.full_bytes_at(v),
             "all_pools_seconds": None if everywhere is None else max(0.0, everywhere - r["time"]),
             "pool_behind": {p: None if pv is None else max(0, v - pv) for p, pv in served.items()},
@@ -105,6 +109,28 @@ def mismatch_by_pool(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
+def eval_rows(state: MeshState, model_id: str) -> list[dict[str, Any]]:
+    """The evaluator's results as the curve: per scored version, its step (the trainer step that made
+    it; 0 for the initial weights), the seconds from the run's start (`wall_s`) and from the start of
+    training (`train_s`: the first step's poll) to that step's end, avg@n and its parts, and the
+    weights hash the evaluator's engine proved it served."""
+    steps = state.models[model_id].steps
+    ends = {int(r["version"]): (int(r["step"]), float(r["time"])) for r in steps}
+    # Training starts when the first step's poll began (its end less its length).
+    first = float(steps[0]["time"]) - float(steps[0].get("step_seconds") or 0.0) if steps else state.started_at
+    rows = []
+    for r in state.evals:
+        step, at = ends.get(int(r["version"]), (int(r["version"]), None))
+        rows.append({"version": r["version"], "step": 0 if r["version"] == 0 else step,
+                     "wall_s": None if at is None else at - state.started_at,
+                     "train_s": 0.0 if r["version"] == 0 else (None if at is None else at - first),
+                     "accuracy": r["accuracy"], "correct": r["correct"], "problems": r["problems"],
+                     "samples": r["samples"], "by_level": r.get("by_level", {}), "weights_hash": r["weights_hash"],
+                     "weights_match": state.models[model_id].versions.get(int(r["version"])) is None
+                     or state.models[model_id].versions[int(r["version"])].weights_hash in ("", r["weights_hash"])})
+    return rows
+
+
 def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome: str, error: str,
                  checks: list[FinalCheck], processes: list[dict[str, Any]]) -> dict[str, Any]:
     models: dict[str, Any] = {}
@@ -120,6 +146,7 @@ def build_report(state: MeshState, config: DemoConfig, *, run_dir: Path, outcome
             "final_weights_hash": run.versions[final].weights_hash if final in run.versions else "",
             "reward_first_third": first, "reward_last_third": last, "trained_samples_by_pool": dict(trained),
             "mismatch": mismatch_by_pool(rows), "latency": latency(state, model_id),
+            "eval": eval_rows(state, model_id) if model_id == config.model_ids[0] else [],
         }
     pools = {}
     for name, p in state.pools.items():
@@ -172,6 +199,8 @@ def summary(models: dict[str, Any], checks: list[FinalCheck], pools: dict[str, A
             "periodic_full_versions": [{"version": row["version"], "full_bytes": row["full_bytes"],
                                         "link_bytes": row["link_bytes"]}
                                        for row in m["steps"] if "full" in row["publish_kinds"] and row["version"]],
+            # Held-out avg@n of the first and the last scored version (the evaluator's curve is in models.*.eval).
+            "eval_first": m["eval"][0] if m["eval"] else None, "eval_last": m["eval"][-1] if m["eval"] else None,
             # The pools whose logprobs the trainer saw jump away from its own, and at which versions.
             "mismatch_flagged": {pool: p["flagged_versions"] for pool, p in m["mismatch"].items()
                                  if p["flagged_versions"]},
@@ -194,7 +223,17 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, (ax_reward, ax_bytes) = plt.subplots(2, 1, figsize=(9, 8))
+    evals = {model_id: m["eval"] for model_id, m in report["models"].items() if m.get("eval")}
+    fig, axes = plt.subplots(3 if evals else 2, 1, figsize=(9, 12 if evals else 8))
+    ax_reward, ax_bytes = axes[0], axes[1]
+    for model_id, rows in evals.items():
+        ax = axes[2]
+        ax.plot([r["step"] for r in rows], [100 * r["accuracy"] for r in rows], marker="o", label=model_id)
+        n = rows[0]["samples"]
+        ax.set_title(f"held-out accuracy (avg@{n} on {rows[0]['problems']} problems never trained on)")
+        ax.set_xlabel("trainer step (version)")
+        ax.set_ylabel(f"avg@{n}, %")
+        ax.legend(fontsize=8)
     for model_id, m in report["models"].items():
         steps = [r["step"] for r in m["steps"]]
         rewards = [r["reward"] for r in m["steps"]]

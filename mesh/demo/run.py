@@ -111,6 +111,14 @@ def final_checks(plan: MeshPlan, state: MeshState) -> list[FinalCheck]:
     return checks
 
 
+def _eval_done(plan: MeshPlan, state: MeshState) -> bool:
+    """The evaluator (if any) has scored the first policy's final version, or skipped it."""
+    if plan.evaluator is None:
+        return True
+    final = state.models[plan.config.model_ids[0]].trainer_version
+    return final is None or state.eval_at(final) is not None or final in state.eval_status.get("skipped", [])
+
+
 def _pools_at_final(state: MeshState) -> bool:
     for model_id, run in state.models.items():
         final = run.trainer_version
@@ -130,6 +138,7 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
     cfg, state = plan.config, monitor.state
     started = time.monotonic()
     settle_deadline: float | None = None
+    final_asked = False
     while not stop.is_set():
         services.check(allowed_to_end=list(plan.trainers.values()))
         for model_id, trainer in plan.trainers.items():
@@ -151,10 +160,20 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
             state.phase = "trainers done: waiting for every pool to serve the final version"
             if settle_deadline is None:
                 settle_deadline = time.monotonic() + cfg.settle_timeout_s
-            if _pools_at_final(state):
+            final = state.models[cfg.model_ids[0]].trainer_version
+            if plan.evaluator is not None and not final_asked and final is not None:
+                final_asked = await monitor.request_eval(final)  # the last point of the eval curve
+            if _pools_at_final(state) and not _eval_done(plan, state):
+                state.phase = f"trainers done, pools on it: the evaluator scores v{final}"
+            elif _pools_at_final(state):
                 display.update(state)
                 return "completed"
             if time.monotonic() > settle_deadline:
+                if _pools_at_final(state):  # only the evaluator is late: the run's training is whole
+                    state.notes.append(f"the evaluator had not scored the final version after "
+                                       f"{cfg.settle_timeout_s:.0f} s")
+                    display.update(state)
+                    return "completed"
                 state.notes.append(f"pools not all on the final version after {cfg.settle_timeout_s:.0f} s")
                 display.update(state)
                 return "failed"
@@ -200,7 +219,7 @@ async def _run(config: DemoConfig, run_dir: Path, console: Console, live: bool) 
     finally:
         if outcome == "interrupted":
             log.info("interrupted: stopping every service")
-        early = [s for s in services.services if s.kind in ("pool", "trainer")]
+        early = [s for s in services.services if s.kind in ("pool", "trainer", "eval")]
         await services.stop(early, grace_s=config.stop_grace_s)
         await services.stop(grace_s=config.stop_grace_s)
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -29,7 +29,7 @@ class MeshCredentials:
     ca: Path
     tokens_file: Path
     certs: dict[str, Issued] = field(default_factory=dict)
-    """Server name (`gateway-REGION`, `broker`) -> its certificate and key."""
+    """Server name (`gateway-REGION`, `broker`, `eval`) -> its certificate and key."""
     tokens: dict[str, str] = field(default_factory=dict)
     """Caller (`gateway/REGION`, `pool/NAME`, `trainer/MODEL`, `admin`) -> its token."""
     token_files: dict[str, Path] = field(default_factory=dict)
@@ -46,19 +46,20 @@ class MeshCredentials:
 
 
 def make_credentials(pki: Path, regions: Sequence[str], pools: Sequence[str], model_ids: Sequence[str],
-                     hosts: Mapping[str, Sequence[str]] | None = None) -> MeshCredentials:
-    """A CA, server certificates for every gateway and the broker, and a token for every caller.
+                     hosts: Mapping[str, Sequence[str]] | None = None, evaluator: str = "") -> MeshCredentials:
+    """A CA, server certificates for every gateway and the broker (and the evaluator, when named: it
+    follows its gateway with a pool token of its own name), and a token for every caller.
     `hosts`: server name -> the addresses its certificate names (default 127.0.0.1, where the demo's
     servers listen)."""
     ca = make_ca(pki / "ca")
     creds = MeshCredentials(ca.cert, pki / "tokens.toml")
-    for server in [*(f"gateway-{r}" for r in regions), "broker"]:
+    for server in [*(f"gateway-{r}" for r in regions), "broker", *(["eval"] if evaluator else [])]:
         role, _, name = server.partition("-")
         names = list((hosts or {}).get(server, ["127.0.0.1"]))
         creds.certs[server] = issue(ca, pki, f"{role}/{name or 'main'}", hosts=names, file_stem=server)
     for region in regions:
         creds.tokens[f"gateway/{region}"] = add_token(creds.tokens_file, TokenSpec(region, "gateway"))
-    for pool in pools:
+    for pool in [*pools, *([evaluator] if evaluator else [])]:
         creds.tokens[f"pool/{pool}"] = add_token(creds.tokens_file, TokenSpec(pool, "pool", list(model_ids)))
     for model_id in model_ids:
         creds.tokens[f"trainer/{model_id}"] = add_token(creds.tokens_file,

@@ -110,6 +110,10 @@ class MeshState:
     pools: dict[str, PoolReading] = field(default_factory=dict)
     links: dict[str, LinkReading] = field(default_factory=dict)
     broker: dict[str, Any] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The evaluator's results, oldest version first (`GET /v1/evals`: version, weights_hash, accuracy, ...)."""
+    eval_status: dict[str, Any] = field(default_factory=dict)
+    """The evaluator's own status (the version it holds, the one it scores, how many wait)."""
     phase: str = "starting"
     notes: list[str] = field(default_factory=list)
 
@@ -198,6 +202,13 @@ class MeshState:
         if facts is None or any(p not in facts.served_at for p in self.pools):
             return None
         return max(facts.served_at[p] for p in self.pools)
+
+    def eval_at(self, version: int) -> dict[str, Any] | None:
+        """The evaluator's result for `version`, if scored."""
+        for r in self.evals:
+            if r["version"] == version:
+                return r
+        return None
 
     def rewards(self, model_id: str) -> list[float]:
         return [float(r["reward_mean"]) for r in self.models[model_id].steps]

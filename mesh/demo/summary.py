@@ -56,6 +56,7 @@ def print_summary(console: Console, result: DemoResult) -> None:
             console.print(f"  v{row['version']} (published as delta + full, full {human_bytes(row['full_bytes'])}): "
                           f"{links or '-'}")
         print_mismatch(console, model_id, m.get("mismatch", {}))
+        print_eval(console, model_id, m.get("eval", []))
     print_sandbox(console, report)
     checks = report["final_checks"]
     if checks:
@@ -98,6 +99,21 @@ def print_mismatch(console: Console, model_id: str, pools: dict[str, Any]) -> No
         if p["flagged_versions"]:
             console.print(f"  [red]pool {escape(pool)}: its logprobs jumped away from the trainer's at "
                           f"{len(p['flagged_versions'])} version(s)[/]")
+
+
+def print_eval(console: Console, model_id: str, rows: list[dict[str, Any]]) -> None:
+    """The evaluator's curve: held-out avg@n per scored version, with the weights hash it proved."""
+    if not rows:
+        return
+    table = Table(title=f"{model_id}: held-out accuracy (avg@{rows[0]['samples']}, {rows[0]['problems']} problems "
+                        "never trained on)")
+    for col in ("version", "step", "avg@n", "by level", "weights (proven served)"):
+        table.add_column(col, justify="left" if col in ("by level", "weights (proven served)") else "right")
+    for r in rows:
+        levels = " ".join(f"L{lv} {100 * a:.0f}%" for lv, a in r["by_level"].items())
+        proof = r["weights_hash"][:16] + ("" if r["weights_match"] else " [red](not the trainer's)[/]")
+        table.add_row(f"v{r['version']}", str(r["step"]), f"{100 * r['accuracy']:.1f}%", levels or "-", proof)
+    console.print(table)
 
 
 def _outcomes(counts: dict[str, int]) -> str:

@@ -3,8 +3,9 @@
 `render` builds the live view from a `MeshState`: the trainers (step, reward, wait fraction, where
 a step's time goes), the pools (region, version served, versions behind the trainer, what they
 pulled, their latest trainer-side mismatch, in red when the trainer flagged them; for a code
-workflow, how many of its sandbox's tests passed), and the links (added latency
-and cap, measured RTT, bytes per version against what a full sync would have cost). `ProgressLines`
+workflow, how many of its sandbox's tests passed), the links (added latency
+and cap, measured RTT, bytes per version against what a full sync would have cost), and the
+evaluator's held-out curve when one runs. `ProgressLines`
 gives one log line per new trainer step instead, for logs, CI and tests.
 """
 
@@ -119,6 +120,18 @@ def _links(state: MeshState, config: DemoConfig, upload_link: str) -> Table:
     return t
 
 
+def eval_line(state: MeshState, config: DemoConfig) -> str:
+    """The evaluator's curve so far: held-out avg@n per scored version, and what it does now."""
+    if not config.eval.every:
+        return ""
+    curve = " ".join(f"v{r['version']} {100 * r['accuracy']:.0f}%" for r in state.evals) or "-"
+    st = state.eval_status
+    doing = (f"scoring v{st['scoring']}" if st.get("scoring") is not None else
+             f"holds v{st.get('engine_version')}, {st.get('waiting', 0)} waiting") if st else "starting"
+    return (f"held-out avg@{config.eval.samples} ({config.model_ids[0]}, {config.eval.problems} problems never "
+            f"trained on): {curve}  |  evaluator {doing}")
+
+
 def render(state: MeshState, config: DemoConfig, upload_link: str, run_dir: str) -> RenderableType:
     elapsed = time.time() - state.started_at
     head = Text.assemble(
@@ -130,8 +143,10 @@ def render(state: MeshState, config: DemoConfig, upload_link: str, run_dir: str)
         note += (f"; the tiny random-init model learns at lr {config.lr:g}, which moves most bf16 words each "
                  "step, so its deltas are only a little smaller than a full snapshot (--model smollm2 runs the "
                  "real model at lr 5e-6)")
-    parts: list[Any] = [head, _trainers(state, config), _pools(state, config), _links(state, config, upload_link),
-                        Text(note, style="dim")]
+    parts: list[Any] = [head, _trainers(state, config), _pools(state, config), _links(state, config, upload_link)]
+    if config.eval.every:
+        parts.append(Text(escape(eval_line(state, config)), style="bold"))
+    parts.append(Text(note, style="dim"))
     parts += [Text(n, style="yellow") for n in state.notes[-3:]]
     return Group(*parts)
 
@@ -141,6 +156,7 @@ class ProgressLines:
 
     def __init__(self) -> None:
         self._shown: dict[str, int] = {}
+        self._evals = 0
 
     def lines(self, state: MeshState) -> list[str]:
         out = []
@@ -155,4 +171,8 @@ class ProgressLines:
                            f"publish {human_bytes(r.get('publish_bytes'))} | pools {pools} | links {links}"
                            + (f" | mismatch jumped: {' '.join(flagged)}" if flagged else ""))
             self._shown[model_id] = len(run.steps)
+        for r in state.evals[self._evals:]:
+            out.append(f"eval v{r['version']}: held-out avg@{r['samples']} {r['accuracy']:.3f} "
+                       f"({r['correct']}/{r['samples'] * r['problems']}) weights {r['weights_hash'][:16]}")
+        self._evals = len(state.evals)
         return out

@@ -1,8 +1,9 @@
-"""Building a pool's engine for one policy: the in-process transformers or vLLM engine, or the SGLang adapter.
+"""Building an engine for one policy: the in-process transformers or vLLM engine, or the SGLang adapter.
 
-Each engine gets a metrics registry of its own (merged into the pool's `/metrics`). Building the
-transformers engine loads the model, which blocks, so it runs in a worker thread; its weights are
-replaced by the synced version before the pool generates (see `weights.py`).
+A rollout pool builds one per policy, and so does the evaluator (`deltamesh eval`) for the policy it
+scores. Each engine gets a metrics registry of its own (merged into its process's `/metrics`).
+Building an in-process engine loads the model, which blocks, so it runs in a worker thread; its
+weights are replaced by the synced version before anything is generated (see `weights.py`).
 """
 
 from __future__ import annotations
@@ -12,24 +13,28 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from deltamesh.mesh.engines.base import Engine
-from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
+from deltamesh.mesh.pool.config import PolicyConfig
+
+VLLM_CPU_KV_CACHE_BYTES = 512 << 20
+"""KV cache of an in-process vLLM engine on the CPU build (on a GPU vLLM sizes it from its memory share)."""
 
 
-async def open_engine(config: PoolConfig, policy: PolicyConfig) -> tuple[Engine, CollectorRegistry]:
-    """A started engine serving `policy` (whose model_id is resolved), and its metrics registry."""
+async def open_engine(kind: str, policy: PolicyConfig, *, device: str = "cpu", max_batch: int = 64,
+                      seed: int | None = None) -> tuple[Engine, CollectorRegistry]:
+    """A started engine of `kind` (transformers, vllm or sglang) serving `policy` (whose model_id is
+    resolved), and its metrics registry."""
     registry = CollectorRegistry()
-    if config.engine == "transformers":
+    if kind == "transformers":
         from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 
-        cfg = TransformersEngineConfig(model_id=policy.model_id, model_dir=policy.model_path, device=config.device,
-                                       max_batch=config.max_batch, seed=config.seed)
+        cfg = TransformersEngineConfig(model_id=policy.model_id, model_dir=policy.model_path, device=device,
+                                       max_batch=max_batch, seed=seed)
         return await asyncio.to_thread(TransformersEngine, cfg, registry=registry), registry
-    if config.engine == "vllm":
+    if kind == "vllm":
         from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-        # On a GPU, vLLM sizes its KV cache from its memory share; on the CPU build an explicit size.
-        vcfg = VLLMEngineConfig(model_id=policy.model_id, model_dir=policy.model_path, max_batch=config.max_batch,
-                                seed=config.seed, kv_cache_bytes=None if config.device.startswith("cuda") else 512 << 20)
+        vcfg = VLLMEngineConfig(model_id=policy.model_id, model_dir=policy.model_path, max_batch=max_batch, seed=seed,
+                                kv_cache_bytes=None if device.startswith("cuda") else VLLM_CPU_KV_CACHE_BYTES)
         return await asyncio.to_thread(VLLMEngine, vcfg, registry=registry), registry
     from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 

@@ -161,7 +161,8 @@ class RolloutPool:
             engines: dict[str, Engine] = {}
             registries = []
             for policy in policies:
-                engine, registry = await open_engine(cfg, policy)
+                engine, registry = await open_engine(cfg.engine, policy, device=cfg.device, max_batch=cfg.max_batch,
+                                                     seed=cfg.seed)
                 stack.push_async_callback(engine.close)
                 engines[policy.model_id] = engine
                 registries.append(registry)

@@ -1,9 +1,10 @@
 """When a pool may lease tasks: every engine serves a published version, none too far behind.
 
 The newest version of a policy is the larger of the trainer's version (as the broker reports it: the
-trainer may be ahead of what has reached this region) and the head announced by the region's
-gateway. A pool whose engine is more than `max_staleness` versions behind it stops leasing until its
-weight sync catches up; episodes already running carry on. `lease_verdict` is the pure rule;
+trainer may be ahead of what has reached this region; while it trains on batches it took, the version
+those will make, `training_version`) and the head announced by the region's gateway. A pool whose
+engine is more than `max_staleness` versions behind it stops leasing until its weight sync catches up;
+episodes already running carry on. `lease_verdict` is the pure rule;
 `LeaseGate` feeds it the live versions, reading the broker's at most every `refresh_s`.
 """
 
@@ -80,7 +81,8 @@ class LeaseGate:
         self._read_at = time.monotonic()
         try:
             status = await self.broker_status()
-            self.trainer_versions = {m: int(s["version"]) for m, s in status.get("models", {}).items()}
+            self.trainer_versions = {m: max(int(s["version"]), int(s.get("training_version", s["version"])))
+                                     for m, s in status.get("models", {}).items()}
         except (HttpError, KeyError, TypeError, ValueError, AttributeError) as e:
             # Keep the last known versions: the gateway's head still bounds staleness meanwhile.
             log.warning("cannot read trainer versions from the broker: %s", e)

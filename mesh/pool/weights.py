@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
@@ -107,6 +107,8 @@ class PolicyWeights:
         self._served: Manifest | None = None  # manifest of the version last put into the engine
         self._touched: set[str] | None = set()  # tensors written since the last check (None: all)
         self._check_due = False
+        self.last_result: CheckResult | None = None
+        """The last check of what the engine serves (`serve_check.py`)."""
         self.writer = DirectoryWriter(
             self.sync, on_written=lambda versions: self.timeline.mark(versions, "persisted"),
             on_error=self._note_error)
@@ -148,14 +150,16 @@ class PolicyWeights:
         finally:
             await self.sync.__aexit__(*exc)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, rounds: Callable[[float], Awaitable[bool]] | None = None) -> None:
         """Resume from the directory, register, sync to the head, then follow the head until `stop`
-        (the long poll in progress is cut short when `stop` is set)."""
+        (the long poll in progress is cut short when `stop` is set). `rounds` replaces `sync_round` as
+        what each round does (the evaluator's: move to the version it scores next, then score it);
+        failed rounds back off the same way."""
         async with self:
             await self.sync.register_once()  # the heartbeat loop keeps trying if this fails
             heartbeats = asyncio.create_task(self.sync.heartbeat_loop(stop))
             try:
-                await self._follow(stop)
+                await self._follow(stop, rounds or self.sync_round)
             finally:
                 heartbeats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -163,11 +167,12 @@ class PolicyWeights:
                 await self.sync.deregister()
 
     # -- the way of a version into the pool ------------------------------------------------------
-    async def sync_round(self, wait_s: float = 0.0) -> bool:
+    async def sync_round(self, wait_s: float = 0.0, *, to: int | None = None) -> bool:
         """One round (steps 1-6 of the module docstring): wait up to `wait_s` for a head newer than the
-        directory and bring it into the engine and the directory; True if a new version came in.
-        Raises SyncError/HttpError/CodecError/OSError when the transfer fails (the directory is then
-        where it was)."""
+        directory and bring it into the engine and the directory; True if a new version came in. With
+        `to` (above the version held) the round waits for a head at or past `to` and moves to `to`
+        itself, not to the head. Raises SyncError/HttpError/CodecError/OSError when the transfer fails
+        (the directory is then where it was)."""
         if self._engine_behind():
             await self.writer.flush()  # the reload reads the directory
             await self._reload_from_dir()  # a reload that failed (or a drift) in an earlier round
@@ -177,11 +182,14 @@ class PolicyWeights:
             elif self.version is not None and "serving" not in self.timeline.get(self.version):
                 self._serving([self.version])
         base = self.writer.held
-        head = await self.sync.wait_for_head(wait_s, after=base)
+        if to is not None and base is not None and to <= base:
+            raise ValueError(f"{self.model_id}: a round moves forward only, and v{base} is held (asked for v{to})")
+        after = base if to is None else max(to - 1, -1 if base is None else base)
+        head = await self.sync.wait_for_head(wait_s, after=after)
         if head is None:
             return False
         seen = time.time()
-        plan = await self.sync.fetch_plan(head, base=base)
+        plan = await self.sync.fetch_plan(head if to is None else min(head, to), base=base)
         self.timeline.mark([s.version for s in plan.steps], "head", seen)
         while True:
             try:
@@ -279,7 +287,18 @@ class PolicyWeights:
         if self._check_due and self._served is not None:
             self._checked(await self.check.run(self.engine, self._served, self._touched))
 
+    @property
+    def proven(self) -> Manifest | None:
+        """The signed manifest of the version the engine serves, if the last check of it passed (the
+        engine's weights read back matched its hashes) and nothing went in since; else None."""
+        result, served = self.last_result, self._served
+        if (result is None or not result.ok or served is None or self._check_due or self.status.drifted
+                or not self._engine_synced or served.version != self.engine.version or result.version != served.version):
+            return None
+        return served
+
     def _checked(self, result: CheckResult) -> None:
+        self.last_result = result
         self._check_due, self._touched = False, set()
         self.status.checks["ok" if result.ok else "failed"] += 1
         self.status.last_check = result.describe()
@@ -312,12 +331,12 @@ class PolicyWeights:
         self.status.resumed_from_dir = held.version
         log.info("%s: resumed v%d from %s", self.model_id, held.version, self.dir)
 
-    async def _follow(self, stop: asyncio.Event) -> None:
+    async def _follow(self, stop: asyncio.Event, rounds: Callable[[float], Awaitable[bool]]) -> None:
         """Rounds until `stop`: the first without waiting (the start-up sync), then long polls."""
         while not stop.is_set():
             wait_s = self.sync.config.poll_wait_s if self._started else 0.0
             try:
-                await until_stopped(self.sync_round(wait_s), stop)
+                await until_stopped(rounds(wait_s), stop)
                 self._started = True
                 self.sync.outage.succeeded()
             except CredentialsError:

@@ -3,7 +3,8 @@
 Extraction looks, in order, for the last `\\boxed{...}`, a `#### X` line (GSM8K style), an
 "answer is X" / "answer: X" phrase, and finally the last number in the text. Numbers compare as exact
 rationals, so "0.5", "1/2", "\\frac{1}{2}" and "1,000" vs "1000" are equal; anything else compares as
-normalized text (case, spaces, surrounding `$` and a trailing period ignored).
+normalized text (case, spaces, surrounding `$` and a trailing period ignored). `first_number` reads
+the first number instead, for a short reply whose later words may hold other numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def extract_answer(text: str) -> str | None:
             return found[-1].strip()
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
+
+
+def first_number(text: str) -> str | None:
+    """The first number in the text (a short reply such as "The answer is 7. Then ..."), or None."""
+    found = _NUMBER.search(text)
+    return found.group(0) if found else None
 
 
 def parse_number(text: str) -> Fraction | None:

@@ -2,7 +2,12 @@
 
 Each task is sampled `n_samples` times as one batch (one group for GRPO-style advantages). The reward
 is 1.0 when the extracted final answer equals `metadata["answer"]`, `format_reward` when some answer
-was extracted but is wrong, and 0.0 otherwise. `digit_sum_tasks` makes the small arithmetic task
+was extracted but is wrong, and 0.0 otherwise. The prompt goes to the model as text to continue or as
+a chat turn (`prompt_format`, as the code workflows' prompts), optionally with the start of the reply
+written for it (`reply_prefix`, e.g. "The answer is"), which then counts as part of the completion the
+answer is read from: the final answer (`answer = "final"`: boxed, `####`, "answer is", else the last
+number), or the first number of the reply (`"first_number"`: a short reply after such a prefix,
+whose later tokens may ramble on). Task families: `digit_sum_tasks` makes the small arithmetic task
 that a tiny random-init model with the character tokenizer learns by RL within minutes on a CPU:
 prompts "a+b=" with single digits whose sum is one character, so the whole answer is one token.
 """
@@ -12,11 +17,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from deltamesh.mesh.workflows.answers import answers_match, extract_answer
-from deltamesh.mesh.workflows.base import (EpisodeContext, Task, WorkflowSpec, finalize_groups, render,
-                                           trajectory_from_generation)
+from deltamesh.mesh.workflows.answers import answers_match, extract_answer, first_number
+from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, encode_prompt,
+                                           finalize_groups, render, trajectory_from_generation, uses_chat)
 from deltamesh.data import Trajectory
 
 
@@ -26,17 +31,31 @@ class MathConfig:
     """How a task's prompt is shown to the policy; `{prompt}` is replaced by the task's prompt."""
     format_reward: float = 0.0
     """Reward for a completion whose answer can be extracted but is wrong (helps tiny models start)."""
+    prompt_format: PromptFormat = "completion"
+    """completion: the prompt as text the model continues; chat: one user turn of the tokenizer's chat
+    template; auto: chat when the tokenizer has a template (docs/WORKFLOWS.md, "Prompts")."""
+    reply_prefix: str = ""
+    """The start of the reply, written after the prompt for the model to continue (e.g. "The answer
+    is"); the answer is read from it and the completion together."""
+    answer: Literal["final", "first_number"] = "final"
+    """How the answer is read: the final answer (boxed, ####, "answer is", else the last number), or
+    the first number of the reply."""
 
     def __post_init__(self) -> None:
         if "{prompt}" not in self.prompt_template:
             raise ValueError("prompt_template must contain {prompt}")
         if not 0.0 <= self.format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {self.format_reward}")
+        if self.prompt_format not in ("auto", "completion", "chat"):
+            raise ValueError(f"prompt_format must be auto, completion or chat, got {self.prompt_format!r}")
+        if self.answer not in ("final", "first_number"):
+            raise ValueError(f"answer must be final or first_number, got {self.answer!r}")
 
 
 def score(completion: str, reference: str, config: MathConfig) -> tuple[float, str | None, bool]:
-    """(reward, extracted answer, correct) of one completion."""
-    answer = extract_answer(completion)
+    """(reward, extracted answer, correct) of one completion (the reply prefix not included)."""
+    reply = config.reply_prefix + completion
+    answer = first_number(reply) if config.answer == "first_number" else extract_answer(reply)
     correct = answers_match(answer, reference)
     if correct:
         return 1.0, answer, True
@@ -47,7 +66,8 @@ async def math_episode(task: Task, ctx: EpisodeContext, config: MathConfig) -> l
     reference = task.reference_answer("math")
     started = time.perf_counter()
     model_id, engine = ctx.engine_for("policy")
-    prompt = engine.encode(render(config.prompt_template, prompt=str(task.prompt)))
+    chat = uses_chat(engine, config.prompt_format)
+    prompt = encode_prompt(engine, render(config.prompt_template, prompt=str(task.prompt)), chat, config.reply_prefix)
     gens = await engine.generate([prompt] * task.n_samples, ctx.params)
     episode_s = time.perf_counter() - started
     out = []

@@ -304,3 +304,31 @@ def test_a_store_from_before_acknowledgements_is_upgraded_with_its_batches_ackno
     assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone() == (SCHEMA_VERSION,)
     assert conn.execute("SELECT id, digest FROM trajectories").fetchall() == [("t", None)]  # old rows: no digest
     conn.close()
+
+
+def test_training_version_counts_the_batches_a_trainer_took_until_its_version_moves_past_them(broker_process,
+                                                                                               make_group):
+    """A pool with a staleness bound compares its version with `training_version`: while the trainer
+    trains on a batch taken at v, it is v + 1, so a synchronous run's pools (bound 0) wait for v + 1
+    rather than make samples the broker would drop as stale."""
+    broker = broker_process('[broker]\nmodels = ["m"]\n')
+    broker.start()
+    submit(broker.url, make_group("g0", [1.0, 0.0, 1.0, 0.0]) + make_group("g1", [0.0, 1.0, 1.0, 1.0]))
+
+    def versions() -> tuple[int, int]:
+        s = broker.get("/v1/status")["models"]["m"]
+        return s["version"], s["training_version"]
+
+    async def trainer() -> None:
+        async with BatchClient(broker.url, "m") as t:
+            assert versions() == (0, 0)
+            assert await t.next_batch(4, timeout_s=5) is not None
+            assert versions() == (0, 1)  # training v0 -> v1
+            await t.report_version(1)
+            assert versions() == (1, 1)
+            assert await t.next_batch(4, timeout_s=5) is not None
+            assert versions() == (1, 2)
+            await t.report_version(2)
+            assert versions() == (2, 2)
+
+    asyncio.run(trainer())

@@ -23,12 +23,13 @@ from deltamesh.mesh.cli.bench import BenchLinkConfig
 from deltamesh.mesh.cli.links import LinksConfig
 from deltamesh.mesh.cli.pools import PoolsConfig
 from deltamesh.mesh.demo.processes import end_process, free_port
+from deltamesh.mesh.eval.config import EvalConfig
 from deltamesh.mesh.pool.config import PoolConfig
 from deltamesh.trainer.loop_config import TrainLoopConfig
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 CONFIGS = (GatewayConfig, PoolSyncConfig, PublishConfig, PoolConfig, AutoscaleConfig, TrainLoopConfig, LinksConfig,
-           PoolsConfig, BenchLinkConfig)
+           PoolsConfig, BenchLinkConfig, EvalConfig)
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -120,7 +121,7 @@ def test_an_operator_passes_the_token_by_file_or_environment(authenticating_gate
 
 def test_every_token_flag_on_the_command_line_is_refused_naming_its_file_flag():
     commands = {PoolSyncConfig: sync_args(), PoolConfig: ["pool", "run", "--model", "/m"], TrainLoopConfig: ["train"],
-                GatewayConfig: ["gateway", "--upstream", "http://127.0.0.1:1"]}
+                GatewayConfig: ["gateway", "--upstream", "http://127.0.0.1:1"], EvalConfig: ["eval"]}
     refused = []
     for cls, argv in commands.items():
         for _, _, found in settings(cls):
@@ -140,7 +141,7 @@ def test_a_command_given_a_token_flag_exits_2_with_one_line_and_never_shows_it_i
     assert given.returncode == 2, given
     assert given.stderr.strip().splitlines() == [given.stderr.strip()]
     assert "--token-file PATH" in given.stderr and "dm_secret_on_the_line" not in given.stderr
-    for argv in (["pool", "sync"], ["pool", "run"], ["gateway"], ["train"], ["autoscale"], ["pools"], ["links"]):
+    for argv in (["pool", "sync"], ["pool", "run"], ["gateway"], ["train"], ["autoscale"], ["pools"], ["links"], ["eval"]):
         shown = run(*argv, "--help").stdout
         assert "-token-file" in shown and not any(
             word.rstrip(",") in ("--token", "--upstream-token", "--broker-token", "--gateway-token", "--sync.token")

@@ -188,6 +188,27 @@ def test_a_two_policy_code_workflow_reports_both_rewards_and_sandbox_outcomes_an
     assert_all_stopped(report, run_dir)
 
 
+def test_the_demo_evaluator_scores_version_0_every_kth_and_the_final_one_with_the_hash_the_trainer_signed(run_dir):
+    """`[demo.eval]` on the tiny model's arithmetic problems: the evaluator (`deltamesh eval`, over TLS,
+    with the run's tokens) scores v0, every 2nd version and the final one; each score carries the
+    weights hash its engine proved, the same as the trainer signed for that version, and the report
+    carries the curve. (The tiny model does not learn word problems: only the wiring is checked here;
+    benchmarks/learning.py measures learning.)"""
+    steps = 5
+    proc = subprocess.run([DELTAMESH, "demo", "--steps", str(steps), "--seed", "0", "--plain", "--no-console",
+                           "--tasks", "arithmetic", "--eval.every", "2", "--eval.problems", "3",
+                           "--eval.samples", "2", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["outcome"] == "completed"
+    curve = report["models"]["policy"]["eval"]
+    assert [r["version"] for r in curve] == [0, 2, 4, steps], curve
+    assert all(r["weights_match"] and (r["problems"], r["samples"]) == (3, 2) for r in curve), curve
+    assert curve[-1]["weights_hash"] == report["models"]["policy"]["final_weights_hash"]
+    assert [p["name"] for p in report["processes"]].count("eval") == 1
+    assert_all_stopped(report, run_dir)
+
 
 def test_the_demo_on_vllm_pools_as_docs_engines_md_runs_it_swaps_in_place_and_ends_bit_exact(run_dir):
     """docs/ENGINES.md's `deltamesh demo --engine vllm ...` line, run as written (in a scratch folder):

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from deltamesh.http import bearer, client_session, request_json
-from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
 from deltamesh.mesh.demo.launch import prepare, start
 from deltamesh.mesh.demo.processes import ServiceSet
 
@@ -33,7 +33,9 @@ def private(path: Path) -> bool:
 
 
 def test_the_demo_puts_no_token_on_a_command_line_or_in_a_readable_file(tmp_path):
-    plan = prepare(DemoConfig(steps=1, run_dir=str(tmp_path / "run")), tmp_path / "run")
+    # With the evaluator too: it follows its gateway with a pool token of its own name.
+    config = DemoConfig(steps=1, run_dir=str(tmp_path / "run"), tasks="arithmetic", eval=DemoEvalConfig(every=2))
+    plan = prepare(config, tmp_path / "run")
     assert plan.creds is not None  # TLS and tokens: the demo's default
     tokens = list(plan.creds.tokens.values())
     services = ServiceSet()
@@ -67,13 +69,14 @@ def test_the_demo_puts_no_token_on_a_command_line_or_in_a_readable_file(tmp_path
         lines = asyncio.run(scenario())
     except aiohttp.ClientError as e:
         pytest.fail(f"the demo's gateways did not answer: {e}")
-    assert {name for name, _ in lines} >= {"broker", "trainer-policy"} and len(lines) >= 6
+    assert {name for name, _ in lines} >= {"broker", "trainer-policy", "eval"} and len(lines) >= 7
     for name, line in lines:
         assert not any(token in line for token in tokens), f"{name} shows a token in ps: {line}"
         assert " --token " not in f"{line} " and "-token " not in line.replace("-token-file ", ""), line
     for toml in (plan.run_dir / "pools").glob("*.toml"):
         assert private(toml) and not any(token in toml.read_text() for token in tokens), toml
-    for toml in [*(plan.run_dir / "trainer").glob("*.toml"), plan.run_dir / "broker" / "broker.toml"]:
+    for toml in [*(plan.run_dir / "trainer").glob("*.toml"), plan.run_dir / "broker" / "broker.toml",
+                 plan.run_dir / "eval" / "eval.toml"]:
         assert private(toml) and not any(token in toml.read_text() for token in tokens), toml
     files = list(plan.creds.token_files.values())
     assert len(files) == len(tokens) and all(private(f) for f in files)

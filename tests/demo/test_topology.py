@@ -50,12 +50,19 @@ def test_demo_config_fills_the_model_recipe_and_checks_its_values():
     tiny = DemoConfig()
     assert (tiny.lr, tiny.max_new_tokens, tiny.batch_size) == (5e-3, 1, 32)
     assert tiny.buffered_groups == 2 * tiny.groups_per_step
+    assert tiny.tasks == "digit_sum" and tiny.eval.every == 0  # digit sums have no held-out set
     real = DemoConfig(model="smollm2", steps=10)
-    assert real.lr == 5e-6 and real.max_new_tokens == 4
+    assert real.lr == 5e-6 and real.max_new_tokens == 6
+    assert real.tasks == "arithmetic" and real.eval.every == 5 and real.math_options()["answer"] == "first_number"
+    assert DemoConfig(max_staleness=0).buffered_groups == tiny.groups_per_step  # sync: one step's groups
     two = DemoConfig(workflow="solver_verifier")
     assert two.model_ids == ("solver", "verifier") and two.max_new_tokens >= 2
     assert [p.name for p in DemoConfig(pools=1).topology.pools] == ["us-1"]
-    for bad in ({"steps": 0}, {"model": "gpt"}, {"pools": 9}, {"max_digit": 5}, {"format_reward": 1.0}):
+    for bad in ({"steps": 0}, {"model": "gpt"}, {"pools": 9}, {"max_digit": 5}, {"format_reward": 1.0},
+                {"tasks": "sums"}, {"levels": [6]}, {"max_staleness": -1}, {"loss": "ppo"},
+                {"eval": {"every": 2}},  # digit sums: no held-out set to score
+                {"tasks": "arithmetic", "eval": {"every": 2, "region": "mars"}},
+                {"workflow": "code", "code_tasks": "humaneval", "eval": {"every": 2}}):  # trains on its held-out set
         with pytest.raises((ConfigError, ValueError)):
             from_dict(DemoConfig, bad)
 

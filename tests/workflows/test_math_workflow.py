@@ -95,3 +95,41 @@ def test_digit_sum_tasks():
     assert score("7", "7", MathConfig(format_reward=0.1)) == (1.0, "7", True)
     assert score("5", "7", MathConfig(format_reward=0.1)) == (0.1, "5", False)
     assert score("x", "7", MathConfig(format_reward=0.1)) == (0.0, None, False)
+
+
+def test_a_reply_prefix_counts_toward_the_answer_and_first_number_reads_a_rambling_reply():
+    first = MathConfig(reply_prefix="The answer is", answer="first_number")
+    assert score(" 12. Then Tom buys 3 more", "12", first) == (1.0, "12", True)
+    final = MathConfig(reply_prefix="The answer is")
+    assert score(" 12. Then Tom buys 3 more", "12", final)[2] is False  # the last number: 3
+    assert score(" 12.", "12", final) == (1.0, "12.", True)
+    with pytest.raises(ValueError, match="answer must be"):
+        MathConfig(answer="last")
+    with pytest.raises(ValueError, match="prompt_format"):
+        MathConfig(prompt_format="markdown")
+
+
+def test_the_prompt_goes_as_a_chat_turn_with_the_reply_begun(tmp_path):
+    """A tokenizer with a chat template (SmolLM2's, on a tiny model): the prompt is one user turn, the
+    reply prefix follows the generation prompt, and only the model's own tokens are trained on."""
+    from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
+    from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+
+    path = tiny_model_dir(TinyModelConfig(tokenizer="smollm2", seed=3), path=tmp_path / "tiny-bpe")
+    engine = TransformersEngine(TransformersEngineConfig(model_id="policy", model_dir=str(path), seed=0))
+    workflow = make_workflow("math", {"prompt_format": "chat", "reply_prefix": "The answer is",
+                                      "answer": "first_number"})
+    ctx = EpisodeContext(engines={"policy": engine}, params=PARAMS)
+    (t,) = run(workflow, Task(task_id="t", prompt="What is 3 + 4?", metadata={"answer": "7"}), ctx)
+    tokenizer = engine._tokenizer
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
+                                             add_generation_prompt=True) + "The answer is"
+    prompt_len = int((t.loss_mask == 0).sum())
+    assert t.tokens[:prompt_len].tolist() == engine.encode(expected) and prompt_len < len(t.tokens)
+    assert (t.reward, t.metadata["answer"], t.metadata["correct"]) == score(t.metadata["completion"], "7", workflow.config)
+    with pytest.raises(WorkflowError, match="no chat template"):
+        chat = make_workflow("math", {"prompt_format": "chat"})
+        char_ctx = EpisodeContext(engines={"policy": TransformersEngine(TransformersEngineConfig(
+            model_id="policy", model_dir=str(tiny_model_dir(TinyModelConfig(seed=3), path=tmp_path / "tiny-char"))))},
+            params=PARAMS)
+        run(chat, Task(task_id="t", prompt="1+1=", metadata={"answer": "2"}), char_ctx)

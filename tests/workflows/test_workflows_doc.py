@@ -29,3 +29,11 @@ def test_the_smollm2_commands_parse_as_written_into_the_settings_they_report_on(
         config = command_config(args, DemoConfig, "demo", overrides=overrides)
         assert (config.model, config.code_tasks) == ("smollm2", "humaneval")
         assert len({pool.region for pool in config.topology.pools}) == 2  # pools in two regions
+
+
+def test_the_held_out_evaluation_command_parses_into_a_demo_that_scores_smollm2_on_held_out_arithmetic():
+    section = DOC.read_text().split("## Held-out evaluation", 1)[1].split("\n## ", 1)[0]
+    (line,) = re.findall(r"`(deltamesh demo [^`]*)`", section)
+    config = command_config(build_parser().parse_args(shlex.split(line)[1:]), DemoConfig, "demo", overrides=overrides)
+    assert (config.model, config.engine, config.tasks, config.eval.every) == ("smollm2", "vllm", "arithmetic", 5)
+    assert config.workflow_options()["reply_prefix"] == "The answer is"
