@@ -53,6 +53,11 @@ class PeakRss:
     def reset(self) -> None:
         self.peak = self.baseline = rss_bytes()
 
+    def forget_peak(self) -> None:
+        """Drop the peak seen so far (the training step's old and new rows at once, which is not
+        publishing's), keeping the baseline: what publishing adds is measured from here on."""
+        self.peak = self.baseline
+
     def close(self) -> None:
         self._stop.set()
 
@@ -96,6 +101,7 @@ def trainer_rank(rank: int, world: int, cfg: dict[str, Any], orders, reports) ->
             if version > 0:
                 live = {n: scale_model.step_block(t, n, rows[n][0], version) for n, t in live.items()}
             step_end = time.time()
+            rss.forget_peak()
             if shards is not None:
                 published = loop.run_until_complete(shards.publish(specs, live, rows, version))
             else:

@@ -103,6 +103,12 @@ class Engine(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]:
         ...
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (its chat template and vocabulary), or None for an engine
+        that has none (then prompts are plain text)."""
+        ...
+
     def encode(self, text: str) -> list[int]:
         ...
 
@@ -160,6 +166,10 @@ class TokenizedEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))

@@ -18,7 +18,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
 
@@ -81,6 +81,10 @@ class BatchingEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.inner.eos_token_ids
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)

@@ -139,8 +139,9 @@ chat template, else "completion"."""
 
 
 def _tokenizer_of(engine: Engine) -> Any:
-    # Every shipped adapter keeps its Hugging Face tokenizer as `_tokenizer` (engines.base.TokenizedEngine).
-    return getattr(engine, "_tokenizer", None)
+    # Read through the Engine interface, so an engine wrapped by the pool (BatchingEngine) shows its
+    # tokenizer too: reading a private attribute made a wrapped SmolLM2 look template-less.
+    return engine.tokenizer
 
 
 def uses_chat(engine: Engine, prompt_format: str) -> bool:

@@ -35,6 +35,7 @@ class ScriptedEngine:
     supports_in_place = False
     eos_token_ids = ()
     version = 2
+    tokenizer = None  # one character per token, no chat template
 
     def __init__(self, model_id: str, reply: Callable[[str], str]):
         self.model_id, self.reply, self.prompts = model_id, reply, []
@@ -169,7 +170,7 @@ class ChatTokenizer:
 class ChatEngine(ScriptedEngine):
     def __init__(self, model_id, reply):
         super().__init__(model_id, reply)
-        self._tokenizer = ChatTokenizer()
+        self.tokenizer = ChatTokenizer()
 
 
 def test_render_fills_each_placeholder_once():
