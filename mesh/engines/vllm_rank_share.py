@@ -1,36 +1,38 @@
 """One rank's share of a tensor-parallel engine's weights, and how it takes a version: fetch, verify, apply, load, or put back.
 
 A rank of a tensor- or expert-parallel engine (a vLLM worker) holds a share of each checkpoint tensor
-(`deltamesh.delta.layouts`). `RankShare` is that rank's host copy of its share (CPU tensors named as in
-the model directory, like the whole-model copy `host_weights.py` keeps) with the verified manifest of
-the version it holds. Taking a version is two-phase, so that the ranks of one engine agree before any
-of them changes what it serves:
+(`deltamesh.delta.layouts`). `RankShare` is that rank's host copy of its share (`HostCopy`: CPU tensors
+named as in the model directory, like the whole-model copy `host_weights.py` keeps) with the verified
+manifest of the version it holds. Taking a version is two-phase, so that the ranks of one engine agree
+before any of them changes what it serves:
 
 1. `prepare`: the rank fetches only the pieces that reach its shares from the gateways, with a fetcher
    of its own (`deltamesh.gateway.verified.fetch_share`: the trainer-signed manifest first, each piece
    hash-checked against it), decodes them and applies them to its host copy in place, checked against
    the manifest's tiles (`deltamesh.delta.shares.apply_share`), keeping every word it overwrote;
-   `stage` instead reads the share of a model directory, checked against the directory's manifest;
+   `stage` instead reads the share of a model directory, checked against the directory's manifest.
+   Either runs on a thread of its own (`begin`, `outcome`), so the worker goes on serving the engine;
 2. the driver then has every rank `load` the layers whose tensors changed into the engine and `settle`,
    or, when any rank refused the version or failed to load it, every rank `revert`: the kept words are
    written back and the layers it had loaded are loaded again from them.
 
-`loads` hands the engine full-shaped checkpoint tensors whose rank's share holds the values (the rest
-is never written: fresh pages the kernel does not back until touched), so that the engine's own loader
-narrows each to the share it holds, fused parameters, vocabulary padding and repacking included. Nothing
-here knows vLLM: the worker extension (vllm_rank_worker.py) drives it, and a weight-transfer plugin in
-the same worker could too. Messages to and from the driver are plain JSON-able data (`RankStep`,
-`RankReport`): no tensor and no pickled object crosses between processes.
+`loads` hands the engine full-shaped checkpoint tensors whose rank's share holds the values, so that
+the engine's own loader narrows each to the share it holds (fused parameters, vocabulary padding and
+repacking included); a share of rows lives in such a tensor from the start, so it is handed without a
+copy. Nothing here knows vLLM: the worker extension (vllm_rank_worker.py) drives it, and a
+weight-transfer plugin in the same worker could too. Messages to and from the driver are plain
+JSON-able data (`RankStep`, `RankReport`): no tensor and no pickled object crosses between processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -97,6 +99,8 @@ class RankReport:
     fetch_s: float = 0.0
     apply_s: float = 0.0
     load_s: float = 0.0
+    done: bool = True
+    """False while work the rank began (`RankShare.begin`) still runs."""
 
     def body(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +125,38 @@ def error_kind(error: BaseException) -> str:
 
 
 @dataclass
+class HostCopy:
+    """A rank's host copy of its share: name -> contiguous CPU slice. A slice of rows is a view of the
+    rows of a full-shaped `frame`, which is what the engine is handed (no copy on the way); the frame's
+    other rows are never written, so the allocator's fresh pages behind them are not backed by memory.
+    A slice of columns is copied into a full-shaped tensor when the engine takes it."""
+
+    slices: dict[str, torch.Tensor]
+    frames: dict[str, torch.Tensor]
+
+    @classmethod
+    def framed(cls, table: Mapping[str, TensorSpec], shares: Mapping[str, Share],
+               slices: Mapping[str, torch.Tensor]) -> "HostCopy":
+        out, frames = dict(slices), {}
+        for name, share in shares.items():
+            if share.dim == 0:
+                frames[name] = torch.empty(table[name].shape, dtype=slices[name].dtype)
+                out[name] = share.take(frames[name])
+                out[name].copy_(slices[name])
+        return cls(out, frames)
+
+    def handed(self, spec: TensorSpec, share: Share, name: str) -> torch.Tensor:
+        """A tensor of the checkpoint's whole shape whose `share` holds this copy's values of `name`."""
+        if share.dim is None:
+            return self.slices[name]
+        frame = self.frames.get(name)
+        if frame is None:
+            frame = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+            share.take(frame).copy_(self.slices[name])
+        return frame
+
+
+@dataclass
 class _Pending:
     """A version a rank has prepared and not yet settled or reverted."""
 
@@ -128,8 +164,8 @@ class _Pending:
     changed: list[str]
     rollback: Rollback | None = None
     """Words the in-place apply overwrote (None for a staged directory)."""
-    replacement: dict[str, torch.Tensor] | None = None
-    """New slices read from a directory (None for an in-place apply)."""
+    replacement: HostCopy | None = None
+    """A new host copy read from a directory (None for an in-place apply)."""
     loaded: bool = False
     """Whether the engine was asked to load it (so a revert loads the previous values again)."""
 
@@ -138,14 +174,21 @@ class RankShare:
     """One rank's host copy of its share (see the module docstring)."""
 
     def __init__(self, layout: PoolLayout, rank: int, table: list[TensorSpec], shares: dict[str, Share],
-                 slices: dict[str, torch.Tensor], held: Manifest | None) -> None:
+                 slices: Mapping[str, torch.Tensor], held: Manifest | None) -> None:
         self.layout, self.rank = layout, rank
         self.table = {spec.name: spec for spec in table}
         self.shares = shares
-        self.slices = slices
+        self.host = HostCopy.framed(self.table, shares, slices)
         self.held = held
         """The verified manifest of the version the slices hold (None: not known, so only a full applies)."""
         self._pending: _Pending | None = None
+        self._work: threading.Thread | None = None
+        self._outcome: RankReport | BaseException | None = None
+
+    @property
+    def slices(self) -> dict[str, torch.Tensor]:
+        """name -> this rank's slice of the tensor, as the host copy holds it."""
+        return self.host.slices
 
     @classmethod
     def read(cls, directory: str | Path, layout: PoolLayout, rank: int) -> "RankShare":
@@ -184,9 +227,36 @@ class RankShare:
         held, table, shares, slices = _read_checked(directory, self.layout, self.rank, version)
         if [s.name for s in table] != sorted(self.table) or shares != self.shares:
             raise CorruptError(f"{directory}: its tensors differ from the model's")
-        self._pending = _Pending(held, sorted(slices), replacement=slices)
+        self._pending = _Pending(held, sorted(slices), replacement=HostCopy.framed(self.table, shares, slices))
         return RankReport(self.rank, version=version, weights_hash=held.weights_hash if held is not None else "",
                           changed=len(slices), apply_s=time.perf_counter() - started)
+
+    def begin(self, work: Callable[[], RankReport]) -> None:
+        """Run `work` (`prepare` or `stage`) on a thread of its own: the worker goes on serving the engine
+        (generation steps) while the rank fetches, verifies and applies; `outcome` tells when it is done."""
+        if self._work is not None and self._work.is_alive():
+            raise CodecError(f"rank {self.rank} is still taking a version")
+
+        def run() -> None:
+            try:
+                self._outcome = work()
+            except Exception as e:  # noqa: BLE001 - handed to whoever asks for the outcome
+                self._outcome = e
+
+        self._outcome = None
+        self._work = threading.Thread(target=run, name=f"deltamesh-rank{self.rank}", daemon=True)
+        self._work.start()
+
+    def outcome(self) -> RankReport | None:
+        """The report of the work `begin` started once it is done (its error raised), None while it runs;
+        asked again, the same answer (the driver asks every rank until all are done)."""
+        if self._work is None:
+            raise CodecError(f"rank {self.rank} has begun nothing")
+        if self._work.is_alive():
+            return None
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
 
     # -- phase two ---------------------------------------------------------------------------------
     def changed(self) -> list[str]:
@@ -202,9 +272,8 @@ class RankShare:
         """(name, full-shaped tensor) for each of `names` this rank holds, made as the engine reads them,
         its share holding the values of the prepared version (if any) or of the host copy."""
         pending = self._pending
-        current = pending.replacement if pending is not None and pending.replacement is not None else self.slices
-        return ((name, full_shaped(self.table[name], self.shares[name], current[name]))
-                for name in names if name in self.shares)
+        current = pending.replacement if pending is not None and pending.replacement is not None else self.host
+        return ((name, current.handed(self.table[name], self.shares[name], name)) for name in names if name in self.shares)
 
     def settle(self) -> None:
         """The prepared version is the one served: the host copy and its manifest move to it."""
@@ -212,12 +281,16 @@ class RankShare:
         if pending is None:
             return
         if pending.replacement is not None:
-            self.slices = pending.replacement
+            self.host = pending.replacement
         self.held = pending.manifest
 
     def revert(self) -> list[str]:
-        """Put the host copy back as it was before the prepared version; returns the tensors the engine
-        must load again (those it was asked to load), or none."""
+        """Put the host copy back as it was before the prepared version (after the work `begin` started,
+        if it still runs, has ended); returns the tensors the engine must load again (those it was asked
+        to load), or none."""
+        if self._work is not None:
+            self._work.join()
+            self._work, self._outcome = None, None
         pending, self._pending = self._pending, None
         if pending is None:
             return []
@@ -274,16 +347,6 @@ class RankShare:
                               stall_timeout_s=sync.stall_timeout_s, give_up_s=sync.give_up_s,
                               penalty_s=min(sync.stall_timeout_s, 5.0))
             return await fetch_share(fetcher, step.model, step.step, keys, sync.connections, self.shares)
-
-
-def full_shaped(spec: TensorSpec, share: Share, local: torch.Tensor) -> torch.Tensor:
-    """A tensor of the checkpoint's whole shape whose `share` holds `local` (the share itself when it is
-    the whole tensor); the rest is left unwritten."""
-    if share.dim is None:
-        return local
-    whole = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
-    share.take(whole).copy_(local)
-    return whole
 
 
 def _read_checked(directory: str | Path, layout: PoolLayout, rank: int, version: int | None

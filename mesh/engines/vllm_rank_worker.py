@@ -3,14 +3,16 @@
 vLLM mixes `RankWorker` into each of its workers (`worker_extension_cls`), and the driver calls its
 methods by name through `collective_rpc` (vllm_ranks.py), with plain JSON-able arguments and answers:
 no Python function or tensor is pickled to reach a worker. Each worker keeps a `RankShare`
-(vllm_rank_share.py) for its tensor-parallel rank: `deltamesh_open` reads the share of the model
-directory vLLM loaded; `deltamesh_prepare` fetches, verifies and applies a version to it;
-`deltamesh_load` hands the layers the version changed to vLLM's in-place reload (the model's own
-`load_weights` and post-processing, as `vllm_weights.py` does for a whole model: full-shaped
-checkpoint tensors that vLLM's loaders narrow to this rank's share), `deltamesh_settle` or
-`deltamesh_revert` end it. `deltamesh_stage` and `deltamesh_reload_dir` do the same for a model
-directory read from disk. `deltamesh_check` proves what vLLM serves on this rank: its slice of each
-checkpoint tensor (de-fused, without vocabulary padding) against the signed manifest's tiles.
+(vllm_rank_share.py) for its tensor-parallel rank. `deltamesh_open` reads the share of the model
+directory vLLM loaded. `deltamesh_prepare` begins to fetch, verify and apply a version to the host
+copy on a thread of its own, so the worker goes on running the engine's steps meanwhile, and
+`deltamesh_outcome` tells when it is done; `deltamesh_load` then hands the layers the version changed
+to vLLM's in-place reload (the model's own `load_weights` and post-processing, as `vllm_weights.py`
+does for a whole model: full-shaped checkpoint tensors that vLLM's loaders narrow to this rank's
+share), and `deltamesh_settle` or `deltamesh_revert` end it. `deltamesh_stage` and
+`deltamesh_reload_dir` do the same for a model directory read from disk. `deltamesh_tiles` and
+`deltamesh_check` show what vLLM serves on this rank: its slice of each checkpoint tensor (de-fused,
+without vocabulary padding) by the tiles of the version's hash grids.
 
 Every method answers with a report and never raises: vLLM's `collective_rpc` stops reading the other
 workers' answers at the first worker that raises, which would leave them to a later call.
@@ -44,12 +46,22 @@ class RankWorker:
         return self._deltamesh_call(lambda rank: self._deltamesh_read(model_dir, layout, rank))
 
     def deltamesh_prepare(self, step: Mapping[str, Any]) -> dict:
-        """Fetch, verify and apply a plan step (`RankStep.body`) to this rank's host copy."""
-        return self._deltamesh_call(lambda rank: self._deltamesh_held().prepare(RankStep.from_body(step)))
+        """Begin to fetch, verify and apply a plan step (`RankStep.body`) to this rank's host copy, beside
+        the engine's steps; `deltamesh_outcome` tells when it is done."""
+        request = RankStep.from_body(step)
+        return self._deltamesh_call(lambda rank: self._deltamesh_begin(rank, lambda share: share.prepare(request)))
 
     def deltamesh_stage(self, directory: str, version: int) -> dict:
-        """Read this rank's share of model directory `directory` (holding `version`) beside the host copy."""
-        return self._deltamesh_call(lambda rank: self._deltamesh_held().stage(directory, version))
+        """Begin to read this rank's share of model directory `directory` (holding `version`) beside the
+        host copy; `deltamesh_outcome` tells when it is done."""
+        return self._deltamesh_call(lambda rank: self._deltamesh_begin(rank, lambda share: share.stage(directory, version)))
+
+    def deltamesh_outcome(self) -> dict:
+        """The report of what `deltamesh_prepare` or `deltamesh_stage` began (`done` False while it runs)."""
+        def outcome(rank: int) -> RankReport:
+            report = self._deltamesh_held().outcome()
+            return RankReport(rank, done=False) if report is None else report
+        return self._deltamesh_call(outcome)
 
     def deltamesh_load(self) -> dict:
         """Hand vLLM every layer the prepared version changed on this rank."""
@@ -137,6 +149,11 @@ class RankWorker:
         share = RankShare.read(model_dir, PoolLayout(**layout), rank)
         self._deltamesh_share = share
         return RankReport(rank, version=-1 if share.version is None else share.version)
+
+    def _deltamesh_begin(self, rank: int, work: Callable[[RankShare], RankReport]) -> RankReport:
+        share = self._deltamesh_held()
+        share.begin(lambda: work(share))
+        return RankReport(rank, done=False)
 
     def _deltamesh_held(self) -> RankShare:
         if self._deltamesh_share is None:

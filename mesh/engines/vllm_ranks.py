@@ -52,6 +52,8 @@ from deltamesh.mesh.engines.vllm_rank_worker import QUALNAME
 
 log = logging.getLogger(__name__)
 
+POLL_S = 0.02
+"""How often the driver asks the ranks whether the version they are taking is in their host copies."""
 _ERRORS: dict[str, type[Exception]] = {"corrupt": CorruptError, "base": BaseMismatchError, "fetch": FetchError,
                                        "codec": CodecError}
 
@@ -159,13 +161,30 @@ class VLLMRanksEngine(VLLMEngine):
     def _reports(self, method: str, *args: Any) -> list[RankReport]:
         return [RankReport.from_body(raw) for raw in self._engine.collective_rpc(method, args=args)]
 
+    async def _locked(self, method: str, *args: Any) -> list[RankReport]:
+        """Call every rank between two engine steps: vLLM's executor carries one call at a time."""
+        async with self._lock:
+            return await asyncio.to_thread(self._reports, method, *args)
+
+    async def _prepared(self, method: str, *args: Any) -> list[RankReport]:
+        """Begin `method` on every rank, then ask for the outcome every `POLL_S` (generation goes on in
+        between) until every rank that began is done."""
+        begun = await self._locked(method, *args)
+        reports = begun
+        while any(r.ok and not r.done for r in reports):
+            await asyncio.sleep(POLL_S)
+            polled = await self._locked("deltamesh_outcome")
+            reports = [p if b.ok else b for b, p in zip(begun, polled)]
+        return reports
+
     async def _swap(self, prepare: tuple, load: tuple, way: str, version: int) -> list[RankReport]:
         async with self._update_lock:
             try:
-                prepared = await asyncio.to_thread(self._reports, *prepare)
+                prepared = await self._prepared(*prepare)
                 _agreed(prepared, version, self.model_id)
-            except Exception:
-                await self._revert()  # host copies only: vLLM was not touched
+            except BaseException:  # cancelled too: no rank may stay half way
+                async with self._lock:
+                    await self._revert()  # host copies only: vLLM was not touched
                 self.metrics.update_done(way, False, 0.0)
                 raise
             async with self._lock:  # between two engine steps
@@ -192,6 +211,7 @@ class VLLMRanksEngine(VLLMEngine):
         return [_with_load(p, l.load_s) for p, l in zip(prepared, loaded)]
 
     async def _revert(self) -> None:
+        """Every rank puts its host copy back (and what it loaded into vLLM); the caller holds the lock."""
         reverted = await asyncio.to_thread(self._reports, "deltamesh_revert")
         failed = [r for r in reverted if not r.ok]
         if failed:

@@ -2,14 +2,15 @@
 
 vLLM's CPU build starts once for this module with two worker processes (`VLLMRanksEngine`) on the tiny
 Qwen3 model. A trainer publishes through a real gateway (in this process, on loopback) with the cuts of
-the engine's layout: v0 a full snapshot, v1 and v2 deltas (about 3% of the words moved by one ulp, as an
+the engine's layout: v0 a full snapshot, v1 and v2 deltas (3% of the words moved by one or two ulps, as an
 optimizer step moves them). Each rank fetches its own pieces from the gateway with its own fetcher
 (`take_step`), and after each version the engine's greedy logprobs equal those of the same engine
 reloading that version from a model directory on disk (the pool's synced directory, written by the
 directory applier from the whole version), while every rank fetched fewer bytes than the whole version.
 A tampering relay that corrupts one piece only rank 1 needs makes rank 1 refuse the version: rank 0,
 which took it into its host copy, puts it back and vLLM is never touched, so the logprobs served stay
-bit-for-bit; the same version then goes through from the gateway itself.
+bit-for-bit; the same version then goes through from the gateway itself, in the middle of a generation
+whose tokens name the version each came from.
 """
 
 from __future__ import annotations
@@ -63,17 +64,6 @@ def engine(model_dir):
     asyncio.run(engine.close())
 
 
-def moved(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """About 3% of the words moved by one ulp away from zero (a zero word moved down would be a NaN)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in weights.items():
-        words = t.view(torch.int16).clone()
-        words[torch.rand(words.shape, generator=g) < 0.03] += 1
-        out[name] = words.view(torch.bfloat16)
-    return out
-
-
 async def probe(engine: VLLMRanksEngine) -> list[tuple[list[int], list[float]]]:
     gens = await engine.generate([engine.encode(p) for p in PROMPTS], GREEDY)
     return [(g.tokens, g.logprobs) for g in gens]
@@ -109,13 +99,12 @@ def test_two_ranks_hold_what_the_layout_says(engine, model_dir) -> None:
     assert layout_check.check_layout(engine, read_weights(model_dir), hf, TP) >= TP * len(read_weights(model_dir))
 
 
-def test_ranks_take_their_shares_through_a_gateway_as_disk_would(engine, model_dir, tmp_path) -> None:
+def test_ranks_take_their_shares_through_a_gateway_as_disk_would(engine, model_dir, tmp_path, rl_step) -> None:
     key = generate_key()
     public = save_keypair(key, tmp_path / "trainer.key")
     weights = {"v0": read_weights(model_dir)}
-    weights["v1"] = moved(weights["v0"], 1)
-    weights["v2"] = moved(weights["v1"], 2)
-    weights["v3"] = moved(weights["v2"], 3)
+    for version in (1, 2, 3):
+        weights[f"v{version}"] = rl_step(weights[f"v{version - 1}"], version, share=0.03)
     table = table_of(weights["v0"])
     gateway = GatewayConfig(store=str(tmp_path / "store"), trusted_keys=[str(public)], anonymous=True, piece_wait_s=1.0)
     synced = tmp_path / "synced"  # the pool's directory, moved version by version by the directory applier
@@ -169,8 +158,16 @@ def test_ranks_take_their_shares_through_a_gateway_as_disk_would(engine, model_d
             assert await probe(engine) == served[-1]  # nothing reached vLLM, on either rank
             with pytest.raises(EngineError, match="rank by rank"):
                 await engine.apply_update(None)
-            # Rank 0 put its host copy back: the delta from v2 applies on both ranks from the gateway itself.
+            # Rank 0 put its host copy back: the delta from v2 applies on both ranks from the gateway itself,
+            # while a generation goes on: the ranks fetch and apply beside the engine's steps, and the new
+            # weights land between two of them.
+            long = SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True)
+            task = asyncio.create_task(engine.generate([engine.encode("Once upon a time")], long))
+            while not any(len(r.gen.tokens) >= 3 for r in engine._requests.values()):
+                await asyncio.sleep(0.01)
             await engine.take_step(step, sync(url), "pool/tp")
+            (gen,) = await task
+            assert gen.versions[0] == 2 and gen.versions[-1] == 3 and gen.versions == sorted(gen.versions)
             in_place = await probe(engine)
             await asyncio.to_thread(apply_to_dir, synced, [(manifest, pieces)])
             await engine.load_version(synced, 3)
