@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -168,6 +169,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # vLLM logs to stdout unless told otherwise (its workers read this too): --json prints one object there.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="vllm-ranks-") as tmp:
         result = asyncio.run(measure(args, Path(tmp)))

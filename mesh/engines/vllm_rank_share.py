@@ -299,21 +299,6 @@ class RankShare:
         return pending.changed if pending.loaded else []
 
     # -- checks ------------------------------------------------------------------------------------
-    def mismatched(self, served: Mapping[str, torch.Tensor | None]) -> tuple[list[str], list[str]]:
-        """(tensors whose served slice is not the held version's share by the manifest's tiles, tensors
-        the engine could not show); `served`: name -> what the engine holds of this rank's share."""
-        if self.held is None:
-            raise CodecError("the rank holds no verified version to check against")
-        entries = {t.name: t for t in self.held.tensors}
-        wrong, unreadable = [], []
-        for name, share in self.shares.items():
-            t = served.get(name)
-            if t is None:
-                unreadable.append(name)
-            elif not check_share(entries[name], share, t.contiguous()):
-                wrong.append(name)
-        return wrong, unreadable
-
     def proofs(self, served: Mapping[str, torch.Tensor | None], names: list[str]) -> dict[str, dict | None]:
         """What this rank can show of each of `names` it holds, from `served` (name -> what the engine
         holds of its share): {"whole": digest} of a tensor held whole, {"tiles": {index: digest}} of the

@@ -10,9 +10,10 @@ copy on a thread of its own, so the worker goes on running the engine's steps me
 to vLLM's in-place reload (the model's own `load_weights` and post-processing, as `vllm_weights.py`
 does for a whole model: full-shaped checkpoint tensors that vLLM's loaders narrow to this rank's
 share), and `deltamesh_settle` or `deltamesh_revert` end it. `deltamesh_stage` and
-`deltamesh_reload_dir` do the same for a model directory read from disk. `deltamesh_tiles` and
-`deltamesh_check` show what vLLM serves on this rank: its slice of each checkpoint tensor (de-fused,
-without vocabulary padding) by the tiles of the version's hash grids.
+`deltamesh_reload_dir` do the same for a model directory read from disk. `deltamesh_tiles` shows
+what vLLM serves on this rank: its slice of each checkpoint tensor (de-fused,
+without vocabulary padding) by the tiles of the version's hash grids; `deltamesh_parameters` and
+`deltamesh_digests` read vLLM's parameters as they are (what checks the layout rules against vLLM).
 
 Every method answers with a report and never raises: vLLM's `collective_rpc` stops reading the other
 workers' answers at the first worker that raises, which would leave them to a later call.
@@ -98,15 +99,6 @@ class RankWorker:
             finish_reload(self.model_runner.get_model(), self.model_runner.model_config)
             return RankReport(rank, load_s=self._deltamesh_reload(share, names))
         return self._deltamesh_call(revert)
-
-    def deltamesh_check(self) -> dict:
-        """Whether vLLM serves this rank's share of the version it holds: {"wrong": [...], "unreadable":
-        [...]} by the signed manifest's tiles."""
-        def check(rank: int) -> dict:
-            share = self._deltamesh_held()
-            wrong, unreadable = share.mismatched(self._deltamesh_served(share))
-            return {**RankReport(rank).body(), "wrong": wrong, "unreadable": unreadable}
-        return self._deltamesh_call(check)
 
     def deltamesh_tiles(self, names: list[str]) -> dict:
         """What vLLM serves of each of `names` this rank holds, as `RankShare.proofs` shows it (None for

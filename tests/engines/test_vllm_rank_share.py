@@ -123,8 +123,8 @@ def test_a_rank_takes_its_share_puts_it_back_and_proves_it(tmp_path, rl_step) ->
                 != m1.tensors[m1.tensor_index()["model.layers.0.mlp.up_proj.weight"]].hash
             assert _combined("model.norm.weight", [answers[0], {"model.norm.weight": {"whole": "0" * 32}}], None) \
                 == "ranks disagree on model.norm.weight"
-            assert ranks[0].mismatched(ranks[0].slices) == ([], [])
-            assert ranks[0].mismatched({**ranks[0].slices, "model.norm.weight": None}) == ([], ["model.norm.weight"])
+            unread = ranks[0].proofs({**ranks[0].slices, "model.norm.weight": None}, names)
+            assert unread["model.norm.weight"] is None and _combined("model.norm.weight", [unread], None) is None
 
             # A model directory the pool applied v1 to: staged beside the host copy, checked by its tiles.
             synced = tmp_path / "synced"

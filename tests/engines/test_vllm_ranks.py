@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from aiohttp import ClientSession, web
 
 from deltamesh.delta import apply_to_dir, generate_key, load_manifest, read_weights, save_keypair
