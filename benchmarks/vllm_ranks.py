@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -37,12 +36,10 @@ from typing import Any
 
 import torch
 
-from common import bench_parser, emit, parse_bench_args
+from common import bench_parser, emit, parse_bench_args, stdout_to_stderr
 from swap import synthetic_input
 
 from deltamesh.delta import apply_to_dir, generate_key, save_keypair
-from deltamesh.delta.encode import table_of
-from deltamesh.delta.layouts import cuts_for
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch import Fetcher
 from deltamesh.gateway.plan import PlanStep
@@ -92,7 +89,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async with serving(create_app(gateway), "127.0.0.1:0") as url, \
                 client_session(connections=8, timeout_s=None) as session:
             sync = WeightSyncSettings(gateways=[url], token="t", trusted_keys=[str(public)])
-            pub = Publisher(url, key, MODEL, full_every=0, cuts=cuts_for(table_of(model.old), [engine.layout]))
+            pub = Publisher(url, key, MODEL, full_every=0, layouts=[engine.layout])
             fetcher = Fetcher(session, [Source(url)], "pool/bench")
             for version in range(args.deltas + 1):
                 published = await pub.publish(model.new if version % 2 else model.old, version)
@@ -169,10 +166,8 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # vLLM logs to stdout unless told otherwise (its workers read this too): --json prints one object there.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(name)s: %(message)s")
-    with tempfile.TemporaryDirectory(prefix="vllm-ranks-") as tmp:
+    with stdout_to_stderr(args.json), tempfile.TemporaryDirectory(prefix="vllm-ranks-") as tmp:
         result = asyncio.run(measure(args, Path(tmp)))
     emit(result, args, print_table)
     return 0 if result["bit_equal"] else 1

@@ -16,8 +16,7 @@ import torch
 from deltamesh.delta import (
     BaseMismatchError, CorruptError, apply_to_dir, generate_key, load_manifest, save_keypair, write_weights,
 )
-from deltamesh.delta.encode import table_of
-from deltamesh.delta.layouts import PoolLayout, cuts_for
+from deltamesh.delta.layouts import PoolLayout
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch_judge import FetchError
 from deltamesh.gateway.plan import PlanStep
@@ -26,6 +25,8 @@ from deltamesh.gateway.server import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep, error_kind
 from deltamesh.mesh.engines.vllm_ranks import _combined, dealt_cores
+
+pytestmark = pytest.mark.slow  # a real gateway and decodes on every test: ~10 s in all
 
 LAYOUT = PoolLayout(tp=2, kv_heads=2)
 H, I, V, HEADS, KV = 64, 128, 200, 8, 2
@@ -57,13 +58,12 @@ def test_a_rank_takes_its_share_puts_it_back_and_proves_it(tmp_path, rl_step) ->
     w0, start = dense(0), tmp_path / "start"
     w1 = rl_step(w0, 1, share=0.03)
     write_weights(start, w0)
-    table = table_of(w0)
     gateway = GatewayConfig(store=str(tmp_path / "store"), trusted_keys=[str(public)], anonymous=True, piece_wait_s=1.0)
 
     async def scenario():
         async with serving(create_app(gateway), "127.0.0.1:0") as url:
             published = []
-            pub = Publisher(url, key, "m", full_every=0, piece_bytes=4096, cuts=cuts_for(table, [LAYOUT]),
+            pub = Publisher(url, key, "m", full_every=0, piece_bytes=4096, layouts=[LAYOUT],
                             on_encoded=published.append)
             sync = WeightSyncSettings(gateways=[url], token="t", trusted_keys=[str(public)], stall_timeout_s=2.0,
                                       give_up_s=5.0)

@@ -25,7 +25,7 @@ from aiohttp import ClientSession, web
 
 from deltamesh.delta import apply_to_dir, generate_key, load_manifest, read_weights, save_keypair
 from deltamesh.delta.encode import table_of
-from deltamesh.delta.layouts import cuts_for, shares_of
+from deltamesh.delta.layouts import shares_of
 from deltamesh.delta.share_plan import pieces_for
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
@@ -116,7 +116,7 @@ def test_ranks_take_their_shares_through_a_gateway_as_disk_would(engine, model_d
         async with serving(create_app(gateway), "127.0.0.1:0") as url:
             published = []
             pub = Publisher(url, key, MODEL, full_every=0, piece_bytes=16 << 10, side_files=read_side_files(model_dir),
-                            cuts=cuts_for(table, [engine.layout]), on_encoded=published.append)
+                            layouts=[engine.layout], on_encoded=published.append)
             served = [await probe(engine)]
 
             async def publish(name: str, version: int):
