@@ -52,6 +52,7 @@ from deltamesh.mesh.engines.vllm_rank_worker import QUALNAME
 
 log = logging.getLogger(__name__)
 
+_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 POLL_S = 0.02
 """How often the driver asks the ranks whether the version they are taking is in their host copies."""
 _ERRORS: dict[str, type[Exception]] = {"corrupt": CorruptError, "base": BaseMismatchError, "fetch": FetchError,
@@ -104,19 +105,29 @@ class VLLMRanksEngine(VLLMEngine):
     config: VLLMRanksConfig
 
     def __init__(self, config: VLLMRanksConfig, *, registry: CollectorRegistry | None = None) -> None:
+        from vllm import envs
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            # Read by each worker process vLLM starts: without it vLLM wants a NUMA node per rank.
-            bind = config.cpu_threads_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind or dealt_cores(config.tensor_parallel_size,
-                                                                          sorted(os.sched_getaffinity(0)))
         self._reload_s = 0.0
-        super().__init__(config, registry=registry)
+        before = os.environ.get(_BIND)
+        if current_platform.is_cpu():
+            # Read by each worker process vLLM starts (without it vLLM wants a NUMA node per rank); set
+            # only while they start, so that the next engine of this process deals its own ranks.
+            os.environ[_BIND] = (config.cpu_threads_bind or before
+                                 or dealt_cores(config.tensor_parallel_size, sorted(os.sched_getaffinity(0))))
+        # vLLM caches its environment once an engine has started: this engine's binding must be read afresh.
+        envs.disable_envs_cache()
+        try:
+            super().__init__(config, registry=registry)
+        finally:
+            if before is None:
+                os.environ.pop(_BIND, None)
+            else:
+                os.environ[_BIND] = before
 
     def _open_weights(self, manifest: Manifest | None) -> None:
         self.layout = self.config.layout(self._engine.model_config.get_total_num_kv_heads())
-        """How the model is split over the ranks: what a trainer publishes cuts for (`cuts_for`)."""
+        """How the model is split over the ranks: a layout the trainer publishes for (`trainer.pool_layouts`)."""
         _agreed(self._reports("deltamesh_open", self.config.model_dir, asdict(self.layout)), None, self.model_id)
 
     @property
