@@ -10,14 +10,17 @@ the standard library is imported here, so that pure models (simulate.py) stay li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     from deltamesh.tls import TlsSettings
@@ -61,6 +64,25 @@ def emit(result: dict[str, Any], args: argparse.Namespace, print_table: Callable
         print(json.dumps(result))
     else:
         print_table(result)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(on: bool) -> Iterator[None]:
+    """While `on`, everything written to file descriptor 1 goes to stderr instead, this process's and
+    the processes it starts alike (vLLM and its workers log to stdout): with --json, the one object
+    `emit` prints after it is all stdout carries."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz", tls: TlsSettings | None = None,

@@ -123,7 +123,7 @@ def synthetic_input(workdir: Path, layers: int) -> ModelInput:
     model_dir = workdir / "synthetic-model"
     tokenizer = load_tokenizer(char_tokenizer_dir())
     AutoConfig.for_model(
-        "qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+        "qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="bfloat16",

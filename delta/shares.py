@@ -15,10 +15,12 @@ is refused with a clear error before anything is written.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .decode import TensorUpdate, decode_piece
 from .dtypes import is_float, np_words
@@ -28,8 +30,39 @@ from .kernels import write_changes
 from .share_plan import Share
 from .manifest import Manifest, TensorEntry
 from .parallel import thread_map
+from .parts import TensorSpec
 from .patch import Rollback
+from .storage import weight_files
 from .tensors import tensor_digest
+
+
+def read_shares(directory: str | Path, pick: Callable[[list[TensorSpec]], Mapping[str, Share]]
+                ) -> tuple[list[TensorSpec], dict[str, Share], dict[str, torch.Tensor]]:
+    """A rank's slices of the checkpoint in safetensors `directory`, reading only their bytes: `pick`
+    is given the checkpoint's table (sorted by name) and names the shares; returns (table, shares,
+    name -> contiguous CPU slice)."""
+    root = Path(directory).resolve()
+    where: dict[str, str] = {}
+    table = []
+    try:
+        for file in weight_files(root):
+            with safe_open(root / file, "pt") as f:
+                for name in f.keys():
+                    part = f.get_slice(name)
+                    table.append(TensorSpec(name, part.get_dtype(), tuple(part.get_shape())))
+                    where[name] = file
+        table.sort(key=lambda spec: spec.name)
+        shares = dict(pick(table))
+        slices = {}
+        for file in sorted(set(where[name] for name in shares)):
+            with safe_open(root / file, "pt") as f:
+                for name in (n for n in shares if where[n] == file):
+                    share, part = shares[name], f.get_slice(name)
+                    cut = slice(None) if share.dim is None else slice(share.start, share.stop)
+                    slices[name] = (part[cut] if share.dim != 1 else part[:, cut]).contiguous()
+    except (OSError, SafetensorError, RuntimeError) as e:  # safetensors reports open errors as RuntimeError
+        raise CorruptError(f"{root}: {e}") from e
+    return table, shares, slices
 
 
 def decode_pieces(manifest: Manifest, pieces: Mapping[int, bytes]) -> dict[int, list[TensorUpdate]]:
@@ -43,11 +76,13 @@ def decode_pieces(manifest: Manifest, pieces: Mapping[int, bytes]) -> dict[int, 
 
 
 def apply_share(manifest: Manifest, updates: Mapping[int, Sequence[TensorUpdate]], local: Mapping[str, torch.Tensor],
-                shares: Mapping[str, Share], *, held: Manifest | None) -> None:
+                shares: Mapping[str, Share], *, held: Manifest | None, rollback: Rollback | None = None) -> None:
     """Move the slices `local` (tensor name -> the CPU tensor of its share) to `manifest`'s version in
     place. `updates`: the decoded pieces (`decode_pieces`) of at least `pieces_for(manifest, shares)`.
     `held`: the verified manifest of the version the slices hold (a delta needs it: its weights hash is
-    the delta's base). On any error every slice is restored and the error raised."""
+    the delta's base). On any error every slice is restored and the error raised. `rollback`: a fresh
+    one the caller keeps, holding every word written, so that it can put the slices back after a
+    success too (a pool rank whose peers refused the version)."""
     if manifest.kind == "delta" and (held is None or held.weights_hash != manifest.base_hash):
         raise BaseMismatchError(f"{manifest.model_id} v{manifest.version} applies to v{manifest.base_version}, "
                                 f"the slices hold {'nothing known' if held is None else f'v{held.version}'}")
@@ -55,7 +90,7 @@ def apply_share(manifest: Manifest, updates: Mapping[int, Sequence[TensorUpdate]
     missing = [name for name in shares if name not in index]
     if missing:
         raise CorruptError(f"{manifest.model_id} v{manifest.version} has no tensor {missing[0]!r}")
-    rollback = Rollback()
+    rollback = Rollback() if rollback is None else rollback
     try:
         thread_map(lambda name: _apply_one(manifest.tensors[index[name]], shares[name], local[name],
                                            updates.get(index[name], ()), rollback, manifest.kind == "full"),
@@ -69,22 +104,28 @@ def check_share(entry: TensorEntry, share: Share, t: torch.Tensor) -> bool:
     """Whether the slice `t` holds this share of the tensor as `entry` names it (by the tiles covering it)."""
     if share.dim is None:
         return tensor_digest(t, entry.grid) == entry.hash
+    return all(entry.grid.tiles[i] == d for i, d in share_tiles(entry, share, t).items())
+
+
+def share_tiles(entry: TensorEntry, share: Share, t: torch.Tensor) -> dict[int, str]:
+    """The digests of the tiles of `entry`'s hash grid that the slice `t` (rows or columns `share` of the
+    tensor) covers, by tile index: what one rank proves of a tensor it holds part of."""
     grid = entry.grid
     bounds = grid.rows if grid is not None and share.dim == 0 else grid.cols if grid is not None else ()
-    if share.start not in bounds or share.stop not in bounds:
+    if share.dim is None or share.start not in bounds or share.stop not in bounds:
         raise CodecError(f"tensor {entry.name}: the version has no tiles for {_describe(share)}; a pool of this "
                          "layout needs versions published for it (the trainer's pool layouts)")
     words = np_words(t)
     if share.dim == 0:
         bands = [b for b in grid.rows if share.start <= b <= share.stop]
         first, last = grid.rows.index(share.start), grid.rows.index(share.stop)
-        expected = grid.tiles[first * grid.col_bands : last * grid.col_bands]
-        return tile_digests(words, t.shape, bands, grid.cols, row_offset=share.start) == list(expected)
+        digests = tile_digests(words, t.shape, bands, grid.cols, row_offset=share.start)
+        return dict(zip(range(first * grid.col_bands, last * grid.col_bands), digests))
     c = grid.cols.index(share.start)
     if grid.cols[c + 1] != share.stop:
         raise CodecError(f"tensor {entry.name}: {_describe(share)} spans several tiles' columns")
-    expected = [grid.tiles[grid.tile_index(r, c)] for r in range(len(grid.rows) - 1)]
-    return tile_digests(words, t.shape, grid.rows, (share.start, share.stop), col_offset=share.start) == expected
+    digests = tile_digests(words, t.shape, grid.rows, (share.start, share.stop), col_offset=share.start)
+    return {grid.tile_index(r, c): d for r, d in enumerate(digests)}
 
 
 def _apply_one(entry: TensorEntry, share: Share, t: torch.Tensor, updates: Iterable[TensorUpdate],

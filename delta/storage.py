@@ -62,7 +62,8 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     return _read_root(Path(directory).resolve())
 
 
-def _read_root(root: Path) -> dict[str, torch.Tensor]:
+def weight_files(root: Path) -> list[str]:
+    """The safetensors files of directory `root` (resolved), by its index when it has one."""
     layout = shard_layout(root)
     if layout is not None:
         files = sorted(set(layout.values()))
@@ -72,6 +73,12 @@ def _read_root(root: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in root.glob("*.safetensors")) if root.is_dir() else []
     if not files:
         raise CodecError(f"{root}: no safetensors weights found")
+    return files
+
+
+def _read_root(root: Path) -> dict[str, torch.Tensor]:
+    layout = shard_layout(root)
+    files = weight_files(root)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:

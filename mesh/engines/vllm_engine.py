@@ -44,7 +44,7 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, Grid, dir_manifest, read_weights
+from deltamesh.delta import BaseMismatchError, CorruptError, DecodedVersion, Grid, Manifest, dir_manifest, read_weights
 from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams, ServedDigests
 from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
@@ -104,9 +104,12 @@ class VLLMEngine(LocalEngine):
         if manifest is not None and config.version is not None and manifest.version != config.version:
             raise EngineError(f"{config.model_dir} holds v{manifest.version}, config says v{config.version}")
         self._version = manifest.version if manifest is not None else (config.version or 0)
-        self._host = HostWeights(read_weights(config.model_dir), manifest.weights_hash if manifest is not None else None)
         self._engine = _start_vllm(config)
-        self._weights = VLLMWeights(self._engine, self._host.weights)
+        try:
+            self._open_weights(manifest)
+        except BaseException:
+            self._engine.engine_core.shutdown()
+            raise
         self._tokenizer = load_tokenizer(config.model_dir)
         generation_eos = self._engine.model_config.hf_config.eos_token_id
         self._eos = eos_ids(self._tokenizer.eos_token_id, generation_eos)
@@ -121,6 +124,12 @@ class VLLMEngine(LocalEngine):
         self.metrics = EngineMetrics(self.model_id, "vllm", registry)
         self.metrics.version.set(self._version)
         log.info("%s: vLLM engine serving v%d from %s", self.model_id, self._version, config.model_dir)
+
+    def _open_weights(self, manifest: Manifest | None) -> None:
+        """The weights side, once vLLM has started: the host copy of the whole checkpoint and vLLM's
+        in-place reload of it (a tensor-parallel engine keeps a share per rank instead: vllm_ranks.py)."""
+        self._host = HostWeights(read_weights(self.config.model_dir), manifest.weights_hash if manifest is not None else None)
+        self._weights = VLLMWeights(self._engine, self._host.weights)
 
     # -- the Engine interface --------------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -45,6 +45,54 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 
 
+class Fusion:
+    """How vLLM fuses checkpoint modules into one of its layers (the model's `packed_modules_mapping`:
+    q/k/v -> qkv_proj, gate/up -> gate_up_proj), for a whole model or a rank's share of it alike."""
+
+    def __init__(self, packed: Mapping[str, Iterable[str]]) -> None:
+        self.parts = {fused: list(parts) for fused, parts in packed.items()}
+        # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
+        self.fused_into = {part: fused for fused, parts in self.parts.items() for part in parts}
+
+    def layer_of(self, name: str) -> str:
+        """The vLLM module checkpoint tensor `name` loads into."""
+        module, _, _param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused = self.fused_into.get(leaf)
+        return f"{parent}.{fused}" if fused else module
+
+    def group(self, names: Iterable[str]) -> dict[str, list[str]]:
+        """The checkpoint tensors `names` by the vLLM module each loads into."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            groups[self.layer_of(name)].append(name)
+        return dict(groups)
+
+    def layer_groups(self, changed: Iterable[str], groups: Mapping[str, list[str]]) -> list[str]:
+        """Every checkpoint tensor (of `groups`, see `group`) of each layer that one of `changed` feeds."""
+        layers = {self.layer_of(name) for name in changed}
+        return [name for layer in sorted(layers) for name in groups.get(layer, [layer])]
+
+    def place(self, name: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int] | None:
+        """(vLLM parameter name, first row) of checkpoint tensor `name` in its fused parameter, where the
+        parts before it have the row counts of `shapes` (whole tensors, or what a rank holds of them);
+        None when a part before it is missing from `shapes`."""
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused = self.fused_into.get(leaf)
+        if fused is None:
+            return name, 0
+        offset = 0
+        for part in self.parts[fused]:
+            if part == leaf:
+                return f"{parent}.{fused}.{param}", offset
+            sibling = shapes.get(f"{parent}.{part}.{param}")
+            if sibling is None:
+                return None
+            offset += sibling[0]
+        return None
+
+
 class VLLMWeights:
     """The weights side of one in-process `vllm.v1.engine.llm_engine.LLMEngine`. Callers make sure
     no engine step runs meanwhile."""
@@ -52,23 +100,20 @@ class VLLMWeights:
     def __init__(self, engine: Any, names: Iterable[str]) -> None:
         self._engine = engine
         (packed,) = engine.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {}) or {}))
-        # checkpoint module name -> the fused vLLM module it loads into (q_proj -> qkv_proj, ...)
-        self._fused_into = {part: fused for fused, parts in packed.items() for part in parts}
-        self._parts = {fused: list(parts) for fused, parts in packed.items()}
-        self._groups = self._group(names)
+        self._fusion = Fusion(packed)
+        self._groups = self._fusion.group(names)
         self.last_reload_s = 0.0
         """Seconds the last reload spent inside vLLM (its re-processing: the floor of an update)."""
 
     def layer_groups(self, changed: Iterable[str]) -> list[str]:
         """Every checkpoint tensor of each layer that one of `changed` feeds, in checkpoint order."""
-        layers = {self._layer_of(name) for name in changed}
-        return [name for layer in sorted(layers) for name in self._groups.get(layer, [layer])]
+        return self._fusion.layer_groups(changed, self._groups)
 
     def load(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
         """Hand vLLM `tensors[name]` for `names` (whole layers, see `layer_groups`); vLLM reprocesses
         those layers and leaves the others as they are."""
         partial = len(names) < sum(len(g) for g in self._groups.values())
-        with _quiet(partial):
+        with quiet_partial_reload(partial):
             self._reload(weights_iterator=((name, tensors[name]) for name in names))
 
     def load_dir(self, path: str) -> None:
@@ -95,20 +140,8 @@ class VLLMWeights:
         """(vLLM parameter name, first row, the checkpoint tensor) of checkpoint tensor `name`."""
         if name not in checkpoint:
             return None
-        module, _, param = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        fused = self._fused_into.get(leaf)
-        if fused is None:
-            return name, 0, checkpoint[name]
-        offset = 0
-        for part in self._parts[fused]:
-            if part == leaf:
-                return f"{parent}.{fused}.{param}", offset, checkpoint[name]
-            sibling = checkpoint.get(f"{parent}.{part}.{param}")
-            if sibling is None:
-                return None
-            offset += sibling.shape[0]
-        return None
+        place = self._fusion.place(name, {n: t.shape for n, t in checkpoint.items()})
+        return None if place is None else (*place, checkpoint[name])
 
     def _reload(self, **source: Any) -> None:
         started = time.perf_counter()
@@ -125,18 +158,6 @@ class VLLMWeights:
         """End a reload that raised half way (see `finish_reload`)."""
         self._engine.collective_rpc(_finish_reload)
 
-    def _layer_of(self, name: str) -> str:
-        module, _, _param = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        fused = self._fused_into.get(leaf)
-        return f"{parent}.{fused}" if fused else module
-
-    def _group(self, names: Iterable[str]) -> dict[str, list[str]]:
-        groups: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            groups[self._layer_of(name)].append(name)
-        return dict(groups)
-
 
 def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch.Tensor] | None],
                grids: Mapping[str, Grid]) -> dict[str, str | None]:
@@ -149,14 +170,24 @@ def _read_back(model: torch.nn.Module, where: Mapping[str, tuple[str, int, torch
         if spot is None:
             continue
         param_name, first, ref = spot
-        p = params.get(param_name)
-        if p is None or p.dtype != ref.dtype or p.dim() != ref.dim() or tuple(p.shape[1:]) != tuple(ref.shape[1:]):
-            continue
-        if p.dim() == 0:
-            found[name] = tensor_digest(p.data) if p.shape == ref.shape else None
-        elif p.shape[0] >= first + ref.shape[0]:  # more rows than the parts: vocabulary padding
-            found[name] = tensor_digest(p.data[first:first + ref.shape[0]], grids.get(name))
+        rows = param_rows(params, param_name, first, tuple(ref.shape), ref.dtype)
+        if rows is not None:
+            found[name] = tensor_digest(rows, grids.get(name))
     return found
+
+
+def param_rows(params: Mapping[str, torch.Tensor], param_name: str, first: int, shape: tuple[int, ...],
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """Rows [first, first + shape[0]) of vLLM parameter `param_name` (all of a 0-d one), where its dtype
+    and shape show it holds a checkpoint tensor (or a rank's share of one) of `shape` as it is: a plain
+    parameter, or a fused one whose parts are stacked along dim 0, or with vocabulary padding rows
+    after; else None (a parameter repacked into a kernel format cannot be read back)."""
+    p = params.get(param_name)
+    if p is None or p.dtype != dtype or p.dim() != len(shape) or tuple(p.shape[1:]) != tuple(shape[1:]):
+        return None
+    if p.dim() == 0:
+        return p.data if tuple(p.shape) == shape else None
+    return p.data[first:first + shape[0]] if p.shape[0] >= first + shape[0] else None
 
 
 def _finish_reload(worker: Any) -> None:
@@ -174,7 +205,7 @@ def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
 
 
 @contextlib.contextmanager
-def _quiet(on: bool) -> Iterator[None]:
+def quiet_partial_reload(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
