@@ -1,9 +1,9 @@
 """End-to-end benchmark: the demo mesh with the real SmolLM2-135M-Instruct, RL at lr 5e-6 for 10 steps.
 
-It runs exactly what `deltamesh demo --model smollm2` runs: the broker, an origin gateway and two
-remote regions (us-east -> eu-west at 100 Mbit/s +40 ms, eu-west -> ap-south at 50 Mbit/s +80 ms,
-emulated in the gateways), a pool per region (transformers engine on CPU) and the trainer, each a
-process on this machine, and reads the per-step figures from the demo's report: the trainer's compute
+It runs what `deltamesh demo --model smollm2` runs, less the web console and the evaluator: the
+broker, an origin gateway and two remote regions (us-east -> eu-west at 100 Mbit/s +40 ms, eu-west ->
+ap-south at 50 Mbit/s +80 ms, emulated in the gateways), a pool per region (transformers engine on
+CPU) and the trainer, each a process on this machine, and reads the per-step figures from the demo's report: the trainer's compute
 time for the step, the publish time (encode, sign, upload to the origin), the time from the end of the
 step until every pool serves the new version, the bytes each link carried for the version, and the
 trainer's wait fraction. The baseline, side by side in the same run, is a full sync per version (what
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deltamesh.logs import setup_logging
-from deltamesh.mesh.demo.config import DemoConfig
+from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
 from deltamesh.mesh.demo.run import DemoResult, run_demo
 from deltamesh.mesh.demo.view import human_bytes
 
@@ -123,7 +123,10 @@ def run_mesh(args: argparse.Namespace, console: Console) -> tuple[DemoResult, di
     with tempfile.TemporaryDirectory(prefix="deltamesh-e2e-") as tmp:
         run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "run"
         # No web console: its reads of every service each second would be load on the mesh measured.
-        config = DemoConfig(model=args.model, steps=args.steps, lr=args.lr, run_dir=str(run_dir), console=False)
+        # No evaluator: scoring a version is minutes of generation on the same cores, and no version's
+        # path to the pools waits for it (benchmarks/learning.py measures with it).
+        config = DemoConfig(model=args.model, steps=args.steps, lr=args.lr, run_dir=str(run_dir), console=False,
+                            eval=DemoEvalConfig(every=0))
         result = asyncio.run(run_demo(config, console=console, live=False))
     return result, {"cpus": os.cpu_count(), "load_average": [round(load_start, 1), round(os.getloadavg()[0], 1)]}
 
