@@ -138,18 +138,14 @@ answer a question rather than continue a file); "auto" is "chat" when the engine
 chat template, else "completion"."""
 
 
-def _tokenizer_of(engine: Engine) -> Any:
-    # Read through the Engine interface, so an engine wrapped by the pool (BatchingEngine) shows its
-    # tokenizer too: reading a private attribute made a wrapped SmolLM2 look template-less.
-    return engine.tokenizer
-
-
 def uses_chat(engine: Engine, prompt_format: str) -> bool:
     """Whether prompts to `engine` go through its chat template (see `PromptFormat`); WorkflowError for
     "chat" on an engine whose tokenizer has none."""
     if prompt_format == "completion":
         return False
-    has_template = getattr(_tokenizer_of(engine), "chat_template", None) is not None
+    # Read through the Engine interface, so an engine the pool wraps (BatchingEngine) keeps its template.
+    tokenizer = engine.tokenizer
+    has_template = tokenizer is not None and tokenizer.chat_template is not None
     if prompt_format == "chat" and not has_template:
         raise WorkflowError(f"prompt_format 'chat': the tokenizer of {getattr(engine, 'model_id', 'this engine')!r} "
                             "has no chat template")
@@ -164,7 +160,7 @@ def encode_prompt(engine: Engine, text: str, chat: bool, reply_prefix: str = "")
     start of the assistant's reply, which the model continues."""
     if not chat:
         return engine.encode(text + reply_prefix)
-    rendered = _tokenizer_of(engine).apply_chat_template(
+    rendered = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return engine.encode(rendered + reply_prefix)
 
@@ -172,9 +168,9 @@ def encode_prompt(engine: Engine, text: str, chat: bool, reply_prefix: str = "")
 def token_ids_containing(engine: Engine, text: str) -> tuple[int, ...]:
     """The ids of every vocabulary entry whose text holds `text` (e.g. a closing ``` fence, as stop
     tokens); () when the engine's tokenizer has no vocabulary to read."""
-    vocab = getattr(_tokenizer_of(engine), "get_vocab", None)
-    if vocab is None:
+    if engine.tokenizer is None:
         return ()
+    vocab = engine.tokenizer.get_vocab
     # Byte-level BPE writes printable ASCII as itself, so a token's text holds `text` as it is.
     return tuple(sorted(i for token, i in vocab().items() if text in token))
 
