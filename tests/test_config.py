@@ -271,6 +271,16 @@ def test_commands_refuse_bad_settings_with_exit_code_2(argv, needle, caplog):
     assert needle in caplog.text, caplog.text
 
 
+def test_a_pool_refuses_a_negative_prefill_chunk(monkeypatch, caplog):
+    from deltamesh.mesh.cli import build_parser
+
+    monkeypatch.setenv("DELTAMESH_TOKEN", "t")
+    args = build_parser().parse_args(["pool", "run", "--name", "p", "--broker", "https://b:1", "--gateway", "https://g:1",
+                                      "--trusted-key", "k", "--model", "m", "--prefill-chunk-tokens", "-1"])
+    assert args.run(args) == 2
+    assert "prefill_chunk_tokens" in caplog.text, caplog.text
+
+
 def test_the_trainer_takes_encode_first_as_auto_on_or_off(tmp_path: Path):
     from deltamesh.trainer.loop_config import TrainLoopConfig
 

@@ -68,21 +68,29 @@ class TransformersEngineConfig:
     """Most prompts decoded together; larger requests run in consecutive batches."""
     seed: int | None = 0
     """Seed of the engine's sampling generator (None: random); a request's own seed overrides it."""
+    prefill_chunk_tokens: int = 128
+    """Prompt tokens (rows x columns) per prefill pass; 0 prefills a batch in one pass. A weight update
+    waits for the pass in progress, so one long prefill would hold a version back for seconds."""
 
     def __post_init__(self) -> None:
         check_engine_settings(self.model_id, self.max_batch, self.version)
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         torch.device(self.device)  # raises on a malformed device string
 
 
 @dataclass
 class _DecodeState:
-    """The batch being decoded: next inputs, attention mask, positions and the KV cache."""
+    """The batch being decoded: inputs not yet in the KV cache (from column `fed` on), the attention
+    mask over cache and inputs, positions, the cache, and the prompt's remaining prefill cuts."""
 
     inputs: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
     cache: Any = None
     done: list[bool] = field(default_factory=list)
+    fed: int = 0
+    cuts: list[int] = field(default_factory=list)
 
 
 class TransformersEngine(LocalEngine):
@@ -223,13 +231,19 @@ class TransformersEngine(LocalEngine):
     async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         started = time.perf_counter()
         gens = [Generation(prompt=p) for p in prompts]
-        state = _start_state(prompts, self._pad, self._device)
+        state = _start_state(prompts, self._pad, self._device, self.config.prefill_chunk_tokens)
         generator = self._generator
         if params.seed is not None:
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self._eos)
+        prefilled_on: set[int] = set()
+        while state.cuts:
+            async with self._lock:
+                self._check_open()
+                prefilled_on.add(self._version)
+                await asyncio.to_thread(self._prefill, state)
         for _ in range(params.max_new_tokens):
             async with self._lock:
                 self._check_open()
@@ -249,33 +263,49 @@ class TransformersEngine(LocalEngine):
         elapsed = time.perf_counter() - started
         for gen in gens:
             gen.generate_s = elapsed
-            if len(set(gen.versions)) > 1:
+            if len(prefilled_on | set(gen.versions)) > 1:
                 self.metrics.straddled.inc()
         self.metrics.generations.inc(len(gens))
         self.metrics.tokens.inc(sum(len(g.tokens) for g in gens))
         return gens
+
+    def _forward(self, state: _DecodeState, end: int) -> Any:
+        """Feeds input columns `fed..end` into the KV cache; returns the model's output."""
+        kwargs: dict[str, Any] = {self._cache_arg: state.cache, "use_cache": True}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        past = state.mask.shape[1] - state.inputs.shape[1]
+        out = self._model(input_ids=state.inputs[:, state.fed:end], attention_mask=state.mask[:, :past + end],
+                          position_ids=state.positions[:, state.fed:end], **kwargs)
+        state.cache = out[self._cache_arg]
+        state.fed = end
+        return out
+
+    def _prefill(self, state: _DecodeState) -> None:
+        """One prefill pass up to the next cut, sampling nothing."""
+        with torch.inference_mode():
+            self._forward(state, state.cuts.pop(0))
 
     def _step(
         self, state: _DecodeState, params: SamplingParams, generator: torch.Generator,
     ) -> tuple[list[int], list[float]]:
         """One forward pass and one sampled token per row; prepares the next step's inputs."""
         with torch.inference_mode():
-            kwargs: dict[str, Any] = {self._cache_arg: state.cache, "use_cache": True}
-            if self._logits_to_keep:
-                kwargs["logits_to_keep"] = 1
-            out = self._model(input_ids=state.inputs, attention_mask=state.mask, position_ids=state.positions, **kwargs)
-            state.cache = out[self._cache_arg]
+            out = self._forward(state, state.inputs.shape[1])
             tokens, logprobs = sample_next(out.logits[:, -1, :], params, generator)
             done = torch.tensor(state.done, device=self._device)
             # Finished rows keep stepping (a batch moves together) on padding whose outputs are ignored.
             state.inputs = tokens.masked_fill(done, self._pad)[:, None]
+            state.fed = 0
             state.positions = state.positions[:, -1:] + 1
             state.mask = torch.cat([state.mask, state.mask.new_ones((state.mask.shape[0], 1))], dim=1)
         return tokens.tolist(), logprobs.tolist()
 
 
-def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _DecodeState:
-    """Left-pad the prompts; positions count real tokens only, so padding does not shift them."""
+def _start_state(prompts: list[list[int]], pad: int, device: torch.device, chunk_tokens: int) -> _DecodeState:
+    """Left-pad the prompts; positions count real tokens only, so padding does not shift them. The
+    first prefill pass takes every padding column with the first real token of each row, as an
+    unchunked prefill does; a later pass would otherwise hold query rows that attend to nothing."""
     width = max(len(p) for p in prompts)
     inputs = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -283,7 +313,12 @@ def _start_state(prompts: list[list[int]], pad: int, device: torch.device) -> _D
         inputs[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts))
+    cuts: list[int] = []
+    if chunk_tokens:
+        step = max(1, chunk_tokens // len(prompts))
+        cuts = list(range(max(width - min(len(p) for p in prompts) + 1, step), width, step))
+    return _DecodeState(inputs.to(device), mask.to(device), positions.to(device), done=[False] * len(prompts),
+                        cuts=cuts)
 
 
 def _digests_of(manifest: Manifest | None) -> dict[str, TensorEntry] | None:

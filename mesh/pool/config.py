@@ -163,6 +163,9 @@ class PoolConfig:
     merging)."""
     max_batch: int = 64
     """Most prompts one engine batch decodes together."""
+    prefill_chunk_tokens: int = 128
+    """Transformers engine: prompt tokens per prefill pass (0: a batch's prompts in one pass). A new
+    version lands between two passes, so a long prefill does not hold it back."""
     models: list[PolicyConfig] = field(default_factory=list)
     """The policies served (`[[pool.models]]`; on the command line `--model` / `--model-id`)."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -194,8 +197,8 @@ class PoolConfig:
         parse_listen(self.listen)
         if self.advertise:
             self.advertise = http_url(self.advertise, "advertise")
-        if self.max_batch < 1 or self.threads < 0 or self.batch_window_s < 0:
-            raise ValueError("max_batch must be >= 1, threads and batch_window_s >= 0")
+        if self.max_batch < 1 or self.threads < 0 or self.batch_window_s < 0 or self.prefill_chunk_tokens < 0:
+            raise ValueError("max_batch must be >= 1, threads, batch_window_s and prefill_chunk_tokens >= 0")
 
     def policy_dir(self, model_id: str) -> Path:
         """The synced weights directory of one policy."""

@@ -20,7 +20,7 @@ VLLM_CPU_KV_CACHE_BYTES = 512 << 20
 
 
 async def open_engine(kind: str, policy: PolicyConfig, *, device: str = "cpu", max_batch: int = 64,
-                      seed: int | None = None) -> tuple[Engine, CollectorRegistry]:
+                      seed: int | None = None, prefill_chunk_tokens: int = 128) -> tuple[Engine, CollectorRegistry]:
     """A started engine of `kind` (transformers, vllm or sglang) serving `policy` (whose model_id is
     resolved), and its metrics registry."""
     registry = CollectorRegistry()
@@ -28,7 +28,7 @@ async def open_engine(kind: str, policy: PolicyConfig, *, device: str = "cpu", m
         from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 
         cfg = TransformersEngineConfig(model_id=policy.model_id, model_dir=policy.model_path, device=device,
-                                       max_batch=max_batch, seed=seed)
+                                       max_batch=max_batch, seed=seed, prefill_chunk_tokens=prefill_chunk_tokens)
         return await asyncio.to_thread(TransformersEngine, cfg, registry=registry), registry
     if kind == "vllm":
         from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig

@@ -150,6 +150,44 @@ def test_swap_lands_between_decode_steps_and_tags_tokens(base_dir, rl_step):
     assert straddled == 1
 
 
+def test_chunked_prefill_decodes_as_one_pass_does(base_dir):
+    whole, chunked = engine_at(base_dir, prefill_chunk_tokens=0), engine_at(base_dir, prefill_chunk_tokens=3)
+    prompts = [whole.encode("1+2="), whole.encode("a much longer prompt, padded the least: 3+4="),
+               whole.encode("a middle one: 5+6=")]
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    a, b = asyncio.run(whole.generate(prompts, params)), asyncio.run(chunked.generate(prompts, params))
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=0.05)
+
+
+@pytest.mark.parametrize("chunk_tokens, first_token_version", [(0, 0), (4, 1)])
+def test_an_update_lands_between_prefill_passes(base_dir, rl_step, chunk_tokens, first_token_version):
+    """Unchunked, an update waits for the whole prompt's pass and the first token is still the old
+    version's; chunked, it lands between two passes and the first token is already the new one's."""
+    v0 = read_weights(base_dir)
+    enc = encode_delta(v0, rl_step(v0, seed=5), model_id=MODEL, version=1, base_version=0, key=KEY)
+    engine = engine_at(base_dir, prefill_chunk_tokens=chunk_tokens)
+    prompt = engine.encode("a prompt long enough for several prefill passes: " * 2)
+
+    async def main():
+        task = asyncio.create_task(engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)))
+        await asyncio.sleep(0)  # the generation holds the lock for its first pass; the update queues behind it
+        await engine.apply_update(decode_version(enc.manifest, enc.pieces))
+        return (await task)[0]
+
+    gen = asyncio.run(main())
+    assert gen.versions[0] == first_token_version and engine.version == 1
+    straddled = engine.metrics.registry.get_sample_value(
+        "deltamesh_engine_straddling_generations_total", {"model": MODEL, "engine": "transformers"})
+    assert straddled == 1
+
+
+def test_a_negative_prefill_chunk_is_refused(base_dir):
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        TransformersEngineConfig(model_id=MODEL, model_dir=str(base_dir), prefill_chunk_tokens=-1)
+
+
 def test_read_back_goes_beside_a_decode_step_and_waits_for_an_update(base_dir, rl_step):
     """The pool's check reads the weights while a decode step runs (both only read them), but never
     while an update writes them: it then reports the version the update left."""
