@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -52,6 +53,24 @@ def _root_logging_restored() -> Any:
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     return processes.free_port()
+
+
+DISTRIBUTION = ("pyproject.toml", "setup.py", "README.md", "deltamesh", "delta", "gateway", "trainer", "mesh")
+"""What a build of the distribution reads: the packaging files and the package folders."""
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path) -> Path:
+    """A copy of what a build of the distribution reads, for installing into a fresh venv: an in-tree
+    build would leave build/ and egg-info in the checkout."""
+    root, src = Path(__file__).resolve().parent.parent, tmp_path / "src"
+    src.mkdir()
+    for name in DISTRIBUTION:
+        if (root / name).is_dir():
+            shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(root / name, src / name)
+    return src
 
 
 @pytest.fixture(scope="session")

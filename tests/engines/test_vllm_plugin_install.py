@@ -14,7 +14,6 @@ removes them the same way. That step is vLLM's packaging, not the backend's.
 from __future__ import annotations
 
 import json
-import shutil
 import site
 import subprocess
 import venv
@@ -24,8 +23,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "deltamesh", "delta", "gateway", "trainer", "mesh")
 LIST = ("import json; from vllm.plugins import load_general_plugins; load_general_plugins(); "
         "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as E, "
         "WeightTransferTrainerFactory as T; print(json.dumps([sorted(E._registry), sorted(T._registry)]))")
@@ -38,15 +35,8 @@ def registered(python: Path) -> tuple[list[str], list[str]]:
     return engines, trainers
 
 
-def test_installing_the_vllm_extra_registers_the_backend(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(path, src / name)
+def test_installing_the_vllm_extra_registers_the_backend(tmp_path, project_copy):
+    src = project_copy
     # Every installed package of this environment but deltamesh, as one folder of links.
     (ours,) = [Path(p) for p in site.getsitepackages() if Path(p, "vllm").is_dir()]
     deps = tmp_path / "deps"
