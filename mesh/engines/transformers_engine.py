@@ -1,9 +1,10 @@
 """The in-process rollout engine: a transformers causal LM on CPU or CUDA, with hot weight swap.
 
 Generation is a custom decode loop (left-padded batch, attention mask, explicit positions, KV cache)
-rather than `model.generate`, because weights may change between two decode steps: every step runs
-under the engine's step lock, and a weight update takes the same lock, so an update lands exactly at
-a step boundary (FIFO: it waits for at most the step in progress of each running generation). Reading
+rather than `model.generate`, because weights may change between two forward passes: every pass (a
+decoding step, or a chunk of the prompts' prefill, `prefill_chunk_tokens`) runs under the engine's
+step lock, and a weight update takes the same lock ahead of queued passes (`StepLock`), so an update
+lands exactly at a pass boundary, after waiting for the pass in progress only. Reading
 the weights back for the pool's check only has to keep writers out: it takes the write lock alone,
 which every update holds too, and hashes beside the decode steps rather than between them. Each
 token is tagged with the version that was live when its step ran; in-flight generations carry on
@@ -48,6 +49,7 @@ from deltamesh.mesh.engines.base import EngineError, Generation, SamplingParams,
 from deltamesh.mesh.engines.local import LocalEngine, check_engine_settings, checked_prompts, eos_ids, read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sampling import sample_next
+from deltamesh.mesh.engines.step_lock import StepLock
 from deltamesh.trainer.models import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class TransformersEngine(LocalEngine):
         self._vocab = int(self._model.get_output_embeddings().weight.shape[0])
         seed = config.seed if config.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
-        self._lock = asyncio.Lock()
+        self._lock = StepLock()
         # Held by whatever writes the weights, around `_lock`: the read-back waits for writers only.
         self._write_lock = asyncio.Lock()
         self._closed = False
@@ -148,7 +150,7 @@ class TransformersEngine(LocalEngine):
         started = time.perf_counter()
         try:
             weights, manifest = await asyncio.to_thread(read_verified, Path(path), version)
-            async with self._write_lock, self._lock:
+            async with self._write_lock, self._lock.write():
                 paused = time.perf_counter()
                 await asyncio.to_thread(copy_in, self._live, weights)
                 self._small_index.clear()
@@ -167,7 +169,7 @@ class TransformersEngine(LocalEngine):
         if manifest.model_id != self.model_id:
             raise BaseMismatchError(f"update is for model {manifest.model_id!r}, engine serves {self.model_id!r}")
         try:
-            async with self._write_lock, self._lock:
+            async with self._write_lock, self._lock.write():
                 paused = time.perf_counter()
                 base_hash = await asyncio.to_thread(self._check_base, manifest) if manifest.kind == "delta" else None
                 stats = await asyncio.to_thread(swap_in_place, self._live, version, base_hash=base_hash,
@@ -194,7 +196,7 @@ class TransformersEngine(LocalEngine):
             return ServedDigests(self._version, digests)
 
     async def close(self) -> None:
-        async with self._write_lock, self._lock:
+        async with self._write_lock, self._lock.write():
             self._closed = True
             self._live = {}
         if self._device.type == "cuda":
@@ -240,12 +242,12 @@ class TransformersEngine(LocalEngine):
             stop |= set(self._eos)
         prefilled_on: set[int] = set()
         while state.cuts:
-            async with self._lock:
+            async with self._lock.passes():
                 self._check_open()
                 prefilled_on.add(self._version)
                 await asyncio.to_thread(self._prefill, state)
         for _ in range(params.max_new_tokens):
-            async with self._lock:
+            async with self._lock.passes():
                 self._check_open()
                 version = self._version
                 tokens, logprobs = await asyncio.to_thread(self._step, state, params, generator)
