@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="sync and async_m2po_s4 only, --quick-steps steps each")
     p.add_argument("--steps", type=int, default=60, help="trainer steps per run (default 60)")
     p.add_argument("--quick-steps", type=int, default=30, help="trainer steps per run with --quick (default 30)")
-    p.add_argument("--every", type=int, default=5, help="score every k-th version (default 5)")
+    p.add_argument("--every", type=int, default=5, help="score every k-th version (default 5; 0: no evaluator, for "
+                                                        "the trainer's wait without one beside a run with it)")
     p.add_argument("--problems", type=int, default=40, help="held-out problems (default 40)")
     p.add_argument("--samples", type=int, default=4, help="samples per held-out problem: avg@n (default 4)")
     p.add_argument("--engine", choices=("vllm", "transformers"), default="vllm", help="the pools' and evaluator's engine")

@@ -7,7 +7,8 @@ version it is to score (`schedule.py`: version 0, every k-th, any asked for), wa
 published, scores it (`scoring.py`: avg@n through the workflow's own episode) and stores the result
 with the version and the weights hash that the check proved the engine served (`store.py`). Only a
 proven version is scored: a check that fails drifts the stream (it reloads in full and checks again)
-and nothing is stored until one passes. The engine does not move while a version is scored (the
+and nothing is stored until one passes. A scoring in which every episode raised (engine or workflow
+errors, not wrong answers) is no score: nothing is stored, it counts as failed and is tried again. The engine does not move while a version is scored (the
 stream's rounds run one after another, and scoring is one). A requested version older than the one
 held is fetched as a full route into a scratch directory, loaded, checked and scored, and the next
 round brings the engine back to where the stream is. A due version no longer at any gateway (a
@@ -161,6 +162,15 @@ class Evaluator:
             raise EngineError(self.last_error) from e
         finally:
             self.scoring = None
+        if score.problems and score.failed == score.problems:
+            # Not a measurement of the model: every episode broke (engine or workflow errors), so its
+            # "0 correct" would read as a real score of 0. Nothing is stored; the stream's next round
+            # (after the failure backoff) scores the version again.
+            self.last_error = (f"scoring v{version} failed: every one of {score.problems} held-out episodes raised; "
+                               f"no score stored")
+            self.metrics.runs.labels(self.model_id, "failed").inc()
+            log.error("%s: %s", self.model_id, self.last_error)
+            raise EngineError(self.last_error)
         if self.engine.version != version:  # nothing swaps during a round; a guard against that ever changing
             self.last_error = f"the engine moved from v{version} to v{self.engine.version} while scoring"
             self.metrics.runs.labels(self.model_id, "failed").inc()

@@ -39,6 +39,10 @@ def test_modes_are_the_issues_and_quick_runs_sync_and_async_m2po_at_4():
     config = learning.demo_config(learning.MODES["async_clip_s8"], args, learning.Path("/tmp/x"))
     assert (config.steps, config.loss, config.max_staleness, config.engine) == (7, "clip", 8, "transformers")
     assert config.eval.every == 5 and config.tasks == "arithmetic" and len(config.topology.pools) == 2
+    # --every 0: the same run without an evaluator (the trainer's wait beside a run with one).
+    off = learning.demo_config(learning.MODES["async_m2po_s4"], learning.parse_args(["--every", "0"]),
+                               learning.Path("/tmp/x"))
+    assert off.eval.every == 0 and off.max_staleness == 4
 
 
 def test_figures_table_plots_and_pipeline_model_from_two_runs(tmp_path):

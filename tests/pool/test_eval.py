@@ -18,7 +18,7 @@ from deltamesh.delta import weights_hash
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
-from deltamesh.mesh.engines.base import ServedDigests
+from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.eval.config import EvalConfig, HeldoutConfig
 from deltamesh.mesh.eval.server import ROUTES, eval_app
 from deltamesh.mesh.eval.service import run_evaluator
@@ -250,3 +250,81 @@ def test_the_evaluator_refuses_to_start_without_a_way_to_tell_its_callers_apart(
         eval_config(kit, "http://127.0.0.1:9", anonymous=False)
     with pytest.raises(ValueError, match="exclude each other"):
         eval_config(kit, "http://127.0.0.1:9", tokens_file=str(kit.tmp / "t.toml"))
+
+
+async def eval_metric(session: aiohttp.ClientSession, url: str, series: str) -> float | None:
+    """One sample of the evaluator's `/metrics` (its full line start, labels included), None if absent."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_a_scoring_in_which_every_episode_failed_stores_nothing_and_counts_as_failed(kit, monkeypatch):
+    """Every held-out episode raises (the engine fails each generation, as an engine out of memory
+    would): that is no measurement of v0, so no result is stored, no accuracy is exported, the scoring
+    counts as failed and the status says why; once the engine generates again, v0 is scored. On code
+    that stored whatever came back, v0 would be stored at once with accuracy 0."""
+    weights = versions(kit, 1)
+    broken = {"on": True}
+    real = TransformersEngine.generate
+
+    async def generate(self, prompts, params):
+        if broken["on"]:
+            raise EngineError("generation failed (injected)")
+        return await real(self, prompts, params)
+
+    monkeypatch.setattr(TransformersEngine, "generate", generate)
+    failed = f'deltamesh_eval_versions_total{{model_id="{kit.model}",outcome="failed"}}'
+
+    async def main() -> None:
+        async with kit.running_gateway(kit.gateway_config()) as gw:
+            await Publisher(gw, kit.private_key, kit.model, full_every=0, piece_bytes=16384).publish(weights[0], 0)
+            async with running(eval_config(kit, gw, every=2)) as (url, session):
+                async def failed_twice() -> bool:
+                    return (await eval_metric(session, url, failed) or 0) >= 2
+
+                await until_async(failed_twice, 60, "two failed scorings of v0")
+                status = await request_json(session, "GET", url + "/v1/status")
+                assert "every one of 4 held-out episodes raised" in status["last_error"], status
+                assert await results(session, url) == []
+                assert await eval_metric(session, url, f'deltamesh_eval_accuracy{{model_id="{kit.model}"}}') is None
+                broken["on"] = False
+                got = await wait_scored(session, url, {0})
+                status = await request_json(session, "GET", url + "/v1/status")
+        assert got[0]["failed"] == 0 and got[0]["weights_hash"] == weights_hash(weights[0])
+        assert status["last_error"] == ""
+
+    asyncio.run(main())
+
+
+def test_a_due_version_no_gateway_holds_any_more_is_skipped_and_counted(kit):
+    """The gateway keeps only the newest version (retention 1): v0 and v2, due at every=2, can no longer
+    be planned to (409), so they are skipped (listed, counted), not waited for; v4 is scored, and asking
+    for v0 again answers that it was skipped."""
+    weights = versions(kit, 5)
+    skipped = f'deltamesh_eval_versions_total{{model_id="{kit.model}",outcome="skipped"}}'
+
+    async def main() -> None:
+        async with kit.running_gateway(kit.gateway_config(keep_deltas=1, keep_fulls=1)) as gw:
+            pub = Publisher(gw, kit.private_key, kit.model, full_every=1, piece_bytes=16384)
+            for v in range(5):
+                await pub.publish(weights[v], v)
+            async with client_session(timeout_s=5.0) as s:
+                async def collected() -> bool:
+                    listing = await request_json(s, "GET", f"{gw}/v1/models/{kit.model}/versions")
+                    return {e["version"] for e in listing["versions"]} == {4}
+
+                await until_async(collected, 30, "the gateway to collect v0-v3")
+            async with running(eval_config(kit, gw, every=2)) as (url, session):
+                got = await wait_scored(session, url, {4})
+                status = await request_json(session, "GET", url + "/v1/status")
+                count = await eval_metric(session, url, skipped)
+                again = await request_json(session, "POST", url + "/v1/evals", body={"version": 0})
+        assert [r["version"] for r in got] == [4] and got[0]["weights_hash"] == weights_hash(weights[4])
+        assert status["skipped"] == [0, 2] and count == 2
+        assert again == {"version": 0, "queued": False, "result": None, "skipped": True}
+
+    asyncio.run(main())

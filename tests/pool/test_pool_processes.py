@@ -172,6 +172,52 @@ def test_staleness_bound_stops_leasing_and_a_restarted_pool_syncs_before_it_gene
     assert samples and all(s["min_version"] == s["max_version"] == 4 for s in samples)
 
 
+def test_a_synchronous_pool_waits_for_the_version_its_trainer_is_making_before_it_leases_again(kit):
+    """Max staleness 0 (a synchronous run): once the trainer takes a batch at v1, the broker's
+    training_version is 2, so the pool serving v1 stops leasing (what it made now would be a version
+    stale by the time it is trained on), though v1 is still the newest published version; it leases
+    again only once it serves v2, and every episode leased from then on is generated with v2 alone."""
+    broker = kit.broker(tasks=digit_sum_tasks(20, seed=3), n_samples=2, epochs=100)
+    gateway = kit.gateway("east")
+    broker.wait_healthy()
+    gateway.wait_healthy()
+    pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    w1 = kit.next_version(kit.base_weights(), 1)
+    _publish(pub, w1, 1)
+    version_url = f"{broker.url}/v1/models/{kit.model}/version"
+    kit.post_json(version_url, {"version": 1})
+    pool = kit.pool("p1", gateway.url, broker.url, "--worker.max-staleness", "0")
+    procs = (broker, gateway, pool)
+    pool.wait_healthy()
+    kit.wait_until(lambda: _submitted(pool) > 0, 120, "the pool to submit at v1", procs=procs)
+    assert pool.status()["leasing"]["may_lease"]
+
+    async def take_batch():
+        async with BatchClient(broker.url, kit.model) as trainer:
+            return await trainer.next_batch(2, timeout_s=10)
+
+    assert asyncio.run(take_batch()) is not None  # the trainer is making v2 from it now
+    assert kit.get_json(f"{broker.url}/v1/status")["models"][kit.model]["training_version"] == 2
+    kit.wait_until(lambda: not pool.status()["leasing"]["may_lease"], 30, "the pool to stop leasing", procs=procs)
+    closed_at = time.time()
+    assert "1 versions behind v2 (bound 0)" in pool.status()["leasing"]["reason"]
+    leased = pool.status()["worker"]["leased"]
+    time.sleep(2.0)  # several broker reads (every second) later: still waiting
+    assert pool.status()["worker"]["leased"] == leased
+    assert _model_status(pool, kit.model)["engine_version"] == 1
+
+    _publish(pub, kit.next_version(w1, 2), 2)
+    kit.post_json(version_url, {"version": 2})
+    kit.wait_until(lambda: pool.status()["worker"]["leased"] > leased, 60, "leasing to resume at v2", procs=procs)
+    assert _model_status(pool, kit.model)["engine_version"] == 2
+    submitted = _submitted(pool)
+    kit.wait_until(lambda: _submitted(pool) >= submitted + 2, 60, "groups generated with v2", procs=procs)
+    pool.kill(signal.SIGTERM)
+
+    after = [s for s in _drain(broker.url, kit.model, 2) if s["timings"]["leased_at"] > closed_at]
+    assert after and all(s["min_version"] == s["max_version"] == 2 for s in after)
+
+
 def test_a_pool_told_to_stop_while_its_broker_is_gone_stops_at_once(kit):
     """Found by the chaos soak (benchmarks/soak.py, seed 1): with no broker answering, a pool's lease
     request retries for its failover time (a minute), and a SIGTERM waited that out before the pool
