@@ -51,14 +51,15 @@ class BenchLinkConfig:
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.mesh.cli import command_group, config_command
+    from deltamesh.mesh.cli import bench_soak, command_group, config_command
 
-    sub = command_group(commands, "bench", help="measure this machine's link to a gateway")
+    sub = command_group(commands, "bench", help="measure this machine's link to a gateway, or soak a mesh under faults")
     p = config_command(sub, "link", BenchLinkConfig, run,
                        help="RTT, throughput (1 and N connections) and head fetch time to a remote gateway",
                        description="Measure the link to a remote gateway with the requests a pool makes "
                                    "(no root needed). --json prints every figure.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench_soak.register(sub)
 
 
 def _ms(v: float) -> str:
