@@ -5,7 +5,8 @@ connection and over `--connections` in parallel, and the time a pool here would 
 gateway's current head version whole (delta and full, where stored): a rich table, or one JSON object
 with `--json`. The measuring is `deltamesh.gateway.link_bench` (no torch: it runs from the slim
 gateway install). It reads only what a pool reads; its first request is authenticated, so a refused
-token ends it (exit 4) before anything is downloaded. It writes no file.
+token ends it (exit 4) before anything is downloaded. It writes no file. `deltamesh bench soak` is
+bench_soak.py's.
 """
 
 from __future__ import annotations
