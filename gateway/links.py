@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 ROLES = ("upstream", "downstream", "pool")
 RTT_WINDOW = 120
 TRANSFER_WINDOW_S = 60.0
+TRANSFERS_KEPT = 4096
+"""Most transfers a link remembers (the newest), however many end within TRANSFER_WINDOW_S."""
 
 
 @dataclass
@@ -32,7 +34,7 @@ class Link:
     role: str
     url: str = ""
     rtts: deque = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))
-    transfers: deque = field(default_factory=deque)  # (monotonic end, bytes, seconds)
+    transfers: deque = field(default_factory=lambda: deque(maxlen=TRANSFERS_KEPT))  # (monotonic end, bytes, seconds)
     bytes_total: int = 0
     errors: int = 0
     last_error: str = ""
@@ -41,9 +43,13 @@ class Link:
     probe_ok: bool | None = None
     """Whether the newest probe answered (None: never probed); the `link_up` gauge and the link-down alert."""
 
-    def recent_throughput(self, now: float) -> float | None:
+    def forget_old_transfers(self, now: float) -> None:
+        """Drop transfers that ended more than TRANSFER_WINDOW_S before `now` (monotonic)."""
         while self.transfers and now - self.transfers[0][0] > TRANSFER_WINDOW_S:
             self.transfers.popleft()
+
+    def recent_throughput(self, now: float) -> float | None:
+        self.forget_old_transfers(now)
         if not self.transfers:
             return None
         start = min(end - secs for end, _, secs in self.transfers)
@@ -90,7 +96,11 @@ class LinkMonitor:
         link.last_error = reason[:300]
 
     def record_transfer(self, link: Link, nbytes: int, seconds: float) -> None:
-        link.transfers.append((time.monotonic(), nbytes, max(seconds, 1e-6)))
+        now = time.monotonic()
+        # Pruned here as well as when read: a gateway whose links no one reads (no /metrics scrape, no
+        # `deltamesh links`) would otherwise keep one record per piece it ever served.
+        link.forget_old_transfers(now)
+        link.transfers.append((now, nbytes, max(seconds, 1e-6)))
         link.bytes_total += nbytes
         link.last_transfer = time.time()
 

@@ -5,7 +5,8 @@ connection and over `--connections` in parallel, and the time a pool here would 
 gateway's current head version whole (delta and full, where stored): a rich table, or one JSON object
 with `--json`. The measuring is `deltamesh.gateway.link_bench` (no torch: it runs from the slim
 gateway install). It reads only what a pool reads; its first request is authenticated, so a refused
-token ends it (exit 4) before anything is downloaded. It writes no file.
+token ends it (exit 4) before anything is downloaded. It writes no file. `deltamesh bench soak` is
+bench_soak.py's.
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ class BenchLinkConfig:
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.mesh.cli import command_group, config_command
+    from deltamesh.mesh.cli import bench_soak, command_group, config_command
 
-    sub = command_group(commands, "bench", help="measure this machine's link to a gateway")
+    sub = command_group(commands, "bench", help="measure this machine's link to a gateway, or soak a mesh under faults")
     p = config_command(sub, "link", BenchLinkConfig, run,
                        help="RTT, throughput (1 and N connections) and head fetch time to a remote gateway",
                        description="Measure the link to a remote gateway with the requests a pool makes "
                                    "(no root needed). --json prints every figure.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    bench_soak.register(sub)
 
 
 def _ms(v: float) -> str:
