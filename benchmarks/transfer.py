@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
                     help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
     ap.add_argument("--congestion", choices=("cubic", "bbr"), default="cubic",
-                    help="hosts' TCP congestion control (default: Linux's own default, cubic)")
+                    help="TCP congestion control: every host's default (baselines' servers included) and every "
+                         "gateway's `congestion` setting (default: cubic, Linux's own default)")
     ap.add_argument("--initcwnd", type=int, default=0,
                     help="initial congestion and receive windows (segments) on every host's routes, as an operator "
                          "would set them for long links (default: Linux's own, 10)")
