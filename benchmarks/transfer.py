@@ -7,7 +7,7 @@ Scenarios (transfer_long_link.py, transfer_scenarios.py and transfer_training.py
    (`deltamesh_tls`).
 2. `long_link_loss`: the same link losing packets at random, each way: one scenario per rate of
    `--loss` (default 0.1% and 1%, named `long_link_loss_0.1pct`, ...), deltamesh (`--loss-connections`
-   parallel fetches) beside one stream.
+   parallel fetches) beside one stream; BBR unless `--congestion` says otherwise (`congestion_for`).
 3. `relay_chain`: origin -> A -> B over two long hops; deltamesh cut-through relaying vs
    `store_and_forward` vs B pulling straight from the origin (`direct`); `relay_chain_loss`: the same
    with the first `--loss` rate on every long link.
@@ -41,11 +41,13 @@ your_link), which benchmarks/simulate.py reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from deltamesh.cache import cache_dir
@@ -77,8 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="parallel piece fetches over long links (relay gateways, pullers)")
     ap.add_argument("--tcp-buffers", choices=("linux", "tuned"), default="linux",
                     help="hosts' TCP buffer limits: the kernel's long-standing defaults, or 64 MiB")
-    ap.add_argument("--congestion", choices=("cubic", "bbr"), default="cubic",
-                    help="hosts' TCP congestion control (default: Linux's own default, cubic)")
+    ap.add_argument("--congestion", choices=("cubic", "bbr"),
+                    help="TCP congestion control: every host's default (baselines' servers included) and every "
+                         "gateway's `congestion` setting (default: bbr over lossy links, cubic elsewhere: the "
+                         "faster of the two on each, BENCHMARKS.md)")
     ap.add_argument("--initcwnd", type=int, default=0,
                     help="initial congestion and receive windows (segments) on every host's routes, as an operator "
                          "would set them for long links (default: Linux's own, 10)")
@@ -122,13 +126,17 @@ def main(argv: list[str] | None = None) -> int:
                         loss_rates=tuple(float(x) / 100 for x in args.loss.split(",")),
                         rtt_scale=args.rtt_scale or (0.2 if args.quick else 1.0),
                         connections=args.connections, tcp_buffers=args.tcp_buffers,
-                        congestion=args.congestion, initcwnd=args.initcwnd, verify=not args.no_verify,
+                        congestion=congestion_for(names[0], args.congestion), initcwnd=args.initcwnd,
+                        verify=not args.no_verify,
                         methods=frozenset(args.methods.split(",")) if args.methods else None,
                         pool_rtt_ms=args.pool_rtt_ms)
     started = time.time()
     scenarios = []
-    with congestion_allowed(args.congestion):
+    with contextlib.ExitStack() as allowed:
+        for cc in {congestion_for(name, args.congestion) for name in names}:
+            allowed.enter_context(congestion_allowed(cc))
         for name in names:
+            settings = replace(settings, congestion=congestion_for(name, args.congestion))
             t0 = time.monotonic()
             log.warning("scenario %s ...", name)
             if name == "your_link":
@@ -158,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print_report(report)
     return 0
+
+
+def congestion_for(scenario: str, chosen: str | None) -> str:
+    """The congestion control a scenario runs with: the one `--congestion` chose, else BBR over lossy
+    links (cubic is loss-limited there: ~24% of the long link at 0.1% against ~67%) and cubic on the
+    others (BBR is slower at a version's end: BENCHMARKS.md, docs/api/gateway.md, Long links)."""
+    return chosen or ("bbr" if scenario.endswith("_loss") else "cubic")
 
 
 def rank(name: str) -> int:

@@ -130,8 +130,10 @@ class Batch:
 class Mesh:
     """One scenario's emulated network plus its processes, working folder and trainer key."""
 
-    def __init__(self, wan: Wan, work: Path):
+    def __init__(self, wan: Wan, work: Path, congestion: str = ""):
         self.wan = wan
+        self.congestion = congestion
+        """Every gateway's `congestion` setting ("": the host's default)."""
         self.work = work
         self.work.mkdir(parents=True, exist_ok=True)
         self.key = generate_key()
@@ -154,6 +156,8 @@ class Mesh:
                 "--store", str(self.work / f"store-{region}"), "--trusted-key", str(self.public_key),
                 "--advertise", url, "--anonymous", "--relay-connections", str(relay_connections),
                 "--keep-fulls", "1", "--probe-interval-s", "2", *extra]
+        if self.congestion:
+            args += ["--congestion", self.congestion]
         if tls:
             args += self.pki.server_flags(host.ip, region)
         for up in upstreams:

@@ -45,6 +45,7 @@ class Settings:
     """Parallel piece fetches over long links (relay gateways and pullers); pools on a LAN use 4."""
     tcp_buffers: str = "linux"
     congestion: str = "cubic"
+    """Every host's default congestion control and every gateway's `congestion` setting."""
     initcwnd: int = 0
     """Initial congestion and receive windows (segments) on every host's routes; 0: Linux's own (10)."""
     verify: bool = True
@@ -172,7 +173,7 @@ class Scenario:
     def __init__(self, wan: Wan, settings: Settings, work: Path, record: list[Link] = ()):
         self.wan = wan
         self.settings = settings
-        self.mesh = Mesh(wan, work)
+        self.mesh = Mesh(wan, work, settings.congestion)
         self.version = 0
         self.t_released = 0.0
         """When the last timed batch was released."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from deltamesh.config import http_url
 from deltamesh.config_flags import flag
+from deltamesh.congestion import check_name
 from deltamesh.http import parse_listen
 from deltamesh.http_guard import HEADER_TIMEOUT_S, MAX_PER_ADDRESS, ConnectionLimits
 from deltamesh.tls import TlsSettings, check_token_transport
@@ -107,6 +108,11 @@ class GatewayConfig:
     max_connections_per_address: int = MAX_PER_ADDRESS
     """Most connections one client address may hold open; more are closed at once. A pool fetching with
     `connections` N holds about 2N + 4: raise it where many pools reach the gateway through one NAT address."""
+    congestion: str = ""
+    """TCP congestion control of the connections this gateway serves (set by its operator), e.g. "bbr" on
+    long links that lose packets (docs/api/gateway.md, Long links): Linux's TCP_CONGESTION on its listening
+    socket, which the connections it accepts inherit. Empty: the host's default. A name the host does not
+    offer, or does not let the process use, stops the gateway at start with the reason."""
     tls: TlsSettings = field(default_factory=TlsSettings)
     """TLS (`[gateway.tls]`): HTTPS with `--tls-cert/--tls-key`, client certificates required with
     `--client-ca` (mTLS); `--ca` verifies upstreams, which are shown `cert` when they ask for one."""
@@ -146,6 +152,7 @@ class GatewayConfig:
         if self.staging_max_gib < 0 or self.staging_ttl_s <= 0:
             raise ValueError("staging_max_gib must be >= 0 and staging_ttl_s > 0")
         ConnectionLimits(self.header_timeout_s, self.max_connections_per_address)  # checks them
+        check_name(self.congestion)  # the host's offer is checked where the gateway runs (set_congestion)
         if self.pool_expire_s and self.pool_expire_s < self.heartbeat_timeout_s:
             raise ValueError("pool_expire_s must be 0 (never) or at least heartbeat_timeout_s")
         if self.max_downstreams < 1 or not self.downstream_ttl_s > 0:

@@ -4,8 +4,10 @@
 control routes behind the route policy (`deltamesh.gateway.auth_policy`: every caller identified
 before a handler runs) and hooks its background tasks to the application's lifecycle;
 `run_gateway(config)` serves it, over HTTPS when `config.tls` has a certificate, until
-SIGINT/SIGTERM, its connections held to a header-read timeout and a per-address cap (`connection_guard`). Tests and benchmarks may run `create_app` in-process (`ssl_context(config)` for their
-socket) or start `deltamesh gateway` as a real process.
+SIGINT/SIGTERM, its connections held to a header-read timeout and a per-address cap (`connection_guard`)
+and sent with the congestion control its config names (`deltamesh.congestion`). Tests and benchmarks
+may run `create_app` in-process (`ssl_context(config)` for their socket) or start `deltamesh gateway` as
+a real process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ssl
 from aiohttp import web
 
 from deltamesh.auth import auth_middleware
+from deltamesh.congestion import set_congestion
 from deltamesh.gateway.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import json_errors, listen_socket, parse_listen, serve
@@ -69,6 +72,7 @@ def run_gateway(config: GatewayConfig) -> int:
     host, port = parse_listen(config.listen)
     sock = listen_socket(host, port)  # first: a port in use fails before the store or tokens are opened
     try:
+        set_congestion(sock, config.congestion)  # accepted connections inherit it: every piece sent uses it
         app = create_app(config)
     except BaseException:
         sock.close()

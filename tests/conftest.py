@@ -267,7 +267,8 @@ def run_documented_lines() -> Callable[..., subprocess.CompletedProcess]:
         servers = [line for line in lines if line.endswith("&")]
         waits = list(ports) if ports is not None else [
             re.search(r"--listen (127\.[\d.]+:\d+)", line).group(1) for line in servers]
-        script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null' EXIT"]
+        # `|| true`: with no server left, `kill` alone fails, and the trap's status would be the script's.
+        script = ["set -e", "ip link set lo up", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
         for line in lines:
             script.append(line)
             if line.endswith("&"):  # a server: the next line needs it listening

@@ -205,6 +205,18 @@ def test_quick_long_link_run_prints_its_json(tmp_path):
     assert not list(tmp_path.glob("transfer-*")), "the scenario's scratch folder was left behind"
 
 
+def test_lossy_scenarios_run_bbr_and_the_others_cubic_unless_told():
+    assert transfer.congestion_for("long_link_loss", None) == "bbr"
+    assert transfer.congestion_for("relay_chain_loss", None) == "bbr"
+    for name in ("long_link", "relay_chain", "fan_out", "real_training", "your_link"):
+        assert transfer.congestion_for(name, None) == "cubic"
+    assert transfer.congestion_for("long_link_loss", "cubic") == "cubic"
+    assert transfer.congestion_for("long_link", "bbr") == "bbr"
+    assert transfer.parse_args([]).congestion is None
+    with pytest.raises(SystemExit):
+        transfer.parse_args(["--congestion", "vegas"])
+
+
 def test_your_link_takes_mbit_and_rtt_together_and_alone(capsys):
     for argv in (["--mbit", "200"], ["--rtt-ms", "20"], ["--mbit", "200", "--rtt-ms", "20", "--scenario", "long_link"],
                  ["--mbit", "0", "--rtt-ms", "20"]):
