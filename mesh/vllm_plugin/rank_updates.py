@@ -91,7 +91,7 @@ class RankUpdates:
 
         self.model, self.model_config = model, vllm_config.model_config
         self.group = group
-        self._reload = partial(reload_weights, vllm_config, model)
+        self._reload = partial(reload_weights, vllm_config, model, weights_path=None)
         read: list[RankShare] = []
 
         def open_share() -> RankReport:
