@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch import nn
 from deltamesh.config import load_config
 from deltamesh.config_flags import read_secret
 from deltamesh.delta.keys import load_private_key
+from deltamesh.delta.layouts import PoolLayout
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import PublishConfig
 from deltamesh.gateway.publisher import Published, Publisher
@@ -43,15 +44,18 @@ TOKEN_ENV = "DELTAMESH_TOKEN"
 class WeightPublisher:
     """A trainer's stream of versions to its origin gateway (see the module docstring)."""
 
-    def __init__(self, config: PublishConfig, *, side_files_dir: str | Path | None = None) -> None:
+    def __init__(self, config: PublishConfig, *, side_files_dir: str | Path | None = None,
+                 layouts: Sequence[PoolLayout] = ()) -> None:
         """`side_files_dir`: a model directory whose config and tokenizer files ship with every version
-        (so that a fresh pool's directory loads with `from_pretrained`); None: none ship."""
+        (so that a fresh pool's directory loads with `from_pretrained`); None: none ship. `layouts`: the
+        pool layouts each version is cut and hashed for (`deltamesh.delta.layouts`), so that every rank of
+        such a pool fetches and verifies its own share alone."""
         self.config = config
         self.publisher = Publisher(
             config.gateway, load_private_key(config.key), config.model, full_every=config.full_every,
             piece_bytes=int(config.piece_mib * 2**20), connections=config.connections,
             token=config.token or None, tls=config.tls,
-            side_files=read_side_files(side_files_dir) if side_files_dir is not None else None)
+            side_files=read_side_files(side_files_dir) if side_files_dir is not None else None, layouts=layouts)
         self.version: int | None = None
         """The last version published (None before the first)."""
         self._thread = LoopThread(f"publish-{config.model}")

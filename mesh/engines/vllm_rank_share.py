@@ -259,6 +259,12 @@ class RankShare:
         return self._outcome
 
     # -- phase two ---------------------------------------------------------------------------------
+    @property
+    def prepared(self) -> Manifest | None:
+        """The verified manifest of the version prepared and not yet settled or reverted (None: none, or a
+        directory without one)."""
+        return None if self._pending is None else self._pending.manifest
+
     def changed(self) -> list[str]:
         """The tensors of the prepared version that the engine must take (with their layers' others)."""
         return [] if self._pending is None else list(self._pending.changed)

@@ -15,6 +15,9 @@ what vLLM serves on this rank: its slice of each checkpoint tensor (de-fused,
 without vocabulary padding) by the tiles of the version's hash grids; `deltamesh_parameters` and
 `deltamesh_digests` read vLLM's parameters as they are (what checks the layout rules against vLLM).
 
+The module's functions (`reload_share`, `reload_previous`, `served_shares`) do the same for any
+holder of a worker's model and its reload, the weight-transfer backend's tensor-parallel path too.
+
 Every method answers with a report and never raises: vLLM's `collective_rpc` stops reading the other
 workers' answers at the first worker that raises, which would leave them to a later call.
 """
@@ -69,7 +72,8 @@ class RankWorker:
         def load(rank: int) -> RankReport:
             share = self._deltamesh_held()
             share.loading()
-            return RankReport(rank, load_s=self._deltamesh_reload(share, share.changed()))
+            return RankReport(rank, load_s=reload_share(self.model_runner.get_model(), self.reload_weights, share,
+                                                        share.changed()))
         return self._deltamesh_call(load)
 
     def deltamesh_reload_dir(self, directory: str) -> dict:
@@ -95,9 +99,8 @@ class RankWorker:
             names = share.revert()
             if not names:
                 return RankReport(rank)
-            # a reload that raised half way leaves layers on the meta device
-            finish_reload(self.model_runner.get_model(), self.model_runner.model_config)
-            return RankReport(rank, load_s=self._deltamesh_reload(share, names))
+            return RankReport(rank, load_s=reload_previous(self.model_runner.get_model(), self.model_runner.model_config,
+                                                           self.reload_weights, share, names))
         return self._deltamesh_call(revert)
 
     def deltamesh_tiles(self, names: list[str]) -> dict:
@@ -107,7 +110,7 @@ class RankWorker:
         if share is None:
             return {}
         try:
-            return share.proofs(self._deltamesh_served(share), names)
+            return share.proofs(served_shares(self.model_runner.get_model(), share), names)
         except Exception as e:  # noqa: BLE001 - unreadable, never a worker that raises
             log.warning("rank tiles: %s: %s", type(e).__name__, e)
             return {name: None for name in names if name in share.shares}
@@ -152,30 +155,47 @@ class RankWorker:
             raise RuntimeError("deltamesh_open was not called on this worker")
         return self._deltamesh_share
 
-    def _deltamesh_fusion(self) -> Fusion:
-        model = self.model_runner.get_model()
-        return Fusion(dict(getattr(model, "packed_modules_mapping", {}) or {}))
 
-    def _deltamesh_reload(self, share: RankShare, changed: list[str]) -> float:
-        """Hand vLLM every checkpoint tensor of each layer one of `changed` feeds (a layer handed part of
-        its inputs would be rebuilt with the rest uninitialised); seconds spent in vLLM."""
-        if not changed:
-            return 0.0
-        fusion = self._deltamesh_fusion()
-        names = fusion.layer_groups(changed, fusion.group(share.table))
-        started = time.perf_counter()
-        with quiet_partial_reload(len(names) < len(share.table)):
-            self.reload_weights(weights_iterator=share.loads(names), is_checkpoint_format=True)
-        return time.perf_counter() - started
+# -- a rank's share in vLLM, for this extension and the weight-transfer backend alike ------------------
+Reload = Callable[..., None]
+"""vLLM's in-place reload of one worker (`weights_iterator=`, `is_checkpoint_format=`): the worker's
+`reload_weights`, or vLLM's function bound to the worker's model."""
 
-    def _deltamesh_served(self, share: RankShare) -> dict[str, torch.Tensor | None]:
-        """What vLLM holds of each of this rank's shares, found in its (fused) parameters."""
-        params = dict(self.model_runner.get_model().named_parameters())
-        fusion = self._deltamesh_fusion()
-        local = {name: s.local_shape(share.table[name].shape) for name, s in share.shares.items()}
-        served: dict[str, torch.Tensor | None] = {}
-        for name, shape in local.items():
-            place = fusion.place(name, local)
-            served[name] = None if place is None else param_rows(params, place[0], place[1], tuple(shape),
-                                                                 share.slices[name].dtype)
-        return served
+
+def reload_share(model: torch.nn.Module, reload: Reload, share: RankShare, changed: list[str]) -> float:
+    """Hand vLLM every checkpoint tensor of each layer one of `changed` feeds (a layer handed part of
+    its inputs would be rebuilt with the rest uninitialised), from `share`; seconds spent in vLLM."""
+    if not changed:
+        return 0.0
+    fusion = _fusion(model)
+    names = fusion.layer_groups(changed, fusion.group(share.table))
+    started = time.perf_counter()
+    with quiet_partial_reload(len(names) < len(share.table)):
+        reload(weights_iterator=share.loads(names), is_checkpoint_format=True)
+    return time.perf_counter() - started
+
+
+def reload_previous(model: torch.nn.Module, model_config: Any, reload: Reload, share: RankShare,
+                    names: list[str]) -> float:
+    """After `share.revert()` named `names`: vLLM takes their previous values again; seconds in vLLM."""
+    # a reload that raised half way leaves layers on the meta device
+    finish_reload(model, model_config)
+    return reload_share(model, reload, share, names)
+
+
+def served_shares(model: torch.nn.Module, share: RankShare) -> dict[str, torch.Tensor | None]:
+    """What vLLM holds of each of this rank's shares, found in its (fused) parameters (None: not found
+    as it is, e.g. a layer the CPU build repacked)."""
+    params = dict(model.named_parameters())
+    fusion = _fusion(model)
+    local = {name: s.local_shape(share.table[name].shape) for name, s in share.shares.items()}
+    served: dict[str, torch.Tensor | None] = {}
+    for name, shape in local.items():
+        place = fusion.place(name, local)
+        served[name] = None if place is None else param_rows(params, place[0], place[1], tuple(shape),
+                                                             share.slices[name].dtype)
+    return served
+
+
+def _fusion(model: torch.nn.Module) -> Fusion:
+    return Fusion(dict(getattr(model, "packed_modules_mapping", {}) or {}))

@@ -82,8 +82,14 @@ class VLLMRanksConfig(VLLMEngineConfig):
         self.engine_args = {**self.engine_args, **parallel}
 
     def layout(self, kv_heads: int | None) -> PoolLayout:
-        tp = self.tensor_parallel_size
-        return PoolLayout(tp=tp, ep=tp if self.expert_parallel else 1, kv_heads=kv_heads)
+        return vllm_layout(self.tensor_parallel_size, self.expert_parallel, kv_heads)
+
+
+def vllm_layout(tensor_parallel_size: int, expert_parallel: bool, kv_heads: int | None) -> PoolLayout:
+    """How vLLM splits a model over `tensor_parallel_size` ranks (experts whole per rank with
+    `expert_parallel`), for a model of `kv_heads` key/value heads."""
+    tp = tensor_parallel_size
+    return PoolLayout(tp=tp, ep=tp if expert_parallel else 1, kv_heads=kv_heads)
 
 
 def dealt_cores(ranks: int, cores: Sequence[int]) -> str:
@@ -128,7 +134,7 @@ class VLLMRanksEngine(VLLMEngine):
     def _open_weights(self, manifest: Manifest | None) -> None:
         self.layout = self.config.layout(self._engine.model_config.get_total_num_kv_heads())
         """How the model is split over the ranks: a layout the trainer publishes for (`trainer.pool_layouts`)."""
-        _agreed(self._reports("deltamesh_open", self.config.model_dir, asdict(self.layout)), None, self.model_id)
+        agreed(self._reports("deltamesh_open", self.config.model_dir, asdict(self.layout)), None, self.model_id)
 
     @property
     def supports_in_place(self) -> bool:
@@ -192,7 +198,7 @@ class VLLMRanksEngine(VLLMEngine):
         async with self._update_lock:
             try:
                 prepared = await self._prepared(*prepare)
-                _agreed(prepared, version, self.model_id)
+                agreed(prepared, version, self.model_id)
             except BaseException:  # cancelled too: no rank may stay half way
                 async with self._lock:
                     await self._revert()  # host copies only: vLLM was not touched
@@ -230,7 +236,7 @@ class VLLMRanksEngine(VLLMEngine):
             log.error("%s: %s", self.model_id, self._weights_lost)
 
 
-def _agreed(reports: list[RankReport], version: int | None, model: str) -> None:
+def agreed(reports: list[RankReport], version: int | None, model: str) -> None:
     """Raise unless every rank did what was asked and all name one signed weights hash; the first
     refusal is raised as the error class its rank named."""
     refused = [r for r in reports if not r.ok]

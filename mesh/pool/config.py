@@ -145,6 +145,10 @@ class PoolConfig:
     """Region name; empty: the region of the first gateway that answers."""
     engine: Literal["transformers", "sglang", "vllm"] = "transformers"
     """The inference engine of every policy (vllm: in process, `pip install deltamesh[vllm]`)."""
+    tensor_parallel_size: int = 1
+    """vLLM engine only: its tensor-parallel ranks. Above 1, one worker process per rank, each holding and
+    checking only its own share of the weights (`VLLMRanksEngine`, docs/ENGINES.md); each version is
+    reloaded from the synced directory, rank by rank."""
     device: str = "cpu"
     """Transformers engine: where the model runs ("cpu", "cuda", "cuda:1")."""
     threads: int = 0
@@ -191,6 +195,11 @@ class PoolConfig:
                 raise ValueError(f"policy {m.model_id or '(default)'}: the {self.engine} engine needs model_path")
             if self.engine == "sglang" and not (m.model_path or m.engine_url):
                 raise ValueError(f"policy {m.model_id or '(default)'}: the SGLang engine needs model_path or engine_url")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine \"vllm\" (the {self.engine} "
+                             "engine runs in one process)")
         unknown = sorted(set(self.worker.roles.values()) - set(ids))
         if unknown:
             raise ValueError(f"worker.roles name model_ids the pool does not serve: {unknown}")

@@ -162,7 +162,8 @@ class RolloutPool:
             registries = []
             for policy in policies:
                 engine, registry = await open_engine(cfg.engine, policy, device=cfg.device, max_batch=cfg.max_batch,
-                                                     seed=cfg.seed, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+                                                     seed=cfg.seed, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+                                                     tensor_parallel_size=cfg.tensor_parallel_size)
                 stack.push_async_callback(engine.close)
                 engines[policy.model_id] = engine
                 registries.append(registry)

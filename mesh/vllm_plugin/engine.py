@@ -22,6 +22,11 @@ vLLM creates one `DeltameshWeightTransferEngine` per worker when the server runs
   inside `update_weights`); the weight version vLLM reports at `/weight_info` is what the caller of
   `/finish_weight_update` names (the deltamesh trainer engine and the follow mode name the version).
 
+With tensor parallelism (`tensor_parallel_size` > 1) no worker keeps the whole host copy: each rank
+keeps its own share and takes each step of the lead rank's plan in agreement with the others
+(`rank_updates.py`, the share path of `VLLMRanksEngine`), and the proof names what each rank fetched
+and checked.
+
 vLLM runs these calls between engine steps, so no forward pass sees half an update.
 """
 
@@ -41,10 +46,12 @@ from deltamesh.loop_thread import LoopThread
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.local import read_verified
+from deltamesh.mesh.engines.vllm_ranks import vllm_layout
 from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
 from deltamesh.mesh.vllm_plugin.config import (
     BackendConfig, UpdateInfo, config_from_env, parse_backend_config, parse_update_info,
 )
+from deltamesh.mesh.vllm_plugin.rank_updates import RankGroup, RankUpdates, RanksRefused, WeightsLost
 from deltamesh.mesh.vllm_plugin.receiver import VersionReceiver
 from deltamesh.mesh.vllm_plugin.worker_weights import WorkerWeights
 
@@ -65,6 +72,8 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
         self._receiver: VersionReceiver | None = None
         self._host: HostWeights | None = None
         self._weights: WorkerWeights | None = None
+        self._ranks: RankUpdates | None = None
+        """With tensor parallelism, this rank's share in place of the whole host copy."""
         self._check = ServeCheck()
         self._held: tuple[str, int | None] | None = None
         """(model id, version) served when the backend was last shut down: a new init goes on from there."""
@@ -92,7 +101,10 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
         if self._held is not None and self._held[0] != init_info.model:
             raise ValueError(f"this server serves {self._held[0]!r} v{self._held[1]}; another model id needs a "
                              f"server restarted from its directory")
-        if self._host is None:  # the first init: the host copy is what vLLM loaded
+        ranked = self.parallel_config.tensor_parallel_size > 1
+        if ranked and self._ranks is None:  # the first init: each rank's host share is what vLLM loaded
+            self._ranks = self._open_ranks(model_dir)
+        elif not ranked and self._host is None:  # the first init: the host copy is what vLLM loaded
             held = dir_manifest(model_dir)
             if held is not None and held.model_id == init_info.model:
                 weights, manifest = read_verified(model_dir, held.version)
@@ -101,14 +113,27 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
                 self._host = HostWeights(read_weights(model_dir), None)
             self._weights = WorkerWeights(self.model, self.vllm_config, self._host.weights)
         loop = LoopThread(f"deltamesh-vllm-{init_info.model}")
-        receiver = VersionReceiver(init_info, str(model_dir), lead=self.parallel_config.rank == 0)
+        receiver = VersionReceiver(init_info, str(model_dir), lead=self.parallel_config.rank == 0,
+                                   decodes=self._ranks is None)
+        weights_hash = self._ranks.weights_hash if self._ranks is not None else self._host.weights_hash
+        failure: BaseException | None = None
         try:
             # Initialised again after a shutdown, the server still serves what it took meanwhile.
-            loop.call(receiver.open(self._held[1] if self._held is not None else None, self._host.weights_hash))
-        except BaseException:
+            loop.call(receiver.open(self._held[1] if self._held is not None else None, weights_hash))
+        except BaseException as e:
+            failure = e
+        if self._ranks is not None:
+            # Only the lead registers: a refusal there fails the init on every rank, so all stay in step.
+            said = self._ranks.group.gather("" if failure is None else f"{type(failure).__name__}: {failure}")
+            if failure is None and any(said):
+                failure = RuntimeError(f"deltamesh: init refused on another rank: {[e for e in said if e][0]}")
+            if failure is None and receiver.version != self._ranks.version:
+                # A share its directory's manifest cannot vouch for (published without this layout's tiles).
+                receiver.sync.version = self._ranks.version
+        if failure is not None:
             loop.call(receiver.close())
             loop.close()
-            raise
+            raise failure
         self._loop, self._receiver = loop, receiver
         log.info("deltamesh backend: %s from %s, serving %s", init_info.model, ", ".join(init_info.gateway),
                  f"v{receiver.version}" if receiver.version is not None else "weights of no published version")
@@ -125,6 +150,9 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         loop, receiver = self._ready()
+        if self._ranks is not None:
+            self._receive_shares(update_info)
+            return
         try:
             versions = loop.call(receiver.fetch(update_info.version))
         except Exception as e:
@@ -182,10 +210,58 @@ class DeltameshWeightTransferEngine(WeightTransferEngine[BackendConfig, UpdateIn
                                f"{type(e).__name__}: {e}") from e
         host.commit(result, manifest.weights_hash, adopted=manifest.kind == "full")
         seconds = time.perf_counter() - started
-        receiver.served(version, seconds, check)
+        receiver.served(manifest, seconds, check)
         log.info("deltamesh backend: %s now serves %s v%d (%d of %d tensors reloaded, %.3f s; %s)", manifest.model_id,
                  manifest.kind, manifest.version, len(names), len(result), seconds,
                  check.describe() if check is not None else "not checked")
+
+    # -- tensor parallelism: each rank its own share (rank_updates.py) -----------------------------------
+    def _open_ranks(self, model_dir: Path) -> RankUpdates:
+        parallel = self.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("the deltamesh backend takes tensor- and expert-parallel shares; pipeline parallelism "
+                             "is not supported")
+        layout = vllm_layout(parallel.tensor_parallel_size, parallel.enable_expert_parallel,
+                             self.model_config.get_total_num_kv_heads())
+        return RankUpdates(self.model, self.vllm_config, model_dir, layout, RankGroup.of_vllm())
+
+    def _receive_shares(self, update_info: UpdateInfo) -> None:
+        """The lead rank plans, then every rank takes each step's share with the others."""
+        loop, receiver = self._ready()
+        ranks = self._ranks
+        assert ranks is not None
+        asked = f"v{update_info.version}" if update_info.version is not None else "the head"
+        try:
+            steps = ranks.plan(lambda: loop.call(receiver.plan(update_info.version)))
+        except Exception as e:
+            receiver.failed("fetch", f"{type(e).__name__}: {e}")
+            raise RuntimeError(f"deltamesh: {asked} refused, still serving {_named(receiver.version)}: "
+                               f"{type(e).__name__}: {e}") from e
+        config = receiver.config
+        peer = f"pool/{config.name or 'vllm'}"
+        for step in steps:
+            served, started = receiver.version, time.perf_counter()
+            try:
+                manifest, accounts = ranks.take(step, config.model, receiver.sync.config, peer, config.check)
+            except WeightsLost:
+                receiver.failed(step.kind, f"v{step.version}: weights lost")
+                raise
+            except RanksRefused as e:
+                receiver.failed(step.kind, f"v{step.version}: {e}")
+                raise RuntimeError(f"deltamesh: v{step.version} not taken, still serving {_named(served)}: {e}") from e
+            except Exception as e:
+                receiver.failed(step.kind, f"v{step.version}: {type(e).__name__}: {e}")
+                raise RuntimeError(f"deltamesh: v{step.version} refused, still serving {_named(served)}: "
+                                   f"{type(e).__name__}: {e}") from e
+            seconds = time.perf_counter() - started
+            check = CheckResult(True, manifest.version, checked=sum(a["checked"] for a in accounts),
+                                unreadable=sum(a["unreadable"] for a in accounts),
+                                seconds=max(a["check_s"] for a in accounts)) if config.check else None
+            receiver.served(manifest, seconds, check, ranks=[_account(a) for a in accounts])
+            log.info("deltamesh backend: %s now serves %s v%d on rank %d (%d of %d piece bytes fetched, %.3f s; %s)",
+                     manifest.model_id, manifest.kind, manifest.version, ranks.group.rank,
+                     accounts[ranks.group.rank]["fetched_bytes"], manifest.payload_bytes, seconds,
+                     check.describe() if check is not None else "not checked")
 
     def _ready(self) -> tuple[LoopThread, VersionReceiver]:
         if self._loop is None or self._receiver is None:
@@ -205,6 +281,12 @@ class _ReadBack:
         if grids:
             return ServedDigests(self._version, self._weights.digests(list(names), self._checkpoint, grids))
         return ServedDigests(self._version, self._weights.digests(list(names), self._checkpoint))
+
+
+def _account(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """What the proof shows of one rank's step."""
+    return {k: raw[k] for k in ("rank", "fetched_bytes", "payload_bytes", "pieces", "changed", "checked",
+                                "unreadable", "fetch_s", "apply_s", "load_s", "check_s")}
 
 
 def _named(version: int | None) -> str:

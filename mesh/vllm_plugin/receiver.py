@@ -5,7 +5,9 @@ is the pool's weight sync, unchanged (`deltamesh.gateway.weight_sync.WeightSync`
 with the freeze and rollback checks, transfer plans, signed manifests verified against the trusted
 keys, pieces hash-checked with failover between the listed gateways, a full snapshot when a delta
 does not verify, registration and heartbeats when the server has a pool name. `fetch` hands the
-worker decoded versions; the worker applies them (`engine.py`) and reports back with `served`.
+worker decoded versions; the worker applies them (`engine.py`) and reports back with `served`. With
+tensor parallelism the lead rank's `plan` names the steps instead, and each rank fetches its own share
+of each (`rank_updates.py`); the follow loop then leaves all fetching to the ranks.
 
 Follow mode: `follow` long-polls the head and, for each newer version, fetches and decodes it here
 first, then takes it through the server's own RL routes (`/start_weight_update`, `/update_weights`
@@ -24,8 +26,9 @@ import logging
 import time
 from typing import Any
 
-from deltamesh.delta import CodecError, DecodedVersion
+from deltamesh.delta import CodecError, DecodedVersion, Manifest
 from deltamesh.gateway.head_check import Refusal
+from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.weight_sync import Refused, SyncError, WeightSync
 from deltamesh.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.engines.metrics import EngineMetrics
@@ -41,11 +44,14 @@ log = logging.getLogger(__name__)
 class VersionReceiver:
     """One worker's way to the mesh (see the module docstring). Every coroutine runs on the backend's loop."""
 
-    def __init__(self, config: BackendConfig, model_dir: str, *, lead: bool = True) -> None:
-        """`lead`: this worker is the server's first (rank 0), the one that registers, serves the metrics and
-        follows the head; with tensor parallelism every rank fetches and applies, only one speaks for them."""
+    def __init__(self, config: BackendConfig, model_dir: str, *, lead: bool = True, decodes: bool = True) -> None:
+        """`lead`: this worker is the server's first (rank 0), the one that registers, serves the metrics,
+        plans and follows the head; with tensor parallelism every rank fetches and applies its own share,
+        only one speaks for them. `decodes`: the worker takes whole decoded versions from `fetch` (False:
+        tensor-parallel ranks, which take `plan`'s steps share by share, `rank_updates.py`)."""
         self.config = config
         self.lead = lead
+        self.decodes = decodes
         self.sync = WeightSync(config.sync_config(model_dir), on_refusal=self._refused)
         self.registry = service_registry("vllm-backend")
         self.pool_metrics = PoolMetrics(self.registry)
@@ -101,27 +107,44 @@ class VersionReceiver:
         """The decoded, verified steps from the version served to `target` (None: the head); [] when
         it is served already. Refused for a version older than the one served; SyncError when no gateway
         announces `target` within `wait_s`."""
-        held = self.version
-        if target is not None and held is not None and target <= held:
-            if target == held:
-                return []
-            raise Refused(f"v{target} is older than v{held}, which this server serves: a server never moves back")
+        held = self._not_back(target)
         async with self._fetching:  # the follow loop and a caller of the RL routes take turns
             return await self._fetch(target, held)
+
+    async def plan(self, target: int | None) -> list[PlanStep]:
+        """The steps from the version served to `target` (None: the head), for ranks that fetch their own
+        shares of each; [] when it is served already. Refused and SyncError as `fetch`."""
+        held = self._not_back(target)
+        async with self._fetching:
+            plan = await self._plan(target, held)
+            return [] if plan is None else list(plan.steps)
+
+    def _not_back(self, target: int | None) -> int | None:
+        held = self.version
+        if target is not None and held is not None and target < held:
+            raise Refused(f"v{target} is older than v{held}, which this server serves: a server never moves back")
+        return held
+
+    async def _plan(self, target: int | None, held: int | None) -> Plan | None:
+        if target is not None and target == held:
+            return None
+        if target is None:
+            head = await self.sync.wait_for_head(0.0, after=held)
+            if head is None:
+                return None
+        else:
+            head = await self.sync.wait_for_head(self.config.wait_s, after=target - 1)
+            if head is None:
+                raise SyncError(f"no gateway announced v{target} of {self.config.model} within {self.config.wait_s:g} s")
+        return await self.sync.fetch_plan(head if target is None else target, base=held)
 
     async def _fetch(self, target: int | None, held: int | None) -> list[DecodedVersion]:
         ready, self._ready = self._ready, None
         if ready is not None and ready[0] == held and (target is None or ready[1] == target):
             return ready[2]
-        if target is None:
-            head = await self.sync.wait_for_head(0.0, after=held)
-            if head is None:
-                return []
-        else:
-            head = await self.sync.wait_for_head(self.config.wait_s, after=target - 1)
-            if head is None:
-                raise SyncError(f"no gateway announced v{target} of {self.config.model} within {self.config.wait_s:g} s")
-        plan = await self.sync.fetch_plan(head if target is None else target, base=held)
+        plan = await self._plan(target, held)
+        if plan is None:
+            return []
         try:
             versions = await self.sync.fetch_decoded(plan)
         except CodecError as e:
@@ -132,9 +155,13 @@ class VersionReceiver:
         return versions
 
     # -- what the worker reports -----------------------------------------------------------------
-    def served(self, version: DecodedVersion, seconds: float, check: CheckResult | None) -> None:
-        """The worker serves `version` now (its update took `seconds`), proven by `check` (None: not checked)."""
-        manifest = version.manifest
+    def served(self, manifest: Manifest, seconds: float, check: CheckResult | None,
+               ranks: list[dict[str, Any]] | None = None) -> None:
+        """The worker serves the version of `manifest` now (its update took `seconds`), proven by `check`
+        (None: not checked); `ranks`: what each tensor-parallel rank fetched and proved of its share."""
+        if ranks is not None:
+            self.pool_metrics.transfers.labels(self.config.model, manifest.kind).inc()
+            self.pool_metrics.transfer_bytes.labels(self.config.model).inc(sum(r["fetched_bytes"] for r in ranks))
         self.sync.version = manifest.version
         self.sync.guard.hold(manifest.version, manifest.weights_hash)
         self.sync.state, self.last_error = "idle", ""
@@ -143,6 +170,8 @@ class VersionReceiver:
                       "served_check": check.describe() if check is not None else "off",
                       "checked_tensors": check.checked if check is not None else 0,
                       "unreadable_tensors": check.unreadable if check is not None else 0}
+        if ranks is not None:
+            self.proof["ranks"] = ranks
         self.engine_metrics.version.set(manifest.version)
         self.engine_metrics.update_done(manifest.kind, True, seconds)
         self.pool_metrics.swaps.labels(self.config.model, "in_place").inc()
@@ -205,7 +234,8 @@ class VersionReceiver:
         self._behind()
         if head is None:
             return
-        self._ready = (held, head, await self.fetch(head))
+        if self.decodes:  # fetched ahead here; tensor-parallel ranks fetch their own shares in the update
+            self._ready = (held, head, await self.fetch(head))
         server = self.config.server
         # A refused version ends vLLM's update session in the worker (it keeps what it served): the
         # update's error is this round's, and there is nothing to finish.

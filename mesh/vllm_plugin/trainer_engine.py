@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltamesh.config import from_dict
+from deltamesh.delta.layouts import parse_layout
 from deltamesh.gateway.config import PublishConfig
 from deltamesh.gateway.publisher import Published
 from deltamesh.mesh.vllm_plugin import BACKEND
@@ -46,6 +47,10 @@ class DeltameshTrainerInitInfo(TrainerInitInfo):
     published one when left out."""
     side_files_dir: str = ""
     """A model directory whose config and tokenizer ship with every version; empty: none."""
+    pool_layouts: list[str] = field(default_factory=list)
+    """The layouts of the tensor-parallel servers that take the versions (`tp2`, `tp4-kv2`, `ep4`: as
+    `deltamesh train --pool-layout`): each version is cut and hashed for them, so that each of their
+    ranks fetches and verifies only its own share. A server of a layout not listed refuses the versions."""
 
 
 class DeltameshTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltameshTrainerInitInfo]):
@@ -70,7 +75,8 @@ class DeltameshTrainerWeightTransferEngine(TrainerWeightTransferEngine[Deltamesh
         publish = from_dict(PublishConfig, init_info.publish, where="publish")
         engine_init = {"model": publish.model, **init_info.engine_init}
         from_dict(BackendConfig, engine_init, where="engine_init")  # wrong settings fail here, not on a server
-        publisher = WeightPublisher(publish, side_files_dir=init_info.side_files_dir or None)
+        layouts = [parse_layout(text) for text in init_info.pool_layouts]
+        publisher = WeightPublisher(publish, side_files_dir=init_info.side_files_dir or None, layouts=layouts)
         try:
             client.init_weight_transfer_engine(engine_init)
         except BaseException:

@@ -7,9 +7,8 @@ weight-transfer backend runs in the worker already, with the model in hand, so `
 same class making its calls on the model directly: `apply_model` (what `VLLMWeights` reads the model
 through) runs the function on it, and the reload and its undo call vLLM's functions on it.
 
-Tensor parallelism: every rank here is handed whole checkpoint tensors, and vLLM's weight loaders
-cut each rank's slice from them as they do at start-up. A rank that fetches and applies only its
-slices would replace `load` (and the read-back's row slicing) here, and nothing above it.
+Only a server without tensor parallelism uses it: with `tensor_parallel_size` > 1 each rank holds,
+fetches and applies only its own share instead (`rank_updates.py`).
 """
 
 from __future__ import annotations
