@@ -26,7 +26,7 @@ from deltamesh.delta import apply_version, load_private_key, tensor_digest
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.gateway.shard_publisher import ShardPublisher
-from deltamesh.gateway.sync_errors import SyncError
+from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import HttpError
 from deltamesh.trainer.distributed import shard_rows

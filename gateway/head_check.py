@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from deltamesh.delta import CorruptError, Manifest
 from deltamesh.gateway.plan import Plan
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 
 REASONS = ("rollback", "equivocation", "statement", "stale")
 """Why a gateway's offer was refused: an older version, another weights hash for a verified version, a

@@ -29,7 +29,7 @@ from deltamesh.delta import CodecError, HeadStatement, StaleStatementError, chec
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import statement_url
 from deltamesh.http import HttpError, request_bytes, request_json
 

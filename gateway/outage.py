@@ -1,7 +1,7 @@
 """Trying again after a failure, and saying so once per change rather than once per try.
 
 A pool whose gateways go away retries for as long as they are gone: each try waits longer than the
-last (exponential backoff with jitter, `deltamesh.gateway.scoring.backoff_s`, capped), so that many
+last (exponential backoff with jitter, `deltamesh.gateway.fetch.scoring.backoff_s`, capped), so that many
 pools that lost their gateway together do not come back as one burst, and the log shows the outage,
 not the tries: one line when it starts, one "still" line every `remind_s` while it lasts, and one
 when it ends (with how long it took).
@@ -14,7 +14,7 @@ import random
 import time
 from typing import Callable
 
-from deltamesh.gateway.scoring import backoff_s
+from deltamesh.gateway.fetch.scoring import backoff_s
 
 BASE_S = 1.0
 CAP_S = 30.0

@@ -18,7 +18,7 @@ import logging
 from typing import Awaitable, Callable, TypeVar
 
 from deltamesh.gateway.plan import Plan
-from deltamesh.gateway.sync_errors import SyncError
+from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.http import HttpError
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from deltamesh.gateway.registry import TRANSFER_STATES
+from deltamesh.gateway.server.registry import TRANSFER_STATES
 from deltamesh.metrics import service_registry
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import aiohttp
 from deltamesh.delta.manifest import Manifest
 from deltamesh.http import HttpError, request_bytes
 from deltamesh.peer_json import parse_json
-from deltamesh.gateway.fetch_lanes import run_lanes_of
+from deltamesh.gateway.fetch.lanes import run_lanes_of
 from deltamesh.gateway_client import staged_url, version_url
 
 
@@ -55,7 +55,7 @@ async def stage_pieces(
     connections: int = 4, on_progress: Callable[[int], None] | None = None, retries: int = 3,
 ) -> int:
     """Stage pieces of a version built in parts on the origin, each under its content digest, before the
-    manifest that names them exists (`deltamesh.gateway.staging`); returns the bytes sent."""
+    manifest that names them exists (`deltamesh.gateway.server.staging`); returns the bytes sent."""
     return await _put_all(session, [(staged_url(gateway, model, h), data) for h, data in zip(digests, pieces)],
                           connections=connections, on_progress=on_progress, retries=retries)
 

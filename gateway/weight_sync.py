@@ -18,7 +18,7 @@ for a version it verified (`deltamesh.gateway.head_check`), and it checks each g
 the trainer's signed head statement and its other gateways' heads (`deltamesh.gateway.head_watch`).
 A refused or stale gateway is logged once, counted (`book`, `on_refusal`) and asked last for a while,
 so the next round goes to another. Credentials every gateway refuses end the loop with one
-CredentialsError (`deltamesh.gateway.sync_errors`); a clean stop deregisters the pool from the gateway
+CredentialsError (`deltamesh.gateway.fetch.errors`); a clean stop deregisters the pool from the gateway
 it registered with (`deltamesh.gateway.pool_presence`).
 """
 
@@ -36,20 +36,20 @@ from deltamesh.delta import (
     CodecError, DecodedVersion, HeldWeights, Manifest, apply_to_dir, decode_version, dir_manifest, load_public_key,
 )
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError, Inline
-from deltamesh.gateway.fetch_parts import EarlyParts
+from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline
+from deltamesh.gateway.fetch.parts import EarlyParts
 from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.head_watch import HeadWatch, valid_head
 from deltamesh.gateway.outage import Outage
 from deltamesh.gateway.pool_presence import Presence
-from deltamesh.gateway.sources import Source, ask_first
-from deltamesh.gateway.sync_errors import CredentialsError, Refused, SyncError
+from deltamesh.gateway.fetch.sources import Source, ask_first
+from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.supersede import fetch_superseding
-from deltamesh.gateway.verified import Step, fetch_verified, inline_envelopes
+from deltamesh.gateway.fetch.plan_steps import Step, fetch_verified, inline_envelopes
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class WeightSync:
             self.model = await self._pick_model()
         await self._checked()  # a round whose plan was never asked for
         if self._parts_due:
-            # On every connection beside the head poll, plan and manifest (`deltamesh.gateway.fetch_parts`).
+            # On every connection beside the head poll, plan and manifest (`deltamesh.gateway.fetch.parts`).
             self._parts_due = False
             self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
         source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",

@@ -38,9 +38,9 @@ import torch
 
 from deltamesh.delta import CodecError, apply, weights_hash
 from deltamesh.delta.keys import Ed25519PublicKey
-from deltamesh.gateway.fetch import Fetcher, FetchError
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.verified import fetch_verified
+from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError
+from deltamesh.gateway.fetch.sources import Source
+from deltamesh.gateway.fetch.plan_steps import fetch_verified
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 from deltamesh.gateway.plan import Plan

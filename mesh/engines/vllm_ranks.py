@@ -43,7 +43,7 @@ from deltamesh.delta import BaseMismatchError, CodecError, CorruptError, Decoded
 from deltamesh.delta.hashing import combine_digests
 from deltamesh.delta.layouts import PoolLayout
 from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.fetch_judge import FetchError
+from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.sync_errors import credentials_refused
+from deltamesh.gateway.fetch.errors import credentials_refused
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving

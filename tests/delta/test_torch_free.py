@@ -14,7 +14,7 @@ PROBE = """
 import json, sys
 from deltamesh.mesh.cli import build_parser
 build_parser(lazy=True).parse_args(["gateway", "--anonymous"])
-import deltamesh.gateway.server, deltamesh.gateway.relay
+import deltamesh.gateway.server.app, deltamesh.gateway.server.relay
 from deltamesh.delta import load_manifest, digest, load_public_key, load_statement
 import deltamesh.delta.piece
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))

@@ -31,7 +31,7 @@ from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.http import serving
-from deltamesh.gateway.server import create_app, ssl_context
+from deltamesh.gateway.server.app import create_app, ssl_context
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from aiohttp import web
-from deltamesh.gateway.server import GATEWAY_KEY, create_app
+from deltamesh.gateway.server.app import GATEWAY_KEY, create_app
 from deltamesh.gateway.upload import upload_version
 
 from deltamesh.http import bearer, client_session, request_bytes, serving

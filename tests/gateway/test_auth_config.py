@@ -14,7 +14,7 @@ import pytest
 from deltamesh.delta import write_weights
 from deltamesh.gateway.config import GatewayConfig, PublishConfig
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server.app import create_app
 
 from deltamesh.config import ConfigError, load_config
 from deltamesh.gateway_client import GatewayClient

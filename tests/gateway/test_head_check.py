@@ -8,7 +8,7 @@ import pytest
 from deltamesh.delta import Manifest, TensorEntry
 from deltamesh.gateway.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.plan import Plan, PlanStep
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 
 A, B = "a" * 32, "b" * 32
 

@@ -19,9 +19,9 @@ import pytest
 
 from deltamesh.delta.manifest import load_manifest
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError
+from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.upload import upload_version
 from deltamesh.http import client_session
 

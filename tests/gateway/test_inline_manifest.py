@@ -22,7 +22,7 @@ from aiohttp import web
 from deltamesh.delta import dir_manifest, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.sync_errors import SyncError
+from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.gateway.upload import upload_version
 from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import client_session, serving

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deltamesh.gateway.metrics import GatewayMetrics
+from deltamesh.gateway.server.metrics import GatewayMetrics
 from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.demo.processes import end_process

@@ -176,11 +176,11 @@ def test_a_pool_rank_receives_only_the_pieces_of_its_share(kit, tmp_path):
     from deltamesh.delta.layouts import PoolLayout, shares_of
     from deltamesh.delta.share_plan import pieces_for
     from deltamesh.delta.shares import apply_share, decode_pieces
-    from deltamesh.gateway.fetch import Fetcher
+    from deltamesh.gateway.fetch.fetcher import Fetcher
     from deltamesh.gateway.plan import PlanStep
     from deltamesh.gateway.publisher import Publisher
-    from deltamesh.gateway.sources import Source
-    from deltamesh.gateway.verified import fetch_share
+    from deltamesh.gateway.fetch.sources import Source
+    from deltamesh.gateway.fetch.plan_steps import fetch_share
 
     g = torch.Generator().manual_seed(5)
     v0 = {f"model.layers.{i}.mlp.experts.{e}.{p}.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16)

@@ -14,7 +14,7 @@ import pytest
 from deltamesh.delta import dir_manifest
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.registry import PoolRegistry
+from deltamesh.gateway.server.registry import PoolRegistry
 
 MODEL = "tiny"
 

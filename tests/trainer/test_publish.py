@@ -23,7 +23,7 @@ from deltamesh.gateway_client import statement_url
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import client_session, request_bytes, request_json
 from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.trainer.mesh_client import MeshClient
 from deltamesh.trainer.publish import gateway_weights, start_stream

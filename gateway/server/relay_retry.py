@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from deltamesh.gateway.scoring import backoff_s
+from deltamesh.gateway.fetch.scoring import backoff_s
 
 RETRY_BASE_S = 1.0
 RETRY_CAP_S = 60.0

@@ -11,7 +11,7 @@ a part of another version or of another span than the one asked for is dropped u
 stream straight into the pieces they cover, each read stopping at the part's length as the manifest
 gives it, however much more the sender has. Each piece whose bytes are all in goes to the caller,
 which checks it against the manifest like any other; the pieces that good parts did not fill are
-fetched the usual way (`deltamesh.gateway.fetch.Fetcher.pieces`).
+fetched the usual way (`deltamesh.gateway.fetch.fetcher.Fetcher.pieces`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import aiohttp
 
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.fetch_http import CHUNK, OnChunk, Progress
-from deltamesh.gateway.fetch_judge import SourceJudge, name
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.http_reads import CHUNK, OnChunk, Progress
+from deltamesh.gateway.fetch.judge import SourceJudge, name
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.version_parts import SPAN_HEADER, VERSION_HEADER, parse_span, part_span, total_bytes
 from deltamesh.gateway_client import PEER_HEADER
 

@@ -4,7 +4,7 @@
 publish route) takes one piece's raw bytes under its BLAKE3 digest, which the gateway checks; the
 manifest that names the pieces then comes with `PUT .../manifest?staged=1` (routes_versions.py) and
 is accepted only when all of them are staged, so the version is announced whole
-(`deltamesh.gateway.staging`). Answers: 201 staged, 200 staged already, 400 for bytes that are not
+(`deltamesh.gateway.server.staging`). Answers: 201 staged, 200 staged already, 400 for bytes that are not
 the digest's, 413 past `max_piece_bytes`, 405 on a relay, 507 when staging or the disk is full.
 """
 
@@ -16,10 +16,10 @@ from aiohttp import web
 
 from deltamesh.delta.errors import CorruptError
 from deltamesh.http import error_response, read_body
-from deltamesh.gateway.disk import DiskFullError
-from deltamesh.gateway.service import Gateway
-from deltamesh.gateway.staging import StagingFullError
-from deltamesh.gateway.version_requests import Reject, model_of
+from deltamesh.gateway.server.disk import DiskFullError
+from deltamesh.gateway.server.service import Gateway
+from deltamesh.gateway.server.staging import StagingFullError
+from deltamesh.gateway.server.version_requests import Reject, model_of
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 

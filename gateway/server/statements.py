@@ -1,7 +1,7 @@
 """The newest signed head statement of each model a gateway serves, kept on disk beside its store.
 
 The origin takes statements from the trainer (`PUT /v1/models/{model}/statement`), a relay mirrors its
-upstreams' (`deltamesh.gateway.statement_mirror`), and both serve them to pools and downstream
+upstreams' (`deltamesh.gateway.server.statement_mirror`), and both serve them to pools and downstream
 gateways (`GET`). A statement is verified against the trusted keys before it is kept, and only the
 newest one per model is kept: one issued no later than the kept one, or naming an older version, is
 refused (`StatementConflict`, a 409), so nobody can walk a gateway's statement back. It must also agree
@@ -26,7 +26,7 @@ from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE
 from deltamesh.delta.statement import HeadStatement, load_statement
-from deltamesh.gateway.ledger import VersionLedger
+from deltamesh.gateway.server.ledger import VersionLedger
 
 log = logging.getLogger(__name__)
 

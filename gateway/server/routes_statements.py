@@ -1,7 +1,7 @@
 """HTTP routes of head statements: the trainer's signed word on a model's newest version, kept and served.
 
 `PUT /v1/models/{model}/statement` (origin only, role trainer) takes a signed statement
-(`deltamesh.delta.statement`) and keeps it if it is the newest valid one (`deltamesh.gateway.statements`);
+(`deltamesh.delta.statement`) and keeps it if it is the newest valid one (`deltamesh.gateway.server.statements`);
 `GET` serves the kept one as the exact signed bytes, with an entity tag so a pool that asks every
 round mostly gets a 304. See docs/api/gateway.md.
 """
@@ -13,9 +13,9 @@ from aiohttp import web
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import MODEL_ID_RE
 from deltamesh.delta.statement import MAX_STATEMENT_BYTES
-from deltamesh.gateway.service import Gateway
-from deltamesh.gateway.statements import StatementConflict
-from deltamesh.gateway.validators import not_modified, not_modified_response
+from deltamesh.gateway.server.service import Gateway
+from deltamesh.gateway.server.statements import StatementConflict
+from deltamesh.gateway.server.validators import not_modified, not_modified_response
 from deltamesh.http import error_response, read_body
 
 

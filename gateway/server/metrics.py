@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway, in a registry of its own (several gateways may share a process).
 
 Counters and histograms are updated where things happen (publish, relay, serve; the per-link byte
-counters through `deltamesh.gateway.traffic`; propagation when a version's last piece is in); gauges
+counters through `deltamesh.gateway.server.traffic`; propagation when a version's last piece is in); gauges
 that describe state (versions held, head, pools by state, free disk and whether it is full) are
 refreshed from the store each time `/metrics` is scraped. Series per pool and per link are built
 afresh at each scrape (`_StateCollector`) from the registry and the link monitor, so a pool or link
@@ -18,10 +18,10 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.registry import PoolRegistry
-from deltamesh.gateway.store import VersionStore
-from deltamesh.gateway.stored_version import StoredVersion
+from deltamesh.gateway.fetch.links import LinkMonitor
+from deltamesh.gateway.server.registry import PoolRegistry
+from deltamesh.gateway.server.store import VersionStore
+from deltamesh.gateway.server.stored_version import StoredVersion
 from deltamesh.metrics import service_registry
 
 _PIECE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -1,10 +1,10 @@
 """HTTP routes of the control plane: health, metrics, pool registry, links and downstream announcements.
 
-Who may call each route is decided before a handler runs (`deltamesh.gateway.auth_policy`); the
+Who may call each route is decided before a handler runs (`deltamesh.gateway.server.auth_policy`); the
 handlers here bind names: a pool registers, heartbeats and deregisters only as itself, and a gateway
 announces only itself (`require_name`; an admin may deregister any pool). Bodies are checked field
-by field (`deltamesh.gateway.registry`) and a refusal changes nothing. Announcements are bounded and
-expire (`deltamesh.gateway.downstreams`). See docs/api/gateway.md.
+by field (`deltamesh.gateway.server.registry`) and a refusal changes nothing. Announcements are bounded and
+expire (`deltamesh.gateway.server.downstreams`). See docs/api/gateway.md.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from deltamesh.gateway.downstreams import TooManyDownstreams
-from deltamesh.gateway.registry import MAX_ENDPOINT, POOL_NAME_RE, RegistryError
-from deltamesh.gateway.service import Gateway
+from deltamesh.gateway.server.downstreams import TooManyDownstreams
+from deltamesh.gateway.server.registry import MAX_ENDPOINT, POOL_NAME_RE, RegistryError
+from deltamesh.gateway.server.service import Gateway
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deltamesh.auth import identity, require_name

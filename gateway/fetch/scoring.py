@@ -18,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 
 RETRY_BASE_S = 0.1
 """First wait before a source that failed a piece is asked for it again; it doubles per failure."""

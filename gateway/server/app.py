@@ -1,7 +1,7 @@
 """The regional gateway's HTTP server: builds the aiohttp application and runs it on uvloop.
 
 `create_app(config)` wires a `Gateway` (store, registry, links, metrics, relay) to the version and
-control routes behind the route policy (`deltamesh.gateway.auth_policy`: every caller identified
+control routes behind the route policy (`deltamesh.gateway.server.auth_policy`: every caller identified
 before a handler runs) and hooks its background tasks to the application's lifecycle;
 `run_gateway(config)` serves it, over HTTPS when `config.tls` has a certificate, until
 SIGINT/SIGTERM, its connections held to a header-read timeout and a per-address cap (`connection_guard`). Tests and benchmarks may run `create_app` in-process (`ssl_context(config)` for their
@@ -15,16 +15,16 @@ import ssl
 from aiohttp import web
 
 from deltamesh.auth import auth_middleware
-from deltamesh.gateway.auth_policy import gateway_policy
+from deltamesh.gateway.server.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.http import json_errors, listen_socket, parse_listen, serve
 from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.tls import server_context
-from deltamesh.gateway.routes_control import add_control_routes
-from deltamesh.gateway.routes_staging import add_staging_routes
-from deltamesh.gateway.routes_statements import add_statement_routes
-from deltamesh.gateway.routes_versions import add_version_routes
-from deltamesh.gateway.service import Gateway
+from deltamesh.gateway.server.routes_control import add_control_routes
+from deltamesh.gateway.server.routes_staging import add_staging_routes
+from deltamesh.gateway.server.routes_statements import add_statement_routes
+from deltamesh.gateway.server.routes_versions import add_version_routes
+from deltamesh.gateway.server.service import Gateway
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 

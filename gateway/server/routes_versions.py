@@ -9,7 +9,7 @@ is announced but not yet here waits (bounded) for it, so consumers downstream se
 they land; with `?wait=S`, a manifest or piece of a version not yet announced is waited for too. On
 a relay, plans also use what the upstream can serve, and a manifest or piece of a version that is
 not here but upstream is fetched on demand (`Relay.demand`) and served as it arrives.
-Every path part is validated before it touches the store (`deltamesh.gateway.version_requests`). See
+Every path part is validated before it touches the store (`deltamesh.gateway.server.version_requests`). See
 docs/api/gateway.md.
 """
 
@@ -24,13 +24,13 @@ from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import load_manifest
 from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
-from deltamesh.gateway.service import Gateway
-from deltamesh.gateway.disk import DiskFullError
-from deltamesh.gateway.ledger import ConflictError
-from deltamesh.gateway.staging import StagingIncomplete
-from deltamesh.gateway.stored_version import KINDS, StoredVersion
-from deltamesh.gateway.validators import not_modified, not_modified_response, piece_etag, range_applies
-from deltamesh.gateway.version_requests import (INT_RE, Reject, entries_of, entry_of, float_param, index_of,
+from deltamesh.gateway.server.service import Gateway
+from deltamesh.gateway.server.disk import DiskFullError
+from deltamesh.gateway.server.ledger import ConflictError
+from deltamesh.gateway.server.staging import StagingIncomplete
+from deltamesh.gateway.server.stored_version import KINDS, StoredVersion
+from deltamesh.gateway.server.validators import not_modified, not_modified_response, piece_etag, range_applies
+from deltamesh.gateway.server.version_requests import (INT_RE, Reject, entries_of, entry_of, float_param, index_of,
                                                 int_param, model_of, peer_role, version_kind, wants_manifests)
 from deltamesh.gateway.version_parts import (MAX_PARTS, SPAN_HEADER, VERSION_HEADER, newest_whole, part_span,
                                              piece_spans, span_header, total_bytes)

@@ -1,11 +1,11 @@
 """What one fetch holds against its sources, version by version, and the rounds it asks them in.
 
-Per piece (or manifest) of a version it keeps each source's tries (`deltamesh.gateway.scoring.Tries`);
+Per piece (or manifest) of a version it keeps each source's tries (`deltamesh.gateway.fetch.scoring.Tries`);
 per version, the sources that served bad bytes of it, which are asked after every other one. A
 failure is booked once, here: the try, a penalty on the source, an error on its link, a log line.
 Every request of a fetch, for a manifest or for a piece, walks the usable sources the same way
 (`SourceJudge.rounds`), so both give up by the same rules. How one request is made is the caller's:
-`deltamesh.gateway.fetch.Fetcher`.
+`deltamesh.gateway.fetch.fetcher.Fetcher`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
-from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.scoring import Tries, penalise
-from deltamesh.gateway.sources import Source, order_sources
+from deltamesh.gateway.fetch.links import LinkMonitor
+from deltamesh.gateway.fetch.scoring import Tries, penalise
+from deltamesh.gateway.fetch.sources import Source, order_sources
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ whole pieces while the others sit idle. With more connections than pieces (many 
 long link sooner from a cold start, each starting at 10 segments), every piece is cut up front into
 its share of the connections (`first_spans`), so that each connection has a part in the first round
 trip and none waits for a second. No byte is requested twice while any is left to ask for; a lane
-with nothing left may take over a stalled request (`hedge`, `deltamesh.gateway.fetch_hedge`). How one
+with nothing left may take over a stalled request (`hedge`, `deltamesh.gateway.fetch.hedge`). How one
 piece or range is fetched (sources, deadlines, verification) is the caller's:
-`deltamesh.gateway.fetch.Fetcher.pieces`.
+`deltamesh.gateway.fetch.fetcher.Fetcher.pieces`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Collection, Sequence
 
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.fetch_http import Span
+from deltamesh.gateway.fetch.http_reads import Span
 
 MIN_SPAN = 1024 * 1024
 """Smallest range of a piece a request asks for when the last pieces are split over the connections:

@@ -16,10 +16,10 @@ from typing import Awaitable, Callable, Mapping, Sequence
 from deltamesh.delta import CorruptError, Manifest, load_manifest
 from deltamesh.delta.share_plan import Share, pieces_for
 from deltamesh.delta.keys import Ed25519PublicKey
-from deltamesh.gateway.fetch import Fetcher, Inline
-from deltamesh.gateway.fetch_parts import EarlyParts
+from deltamesh.gateway.fetch.fetcher import Fetcher, Inline
+from deltamesh.gateway.fetch.parts import EarlyParts
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.sources import Source
 
 Step = tuple[Manifest, list[bytes]]
 

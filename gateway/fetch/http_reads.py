@@ -10,7 +10,7 @@ span's buffer either way, so the next request (to another source, or the same on
 for the rest. The outcome says what happened: `done`, `pending` (announced there, not arrived: 503),
 `missing` (not announced there: 404), `error` (unreachable, or an HTTP error: back off and ask again)
 or `wrong` (it served something wrong: a short body, a stall, a trickle, a declared length over the
-span, a range answered whole; counted against the source's tries, see `deltamesh.gateway.scoring`).
+span, a range answered whole; counted against the source's tries, see `deltamesh.gateway.fetch.scoring`).
 A span is never read beyond its end: a source that sends more (or never ends) costs nothing past it.
 """
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from deltamesh.gateway.metrics import GatewayMetrics
+from deltamesh.gateway.server.metrics import GatewayMetrics
 
 VERSIONS_KEPT = 1024
 """Versions per model whose per-version figures are kept (the oldest are forgotten first)."""

@@ -1,5 +1,5 @@
 """Where pieces come from: the gateways a fetch may use, each with its health (a penalty after
-failures, see `deltamesh.gateway.scoring`), the rate its transfers reach, an optional bandwidth cap
+failures, see `deltamesh.gateway.fetch.scoring`), the rate its transfers reach, an optional bandwidth cap
 (`RateLimiter`, shared by every transfer over the link) and an optional emulated latency, and the
 order they are tried in (`ask_first`: a JSON call to the first gateway that answers it).
 """
@@ -13,8 +13,8 @@ from typing import Any, Collection, Sequence
 
 import aiohttp
 
-from deltamesh.gateway.links import Link
-from deltamesh.gateway.sync_errors import SyncError, credentials_refused, unreachable
+from deltamesh.gateway.fetch.links import Link
+from deltamesh.gateway.fetch.errors import SyncError, credentials_refused, unreachable
 from deltamesh.http import HttpError, request_json
 
 

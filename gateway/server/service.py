@@ -6,7 +6,7 @@ the upstreams' head statements (when there are upstreams),
 garbage collection after each completed version, link probes (of upstreams, and of the downstream
 gateways and pools that authenticated themselves), and the announcement of this gateway to its
 upstreams. Every session it opens speaks TLS as `config.tls` says. `start()` and `stop()` are hooked to the aiohttp application's start-up and
-clean-up by `deltamesh.gateway.server`.
+clean-up by `deltamesh.gateway.server.app`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import aiohttp
 
 from deltamesh.delta.keys import load_public_key
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.downstreams import Downstream, Downstreams
+from deltamesh.gateway.server.downstreams import Downstream, Downstreams
 from deltamesh.http import SMALL_LIMIT, client_session, read_limited
 from deltamesh.signals import wait_event
-from deltamesh.gateway.links import Link, LinkMonitor, probe_forever, tcp_rtt
-from deltamesh.gateway.metrics import GatewayMetrics
-from deltamesh.gateway.registry import PoolRegistry
-from deltamesh.gateway.relay import Relay
-from deltamesh.gateway.statement_mirror import mirror_statements
-from deltamesh.gateway.statements import StatementStore
-from deltamesh.gateway.upstreams import announce_forever
-from deltamesh.gateway.store import VersionStore
-from deltamesh.gateway.stored_version import StoredVersion
-from deltamesh.gateway.traffic import Traffic
+from deltamesh.gateway.fetch.links import Link, LinkMonitor, probe_forever, tcp_rtt
+from deltamesh.gateway.server.metrics import GatewayMetrics
+from deltamesh.gateway.server.registry import PoolRegistry
+from deltamesh.gateway.server.relay import Relay
+from deltamesh.gateway.server.statement_mirror import mirror_statements
+from deltamesh.gateway.server.statements import StatementStore
+from deltamesh.gateway.server.upstreams import announce_forever
+from deltamesh.gateway.server.store import VersionStore
+from deltamesh.gateway.server.stored_version import StoredVersion
+from deltamesh.gateway.server.traffic import Traffic
 
 log = logging.getLogger(__name__)
 

@@ -3,23 +3,23 @@ and bounded when those sources are slow or hostile.
 
 Relays (mirroring their upstreams) and pool agents (pulling a plan) fetch the same way. Each piece
 comes over its own request from the best source; what arrived is kept when a source dies, stalls or
-falls below the minimum useful rate (the progress deadline of `deltamesh.gateway.fetch_http`), and
+falls below the minimum useful rate (the progress deadline of `deltamesh.gateway.fetch.http_reads`), and
 the next source is asked only for the rest (HTTP Range). The last pieces of a version are split into
-ranges over all connections, so they finish together (`deltamesh.gateway.fetch_lanes`), and a request
-that stalls there is taken over by a connection with nothing left to do (`deltamesh.gateway.fetch_hedge`),
+ranges over all connections, so they finish together (`deltamesh.gateway.fetch.lanes`), and a request
+that stalls there is taken over by a connection with nothing left to do (`deltamesh.gateway.fetch.hedge`),
 so one connection backing off on a lossy link does not hold the version. A piece is
 accepted only when its length and digest (BLAKE3-256) match the (signed) manifest. A source that served
 something wrong is penalised for the version and for a while, asked again only after a backoff, and
 dropped for a piece after `source_tries` such failures; a piece that no source serves intact fails
 the version with one FetchError naming the piece and what each source did
-(`deltamesh.gateway.fetch_judge`, `deltamesh.gateway.scoring`). A piece announced but not yet arrived at a source (503) is asked again.
+(`deltamesh.gateway.fetch.judge`, `deltamesh.gateway.fetch.scoring`). A piece announced but not yet arrived at a source (503) is asked again.
 
 The manifest request can carry the first wave of piece requests with it (`prefetch`), so data flows
 one round trip after the version is known instead of two; those pieces are held unverified until
 the manifest is, then checked like any other. A manifest that came inline in a head answer
 (`inline`) needs no request at all. A cold fetcher opens its connections beside its first request
 (`open_connections`), so the pieces leave one round trip sooner; or, before it even knows the version,
-asks for parts of the newest one on them (`ask_parts`, `deltamesh.gateway.fetch_parts`), which
+asks for parts of the newest one on them (`ask_parts`, `deltamesh.gateway.fetch.parts`), which
 `pieces()` takes once the manifest is verified."""
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.fetch_http import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
-from deltamesh.gateway.fetch_hedge import HEDGE_AFTER_S, Flights, TakenOver, race_span
-from deltamesh.gateway.fetch_parts import EarlyParts, early_limit, take_parts
-from deltamesh.gateway.fetch_lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
-from deltamesh.gateway.fetch_judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
-from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.sources import Source, order_sources
+from deltamesh.gateway.fetch.http_reads import Progress, Result, Span, Whole, Wrong, get_small, receive_span, receive_whole
+from deltamesh.gateway.fetch.hedge import HEDGE_AFTER_S, Flights, TakenOver, race_span
+from deltamesh.gateway.fetch.parts import EarlyParts, early_limit, take_parts
+from deltamesh.gateway.fetch.lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
+from deltamesh.gateway.fetch.judge import MANIFEST, FetchError, Key, SourceJudge, Turn, name
+from deltamesh.gateway.fetch.links import LinkMonitor
+from deltamesh.gateway.fetch.sources import Source, order_sources
 from deltamesh.gateway_client import PEER_HEADER, version_url
 from deltamesh.http import JSON_LIMIT, HttpError, open_connections
 
@@ -141,7 +141,7 @@ class Fetcher:
 
     def ask_parts(self, model: str, kind: str, of: int) -> EarlyParts:
         """Ask the preferred source at once for `of` parts of the newest `kind` it holds whole, before the
-        version is known (`deltamesh.gateway.fetch_parts`); `pieces(..., parts=...)` takes them."""
+        version is known (`deltamesh.gateway.fetch.parts`); `pieces(..., parts=...)` takes them."""
         source = order_sources(self.sources)[0]
 
         async def on_chunk(n: int) -> None:
@@ -361,7 +361,7 @@ class Fetcher:
         return source, got
 
     async def _try(self, source: Source, manifest: Manifest, index: int, span: Span, alternates: bool) -> Result:
-        """One request for the rest of a span (see `deltamesh.gateway.fetch_http.receive_span`)."""
+        """One request for the rest of a span (see `deltamesh.gateway.fetch.http_reads.receive_span`)."""
         key = (manifest.model_id, manifest.version, manifest.kind)
         headers = {PEER_HEADER: self.peer}
         if not (span.whole and span.filled == 0):
@@ -390,7 +390,7 @@ class Fetcher:
 
     async def pieces(self, manifest: Manifest, indices: Iterable[int], connections: int,
                      on_piece: Callable[[int, bytearray], Awaitable[None]], parts: EarlyParts | None = None) -> None:
-        """Fetch `indices` with `connections` parallel requests (spread as `deltamesh.gateway.fetch_lanes`
+        """Fetch `indices` with `connections` parallel requests (spread as `deltamesh.gateway.fetch.lanes`
         says), handing each verified piece to `on_piece`. Pieces prefetched with the manifest
         (`manifest_bytes(prefetch=...)`) are taken first, checked like any other; a bad one is fetched
         again the usual way, and one that broke off continues from what arrived. With `parts` (asked

@@ -16,9 +16,9 @@ from typing import Callable
 
 import aiohttp
 
-from deltamesh.gateway.links import LinkMonitor
+from deltamesh.gateway.fetch.links import LinkMonitor
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.sources import Source, order_sources
+from deltamesh.gateway.fetch.sources import Source, order_sources
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.http import HttpError, request_json
 

@@ -3,7 +3,7 @@
 Each upstream is followed with a long poll of `GET /v1/heads` (`relay_listing.follow_heads`), so a
 new version upstream starts a sync pass at once; a new head delta whose signed manifest the answer carries inline is mirrored
 from it at once. A pass lists what the upstream can serve (what it holds, and what it could fetch
-from its own upstreams: `reachable`) and mirrors the kinds `deltamesh.gateway.relay_kinds` chooses:
+from its own upstreams: `reachable`) and mirrors the kinds `deltamesh.gateway.server.relay_kinds` chooses:
 the newest deltas, and a full snapshot only to keep an anchor for first pulls. Anything else this
 gateway is asked for that its upstream can serve (a full a plan named, a manifest or piece a pool or
 downstream gateway requests) is fetched on demand (`demand`) the same way. A fetch takes the signed
@@ -16,9 +16,9 @@ Once a version is in, requests for the next wait upstream for it (`?wait=`) on t
 last one warmed, so it flows the moment it is announced. Every model is followed at once: the listings of a pass run
 concurrently (`relay_parallel` at a time), each version is mirrored by a task of its own, and the
 long polls wait on connections apart from the transfers'. A version whose mirror fails (no upstream
-serves a piece intact, a full disk) is tried again after a backoff (`deltamesh.gateway.relay_retry`)
+serves a piece intact, a full disk) is tried again after a backoff (`deltamesh.gateway.server.relay_retry`)
 while the others go on. The bytes each upstream link carries are booked per version in
-`deltamesh.gateway.traffic`.
+`deltamesh.gateway.server.traffic`.
 """
 
 from __future__ import annotations
@@ -32,23 +32,23 @@ from typing import Awaitable, Callable
 import aiohttp
 
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.disk import DiskFullError
+from deltamesh.gateway.server.disk import DiskFullError
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.fetch import Fetcher, FetchError, Inline, NotAnnounced
-from deltamesh.gateway.fetch_judge import name
-from deltamesh.gateway.links import LinkMonitor
-from deltamesh.gateway.metrics import GatewayMetrics
+from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline, NotAnnounced
+from deltamesh.gateway.fetch.judge import name
+from deltamesh.gateway.fetch.links import LinkMonitor
+from deltamesh.gateway.server.metrics import GatewayMetrics
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
-from deltamesh.gateway.relay_listing import UpstreamListing, follow_heads, list_upstream
-from deltamesh.gateway.relay_retry import RetrySchedule
-from deltamesh.gateway.sources import RateLimiter, Source
-from deltamesh.gateway.ledger import ConflictError
-from deltamesh.gateway.store import VersionStore
-from deltamesh.gateway.stored_version import StoredVersion
-from deltamesh.gateway.traffic import Traffic
-from deltamesh.gateway.upstreams import upstream_session
+from deltamesh.gateway.server.relay_kinds import anchor_to_fetch, deltas_to_follow
+from deltamesh.gateway.server.relay_listing import UpstreamListing, follow_heads, list_upstream
+from deltamesh.gateway.server.relay_retry import RetrySchedule
+from deltamesh.gateway.fetch.sources import RateLimiter, Source
+from deltamesh.gateway.server.ledger import ConflictError
+from deltamesh.gateway.server.store import VersionStore
+from deltamesh.gateway.server.stored_version import StoredVersion
+from deltamesh.gateway.server.traffic import Traffic
+from deltamesh.gateway.server.upstreams import upstream_session
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A long lossy link stalls single connections: a lost retransmission costs a retra
 (seconds, doubling each time), during which that connection moves nothing while the others are fine.
 Mid-version that costs little (the other connections carry on), but the version is done only when its
 last piece is, so at its end every other connection would sit idle waiting for the stalled one. So a
-connection with nothing left to ask for (an idle lane, `deltamesh.gateway.fetch_lanes`) looks for a
+connection with nothing left to ask for (an idle lane, `deltamesh.gateway.fetch.lanes`) looks for a
 request of the same version that has moved no byte for `after_s` (one that never answered at all, for
 four times that: it may be a piece still on its way to its source, which another request would only
 wait for too) and asks for what that request has left on its own connection. Whichever request
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-from deltamesh.gateway.fetch_http import Span
+from deltamesh.gateway.fetch.http_reads import Span
 
 log = logging.getLogger(__name__)
 

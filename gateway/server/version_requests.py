@@ -1,7 +1,7 @@
 """Reading a version-plane request before it touches the store: path parts (model ids matching the
 manifest's pattern, versions and piece indices as plain decimal integers, kinds `delta` or `full`),
 query parameters, the stored version a path names, who the caller says it is, and the refusal
-(`Reject`) a handler raises for the routes of `deltamesh.gateway.routes_versions` to answer.
+(`Reject`) a handler raises for the routes of `deltamesh.gateway.server.routes_versions` to answer.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from aiohttp import web
 
 from deltamesh.delta.manifest import MODEL_ID_RE
 from deltamesh.gateway_client import PEER_HEADER
-from deltamesh.gateway.service import Gateway
-from deltamesh.gateway.stored_version import KINDS, StoredVersion
+from deltamesh.gateway.server.service import Gateway
+from deltamesh.gateway.server.stored_version import KINDS, StoredVersion
 
 INT_RE = re.compile(r"^[0-9]{1,12}$")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.hashing import digest, piece_digest
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.disk import DiskSpace
+from deltamesh.gateway.server.disk import DiskSpace
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 
 from deltamesh.delta.manifest import Manifest, load_manifest_unverified
-from deltamesh.gateway.fetch import Fetcher
-from deltamesh.gateway.links import _percentile
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.links import _percentile
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import bearer, client_session, request_bytes
 from deltamesh.tls import TlsSettings

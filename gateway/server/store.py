@@ -4,7 +4,7 @@ Layout: `ROOT/models/<model>/<version>/<kind>/manifest.json` (the signed envelop
 and `.../pieces/<index>` (raw piece bytes). Files are written to a temporary name, fsynced and renamed,
 so a crash leaves either the whole file or none; a restart re-indexes what is on disk and nothing has
 to be uploaded again. A manifest is accepted only when the disk has room for it and all its pieces
-(`deltamesh.gateway.disk`: otherwise DiskFullError, a 507, with nothing written or announced), so an
+(`deltamesh.gateway.server.disk`: otherwise DiskFullError, a 507, with nothing written or announced), so an
 announced version can always be completed. A version is announced (the head moves, waiters wake) as
 soon as its manifest is durable and its pieces' space reserved, and each piece becomes readable the
 moment it has been written and verified, which is what lets relays forward a version while the rest
@@ -30,10 +30,10 @@ from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.delta.manifest import MODEL_ID_RE, Manifest, load_manifest
-from deltamesh.gateway.disk import DiskSpace, is_no_space, remove_leftovers, write_manifest
-from deltamesh.gateway.ledger import ConflictError, VersionLedger
-from deltamesh.gateway.staging import Staging, StagingIncomplete
-from deltamesh.gateway.stored_version import KINDS, StoredVersion, read_checked
+from deltamesh.gateway.server.disk import DiskSpace, is_no_space, remove_leftovers, write_manifest
+from deltamesh.gateway.server.ledger import ConflictError, VersionLedger
+from deltamesh.gateway.server.staging import Staging, StagingIncomplete
+from deltamesh.gateway.server.stored_version import KINDS, StoredVersion, read_checked
 from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,10 @@ class VersionStore:
         self.root = Path(root)
         self.trusted_keys = list(trusted_keys)
         self.disk = DiskSpace(self.root, disk_margin_bytes)
-        """Free space, reservations and the disk-full state: see `deltamesh.gateway.disk`."""
+        """Free space, reservations and the disk-full state: see `deltamesh.gateway.server.disk`."""
         self.staging = Staging(self.root / "staging", self.disk, max_bytes=staging_max_bytes, ttl_s=staging_ttl_s)
         self.ledger = VersionLedger(self.root / "ledger.jsonl")
-        """(model, version) -> weights hash of everything ever accepted: see `deltamesh.gateway.ledger`."""
+        """(model, version) -> weights hash of everything ever accepted: see `deltamesh.gateway.server.ledger`."""
         self._models: dict[str, dict[tuple[int, str], StoredVersion]] = {}
         self._epoch = 0
         self._changed = asyncio.Event()
@@ -284,7 +284,7 @@ class VersionStore:
         for callback in self.on_version_complete:
             callback(entry)
 
-    # -- disk space (see deltamesh.gateway.disk) ---------------------------------------------------
+    # -- disk space (see deltamesh.gateway.server.disk) ---------------------------------------------------
     def reserved_bytes(self) -> int:
         """Disk space promised to the pieces of versions still arriving (in whole blocks)."""
         block = self.disk.block_bytes()

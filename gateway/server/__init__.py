@@ -1,0 +1,1 @@
+"""The regional gateway server: routes, version store, relays, registry, statements."""
