@@ -11,9 +11,9 @@ Two phases on the same gateways, each a cold start (a full snapshot) and `--step
 
 - sharded: every rank encodes its own rows against its own last copy, stages its pieces on the origin
   over its own connections, and rank 0 signs one manifest from the ranks' descriptions
-  (`deltamesh.gateway.shard_publisher`);
+  (`deltamesh.trainer.shard_publisher`);
 - rank 0 (today's path): the ranks' rows are gathered to rank 0 over gloo, which encodes, signs and
-  uploads the whole model (`deltamesh.gateway.publisher`).
+  uploads the whole model (`deltamesh.trainer.publisher`).
 
 Per version it reports step end -> every pool serving and the stages (encoded, uploaded, the last
 pool's fetch and serving) as medians over the deltas after the first; the peak resident memory that

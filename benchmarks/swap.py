@@ -58,7 +58,7 @@ from inputs import qwen3_shapes, synthetic_case
 
 from deltamesh.delta import dir_manifest, generate_key, read_weights, save_keypair, write_weights
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig

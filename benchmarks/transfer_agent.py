@@ -66,7 +66,7 @@ def publish(args: argparse.Namespace) -> int:
 
     from deltamesh.delta import Manifest, load_private_key
     from deltamesh.http import client_session
-    from deltamesh.gateway.upload import upload_version
+    from deltamesh.trainer.upload import upload_version
 
     folder = Path(args.payload)
     body = Manifest.from_body((folder / "manifest.json").read_bytes())
@@ -207,7 +207,7 @@ def publish_steps(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from deltamesh.delta import load_private_key
-    from deltamesh.gateway.publisher import Publisher
+    from deltamesh.trainer.publisher import Publisher
 
     folder = Path(args.steps_dir)
     publisher = Publisher(args.gateway, load_private_key(args.key), args.model, full_every=args.full_every)

@@ -3,7 +3,7 @@
 The fan-out network of scenario 3 (origin, 3 regions over long links, 4 pools per region) runs an
 origin gateway, one relay gateway per region and a real `deltamesh pool sync` agent in every pool
 host, each keeping its own safetensors directory at the head. A publisher agent at the origin
-(`deltamesh.gateway.publisher.Publisher`, a full snapshot every 10 versions) publishes version 0 (the
+(`deltamesh.trainer.publisher.Publisher`, a full snapshot every 10 versions) publishes version 0 (the
 pretrained checkpoint, a full snapshot) and then one version every `step_seconds`, as a trainer does
 after each step, without waiting for the pools. The benchmark watches the pools' directories (which
 version each holds, read from its manifest file) and reports per version the bytes shipped, delta vs

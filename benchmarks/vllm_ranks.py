@@ -43,7 +43,7 @@ from deltamesh.delta import apply_to_dir, generate_key, save_keypair
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.fetcher import Fetcher
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.fetch.plan_steps import fetch_verified

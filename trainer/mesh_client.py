@@ -33,10 +33,10 @@ from deltamesh.delta.layouts import PoolLayout
 from deltamesh.http import HttpError, serving
 from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Batch, DataFormatError
-from deltamesh.trainer.publish import StreamStart, start_sharded, start_stream
+from deltamesh.trainer.stream_start import StreamStart, start_sharded, start_stream
 from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.publishing import PublishOutcome, Publishing, ShardedVersions
 

@@ -4,10 +4,10 @@
 
 - whole (`publish_parts` off, or one process): every step's bf16 weights are gathered to rank 0 (a
   collective), whose `MeshClient` encodes and publishes them (the gateway's stream joined as
-  `deltamesh.trainer.publish.start_stream` says);
+  `deltamesh.trainer.stream_start.start_stream` says);
 - in parts (`publish_parts` on, or auto on several ranks): every rank copies its own rows to bf16 (no
   collective) and publishes them in the background on a thread of its own
-  (`deltamesh.gateway.shard_publisher`: encoded against its own last rows, staged on the origin over its
+  (`deltamesh.trainer.shard_publisher`: encoded against its own last rows, staged on the origin over its
   own connections, described to rank 0 on a TCPStore exchange); rank 0 signs one manifest for all of them
   and reports each version to the broker. The stream starts with a full snapshot from every rank
   (`start_sharded`). No rank ever holds more than its own rows, twice, and its pieces.
@@ -26,11 +26,11 @@ from torch import nn
 
 from deltamesh.delta import load_private_key, read_side_files
 from deltamesh.delta.layouts import cuts_for, parse_layout
-from deltamesh.gateway.shard_publisher import ShardPublisher
+from deltamesh.trainer.shard_publisher import ShardPublisher
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.mesh_client import MeshClient, PublishOutcome
-from deltamesh.trainer.part_exchange import open_store_exchange
+from deltamesh.trainer.store_exchange import open_store_exchange
 from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.publishing import Publishing, ShardedVersions, rank_publishing
 from deltamesh.trainer.step import published_shard, published_weights

@@ -9,7 +9,7 @@ A lab whose trainer is not deltamesh's (`deltamesh train`) publishes with three 
 `publish` casts the floating tensors to bf16 on the CPU (tied tensors once, as Hugging Face stores
 them), then encodes the version against the last one this publisher sent (the first one of a process
 is a full snapshot numbered after the gateway's head), signs it with the trainer's key and uploads it
-to the origin gateway with the trainer's token (`deltamesh.gateway.publisher.Publisher`); it returns
+to the origin gateway with the trainer's token (`deltamesh.trainer.publisher.Publisher`); it returns
 once the origin holds it. It runs the publisher's asyncio client on a thread of its own
 (`deltamesh.loop_thread`), so the calling loop needs none. The settings are the `[publish]` table of
 `deltamesh publish` (`deltamesh.gateway.config.PublishConfig`); the token never goes in the file: it
@@ -33,7 +33,7 @@ from deltamesh.config_flags import read_secret
 from deltamesh.delta.keys import load_private_key
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import PublishConfig
-from deltamesh.gateway.publisher import Published, Publisher
+from deltamesh.trainer.publisher import Published, Publisher
 from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.step import PUBLISH_DTYPE, published_weights
 

@@ -1,8 +1,8 @@
-"""Why a pool's weight sync could not go on: the errors `deltamesh.gateway.weight_sync` raises.
+"""Why a pool's weight sync could not go on: the errors `deltamesh.mesh.pool.weight_sync` raises.
 
 `SyncError` is a round that could not complete (no gateway answered, the plan's data did not verify);
 the loops log it and try again from where the pool is. `Refused` is a round that ended because a
-gateway offered something the pool will not take (`deltamesh.gateway.head_check`): the next round
+gateway offered something the pool will not take (`deltamesh.mesh.pool.head_check`): the next round
 goes to another gateway. `CredentialsError` is every gateway refusing the pool's credentials: nothing
 will come until an operator acts, so the loops end with it, as one error.
 """

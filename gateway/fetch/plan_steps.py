@@ -5,7 +5,7 @@ that rebuilds the gateway's weights at start-up alike: the manifest must be sign
 and name exactly the model, version and kind the plan asked for (a relay cannot substitute another
 version), and every piece is checked against the manifest by the fetcher before it is kept. A pool
 adds its own `check` of the manifest (no rollback, one weights hash per version: see
-`deltamesh.gateway.head_check`); a manifest it refuses is, to the fetcher, one more it cannot accept,
+`deltamesh.mesh.pool.head_check`); a manifest it refuses is, to the fetcher, one more it cannot accept,
 so the fetcher turns to another gateway for it.
 """
 

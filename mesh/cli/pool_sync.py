@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from deltamesh.gateway.config import PoolSyncConfig
-    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync
+    from deltamesh.mesh.pool.weight_sync import CredentialsError, SyncError, WeightSync
     from deltamesh.signals import until_stopped
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
@@ -86,7 +86,7 @@ async def metrics_served(sync, listen: str) -> AsyncIterator[None]:
         return
     import logging
 
-    from deltamesh.gateway.sync_metrics import sync_registry
+    from deltamesh.mesh.pool.sync_metrics import sync_registry
     from deltamesh.http import serving
     from deltamesh.metrics import status_app
 

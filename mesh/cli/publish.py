@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
     from deltamesh.gateway.config import PublishConfig
-    from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
+    from deltamesh.trainer.publisher import Publisher, PublishState, publish_dir
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.mesh.cli.exits import exit_code

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.eval.config import EvalConfig

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.errors import credentials_refused
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
 from deltamesh.metrics import service_registry, status_app

@@ -1,7 +1,7 @@
 """The pool's weight stream for one policy: each new version into its engine and its synced directory.
 
 `PolicyWeights.sync_round` is the whole way of a version into the pool, in one place, top to bottom
-(the gateway-talking steps are `deltamesh.gateway.weight_sync.WeightSync`'s):
+(the gateway-talking steps are `deltamesh.mesh.pool.weight_sync.WeightSync`'s):
 
 1. plan: long-poll the gateway for a head newer than the directory, ask for a transfer plan;
 2. fetch and decode: each step's signed manifest and pieces, verified, then decoded once;
@@ -24,7 +24,7 @@
    version is reloaded in full from the directory and checked again; a reload that fails or does not
    pass is retried at the start of each round;
 7. report: `status` and the pool metrics (steps fetched, swaps by way, checks and drift, offers
-   refused from gateways and gateways found stale: `deltamesh.gateway.head_check`), and `timeline`,
+   refused from gateways and gateways found stale: `deltamesh.mesh.pool.head_check`), and `timeline`,
    when each version reached each of these steps (`timeline.py`: head, fetched, verified, applied,
    serving, persisted).
 
@@ -47,8 +47,8 @@ from typing import Awaitable, Callable, Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.head_check import Refusal
-from deltamesh.gateway.weight_sync import (
+from deltamesh.mesh.pool.head_check import Refusal
+from deltamesh.mesh.pool.weight_sync import (
     RETRY_S,
     CredentialsError,
     Refused,

@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from deltamesh.config import from_dict
 from deltamesh.gateway.config import PublishConfig
-from deltamesh.gateway.publisher import Published
+from deltamesh.trainer.publisher import Published
 from deltamesh.mesh.vllm_plugin import BACKEND
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.trainer import WeightPublisher

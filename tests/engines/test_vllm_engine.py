@@ -29,7 +29,7 @@ from deltamesh.delta import (
     save_keypair,
 )
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs

@@ -20,7 +20,7 @@ from deltamesh.delta.layouts import PoolLayout
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep, error_kind

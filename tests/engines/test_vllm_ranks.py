@@ -31,7 +31,7 @@ from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import VLLM_TINY, tiny_model_dir

@@ -32,7 +32,7 @@ from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
 from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
 from deltamesh.http import serving
 from deltamesh.gateway.server.app import create_app, ssl_context
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]

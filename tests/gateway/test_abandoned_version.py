@@ -16,9 +16,9 @@ import pytest
 
 from deltamesh.delta import encode_delta, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.gateway_client import version_url
 from deltamesh.http import client_session, request_bytes
 

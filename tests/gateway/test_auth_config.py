@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from deltamesh.delta import write_weights
 from deltamesh.gateway.config import GatewayConfig, PublishConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 
 from deltamesh.config import ConfigError, load_config

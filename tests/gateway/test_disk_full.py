@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_bytes, request_json
 
 MODEL = "m"

@@ -18,11 +18,11 @@ from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.fetcher import Fetcher
 from deltamesh.gateway.fetch.http_reads import Progress
 from deltamesh.gateway.fetch.parts import EarlyParts
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.fetch.sources import Source
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 from deltamesh.gateway.version_parts import MAX_PARTS, SPAN_HEADER, VERSION_HEADER
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.http import client_session
 
 MODEL = "m"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deltamesh.delta import Manifest, TensorEntry
-from deltamesh.gateway.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.mesh.pool.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.gateway.fetch.sources import Source
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 
 import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 

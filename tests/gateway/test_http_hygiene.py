@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from deltamesh.delta.keys import key_id, sign
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_json, serving
 
 MODEL = "tiny-1"

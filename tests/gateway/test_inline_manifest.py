@@ -21,10 +21,10 @@ from aiohttp import web
 
 from deltamesh.delta import dir_manifest, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.fetch.errors import SyncError
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.trainer.upload import upload_version
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.http import client_session, serving
 from deltamesh.tokens import TokenSpec, add_token
 from deltamesh_test_passthrough import pass_through

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.cli.exits import Exit
 from deltamesh.mesh.demo.processes import free_port
 

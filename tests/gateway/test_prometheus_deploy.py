@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from deltamesh.gateway.server.metrics import GatewayMetrics
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.demo.processes import end_process
 from deltamesh.mesh.pool.metrics import PoolMetrics

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.http import HttpError
 
 MODEL = "tiny"

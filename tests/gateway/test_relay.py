@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from deltamesh.http import client_session, request_bytes, request_json
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "relay-m"
 

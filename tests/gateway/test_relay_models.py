@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_json
 
 MODELS = [f"model-{i:02d}" for i in range(12)]

@@ -23,8 +23,8 @@ import deltamesh_test_passthrough as passthrough  # a helper module of this fold
 from deltamesh.delta import dir_manifest, load_public_key, read_weights, write_weights
 from deltamesh.delta.manifest import Manifest, load_manifest
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import SyncError, WeightSync
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.mesh.pool.weight_sync import SyncError, WeightSync
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import tiny_model_dir
 

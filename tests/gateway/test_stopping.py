@@ -13,7 +13,7 @@ import pytest
 
 from deltamesh.delta import dir_manifest
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.registry import PoolRegistry
 
 MODEL = "tiny"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from deltamesh.delta import apply_to_dir, load_manifest, read_weights
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import GATEWAY_KEY, create_app, ssl_context
 
 from deltamesh.certs import issue, make_ca

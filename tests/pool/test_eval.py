@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from deltamesh.delta import weights_hash
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.engines.base import ServedDigests

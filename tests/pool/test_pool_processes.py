@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import live_tensors
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.config import ServeCheckConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from deltamesh.delta import dir_manifest
 from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool

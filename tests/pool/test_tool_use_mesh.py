@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
 from deltamesh.mesh.sandbox import SandboxConfig

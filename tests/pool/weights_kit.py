@@ -12,7 +12,7 @@ import torch
 
 from deltamesh.delta import live_tensors
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
 

@@ -3,7 +3,7 @@
 A weights-only pool has no engine, broker or workflow to count; what an operator watches is where it
 is and whether it keeps up: the version its directory holds, the newest head its gateways announce
 (and each one's), how far behind that is, the state of its transfer, how many rounds in a row have
-failed (an outage of its gateways: `deltamesh.gateway.outage`), and what its freshness checks found:
+failed (an outage of its gateways: `deltamesh.mesh.pool.retry_log`), and what its freshness checks found:
 the refusals by reason and which gateways are stale, under the names a rollout pool uses for them
 (`deltamesh.mesh.pool.metrics`; docs/SECURITY.md). Served with the process and build metrics of
 `deltamesh.metrics.service_registry` when `metrics_listen` is set (off by default).
@@ -21,7 +21,7 @@ from deltamesh.gateway.server.registry import TRANSFER_STATES
 from deltamesh.metrics import service_registry
 
 if TYPE_CHECKING:
-    from deltamesh.gateway.weight_sync import WeightSync
+    from deltamesh.mesh.pool.weight_sync import WeightSync
 
 
 class SyncCollector:

@@ -3,7 +3,7 @@
 `Publisher.publish(weights)` makes version v a delta against the last version it published (and
 also a full snapshot every `full_every` versions; the first version it publishes is a full
 snapshot), signs the manifests with the trainer key and streams them to the origin gateway with
-`deltamesh.gateway.upload`. The delta is encoded, signed and uploaded before the periodic full is
+`deltamesh.trainer.upload`. The delta is encoded, signed and uploaded before the periodic full is
 even encoded, so pools that follow the chain can start at once; the full follows, its tensor hashes
 taken from the delta's table rather than computed again. Uploads ride one client session kept open
 across versions (warm connections, no new TLS handshakes), opened on first use, dropped after a
@@ -49,8 +49,8 @@ from deltamesh.delta.layouts import PoolLayout, cuts_for
 from deltamesh.delta.manifest import Manifest
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.gateway.origin_link import OriginLink
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.upload import upload_version
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
 

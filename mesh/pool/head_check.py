@@ -11,7 +11,7 @@ version with the same hash stays allowed (a repair). `FreezeWatch` remembers whe
 learned of each newer version (another gateway's head, a signed statement, what it holds) and names
 the version a gateway's head has stayed below for longer than `stale_after_s` (freeze). `GatewayBook`
 is each gateway's standing (ok, stale, refused) as status reports it, and the penalty that makes the
-next round go to another gateway. All of it is pure bookkeeping: `deltamesh.gateway.weight_sync` asks.
+next round go to another gateway. All of it is pure bookkeeping: `deltamesh.mesh.pool.weight_sync` asks.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ After each head answer, `WeightSync` asks the answering gateway for the trainer'
 (`VersionGuard`: a later manifest of that version must carry it). With several gateways and the freeze
 check on, it also asks the others for their heads (no waiting). `judge` then says which gateways are
 stale: one behind a version the pool has known of for longer than `stale_after_s`
-(`deltamesh.gateway.head_check.FreezeWatch`), and the answering one also when it serves no statement,
+(`deltamesh.mesh.pool.head_check.FreezeWatch`), and the answering one also when it serves no statement,
 or an older one than `statement_max_age_s`, where one is required. Network errors here only leave a
 gateway unjudged: the head and the plan are what a round needs. `check` runs these for one head
 answer and flags stale gateways (logged once each); `refuse` books anything refused (one log line,
@@ -28,7 +28,7 @@ import aiohttp
 from deltamesh.delta import CodecError, HeadStatement, StaleStatementError, check_fresh, digest, load_statement
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.mesh.pool.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import statement_url
 from deltamesh.http import HttpError, request_bytes, request_json

@@ -44,8 +44,8 @@ from deltamesh.gateway.fetch.plan_steps import fetch_verified
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 from deltamesh.gateway.plan import Plan
-from deltamesh.gateway.origin_link import OriginLink
-from deltamesh.gateway.publisher import Published, Publisher
+from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.publisher import Published, Publisher
 
 log = logging.getLogger(__name__)
 

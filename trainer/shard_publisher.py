@@ -6,7 +6,7 @@ every rank, at once, with its own cores and its own connections to the origin:
 1. encodes the rows it holds against the same rows of the last version it published (a full snapshot
    of them for the first version, or when the base is gone), hashing them tile by tile
    (`deltamesh.delta.parts.encode_part`); the pool layouts' `cuts` say where pool ranks' shares end;
-2. stages its pieces on the origin (`deltamesh.gateway.upload.stage_pieces`: checked there, not yet
+2. stages its pieces on the origin (`deltamesh.trainer.upload.stage_pieces`: checked there, not yet
    part of any version);
 3. puts its part's description (a few bytes per piece and tile, JSON) on the exchange (part_exchange.py).
 
@@ -39,10 +39,10 @@ from deltamesh.delta.manifest import Kind, Manifest
 from deltamesh.delta.cuts import Cuts, TensorSpec
 from deltamesh.delta.parts import Part, encode_part
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.gateway.origin_link import OriginLink
-from deltamesh.gateway.part_exchange import PartExchange
-from deltamesh.gateway.publisher import Published
-from deltamesh.gateway.upload import put_staged_manifest, stage_pieces
+from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.exchange import PartExchange
+from deltamesh.trainer.publisher import Published
+from deltamesh.trainer.upload import put_staged_manifest, stage_pieces
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
 

@@ -1,7 +1,7 @@
 """The exchange of a sharded trainer's ranks when they publish a version in parts: torch's TCPStore.
 
-`deltamesh.gateway.shard_publisher` has each rank put its part's description on an exchange and rank 0
-put the outcome (`deltamesh.gateway.part_exchange.PartExchange`). Across processes that is a TCPStore
+`deltamesh.trainer.shard_publisher` has each rank put its part's description on an exchange and rank 0
+put the outcome (`deltamesh.trainer.exchange.PartExchange`). Across processes that is a TCPStore
 of torch.distributed, a small key-value server every rank reaches: rank 0 serves it on a free port
 of the master address and tells the others the port with one broadcast (`open_store_exchange`, a
 collective every rank calls once, at start-up, in step with the others). It is separate from the

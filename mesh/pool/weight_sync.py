@@ -14,12 +14,12 @@ the newest head its gateways in good standing announce (each one's is in `book`)
 
 Every request carries the pool's token (or its client certificate) over TLS as `tls` says. Whatever a
 gateway's plan says, the pool never moves below the version it holds nor takes another weights hash
-for a version it verified (`deltamesh.gateway.head_check`), and it checks each gateway's freshness by
-the trainer's signed head statement and its other gateways' heads (`deltamesh.gateway.head_watch`).
+for a version it verified (`deltamesh.mesh.pool.head_check`), and it checks each gateway's freshness by
+the trainer's signed head statement and its other gateways' heads (`deltamesh.mesh.pool.head_watch`).
 A refused or stale gateway is logged once, counted (`book`, `on_refusal`) and asked last for a while,
 so the next round goes to another. Credentials every gateway refuses end the loop with one
 CredentialsError (`deltamesh.gateway.fetch.errors`); a clean stop deregisters the pool from the gateway
-it registered with (`deltamesh.gateway.pool_presence`).
+it registered with (`deltamesh.mesh.pool.presence`).
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from deltamesh.delta import (
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline
 from deltamesh.gateway.fetch.parts import EarlyParts
-from deltamesh.gateway.head_check import GatewayBook, Refusal, Rejected, VersionGuard
-from deltamesh.gateway.head_watch import HeadWatch, valid_head
-from deltamesh.gateway.outage import Outage
-from deltamesh.gateway.pool_presence import Presence
+from deltamesh.mesh.pool.head_check import GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.mesh.pool.head_watch import HeadWatch, valid_head
+from deltamesh.mesh.pool.retry_log import Outage
+from deltamesh.mesh.pool.presence import Presence
 from deltamesh.gateway.fetch.sources import Source, ask_first
 from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
-from deltamesh.gateway.supersede import fetch_superseding
+from deltamesh.mesh.pool.supersede import fetch_superseding
 from deltamesh.gateway.fetch.plan_steps import Step, fetch_verified, inline_envelopes
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class WeightSync:
 
     async def fetch_decoded(self, plan: Plan) -> list[DecodedVersion]:
         """Every step of `plan`, fetched and verified, then decoded once (off the event loop); a step that
-        no gateway serves may be left for a newer plan from the same base (`deltamesh.gateway.supersede`)."""
+        no gateway serves may be left for a newer plan from the same base (`deltamesh.mesh.pool.supersede`)."""
         return await fetch_superseding(
             plan, self._fetch_steps, stall_s=self.config.stall_timeout_s, who=f"pool {self.config.name}",
             progress=lambda: self.transfer.get("bytes_done", 0), stuck_step=lambda: self._step,
@@ -358,7 +358,7 @@ class WeightSync:
             raise SyncError(f"gateway serves {len(models)} models {sorted(models)}; name one")
         return next(iter(models))
 
-    # -- the pool's registration (`deltamesh.gateway.pool_presence`) ------------------------------------
+    # -- the pool's registration (`deltamesh.mesh.pool.presence`) ------------------------------------
     async def register(self) -> None:
         await self.presence.register(self._session, self.model, self.version)
 

@@ -5,7 +5,7 @@ under a key of its own; rank 0 `get`s every rank's (blocking, with a deadline: a
 answers and the version is not published), signs the manifest and `put`s the outcome, which the
 other ranks `get`. Values are bytes (JSON: never pickle). An exchange is a small key-value store
 shared by the ranks: `LocalExchange` for ranks that are threads of one process (tests, benchmarks),
-and, for ranks that are processes, the trainer's (`deltamesh.trainer.part_exchange`: torch's
+and, for ranks that are processes, the trainer's (`deltamesh.trainer.store_exchange`: torch's
 TCPStore, which torchrun's ranks reach anyway).
 """
 
