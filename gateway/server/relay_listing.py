@@ -2,7 +2,7 @@
 (`follow_heads`, one loop per upstream, which tells the relay of every answer), and what an upstream
 can serve of one model, its listing (`GET /v1/models/{m}/versions`: the versions it holds and those
 it could fetch from its own upstreams, `reachable`), asked of the first upstream that answers. The
-relay (gateway/relay.py) mirrors and plans from the last listing.
+relay (gateway/server/relay.py) mirrors and plans from the last listing.
 """
 
 from __future__ import annotations
