@@ -41,11 +41,12 @@ from deltamesh.gateway.fetch.parts import EarlyParts
 from deltamesh.mesh.pool.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.mesh.pool.head_watch import HeadWatch, valid_head
 from deltamesh.mesh.pool.retry_log import Outage
+from deltamesh.mesh.pool.membership import Membership
 from deltamesh.mesh.pool.presence import Presence
 from deltamesh.gateway.fetch.sources import Source, ask_first
 from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.http import HttpError, bearer, client_session
-from deltamesh.signals import sleep_or_stop, until_stopped, wait_event
+from deltamesh.signals import sleep_or_stop, until_stopped
 from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.mesh.pool.supersede import fetch_superseding
@@ -57,7 +58,7 @@ RETRY_S = 1.0
 """Longest pause before a round when the engine must catch up; failed rounds back off (`outage`)."""
 
 
-class WeightSync:
+class WeightSync(Membership):
     def __init__(self, config: PoolSyncConfig, *, on_refusal: Callable[[Refusal], None] | None = None,
                  hold_weights: bool = False):
         self.config = config
@@ -358,48 +359,12 @@ class WeightSync:
             raise SyncError(f"gateway serves {len(models)} models {sorted(models)}; name one")
         return next(iter(models))
 
-    # -- the pool's registration (`deltamesh.mesh.pool.presence`) ------------------------------------
-    async def register(self) -> None:
-        await self.presence.register(self._session, self.model, self.version)
-
     async def authenticate(self) -> None:
         """Name the model (the gateway's only one, if none was given) and register: a token refused, or
         bound to another pool's name, fails here (CredentialsError), before anything is downloaded."""
         if not self.model:
             self.model = await self._pick_model()
         await self.heartbeat()
-
-    async def register_once(self) -> None:
-        """Register (and beat) before the loops start: refused credentials end a pool there, with one
-        error; any other failure is left to the heartbeat loop, which keeps trying."""
-        try:
-            await self.heartbeat()
-        except CredentialsError:
-            raise
-        except (SyncError, HttpError) as e:
-            log.warning("pool %s: registration: %s", self.config.name, e)
-
-    async def deregister(self) -> None:
-        """Leave the gateway the pool registered with (best effort, briefly): part of a clean stop."""
-        await self.presence.leave(self._session)
-
-    async def heartbeat(self) -> None:
-        state = {"version": self.version, "state": self.state, "transfer": self.transfer}
-        # The answer's head is left aside: `head` is what the gateways' head answers say (`book`), the
-        # ones whose freshness the pool checks, so what it reports agrees with each gateway's standing.
-        await self.presence.beat(self._session, self.model, state)
-
-    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
-        """Heartbeat until `stop`: every `heartbeat_s`, and at once after a new version is persisted."""
-        while not stop.is_set():
-            self._beat_now.clear()
-            try:
-                await self.heartbeat()
-                self._beats.succeeded()
-            except (HttpError, SyncError) as e:
-                self._beats.failed(str(e))  # logged once per outage; the beats keep their period
-            # The next beat comes after the period, or at once when a new version has been applied.
-            await wait_event(self._beat_now, self.config.heartbeat_s)
 
     def set_error(self, reason: str, *, logged: bool = False) -> float:
         """Report a failed round (in heartbeats and status), logged once per outage (`logged`: its line
