@@ -255,7 +255,9 @@ def main() -> int:
     if args.json:
         keys = ("ingest_traj_per_s", "batch_latency_ms_p50", "batch_latency_ms_p99")
         out = {k: results[0][1][k] for k in keys}
-        out.update({"ingest_traj_per_s_tls_auth": f["ingest_traj_per_s"] for c, f in results if c.secured})
+        for c, f in results:
+            if c.secured:
+                out["ingest_traj_per_s_tls_auth"] = f["ingest_traj_per_s"]
         for c, f in results:
             if c.postgres:
                 out.update(ingest_traj_per_s_postgres=f["ingest_traj_per_s"],

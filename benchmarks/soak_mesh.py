@@ -197,7 +197,7 @@ class SoakMesh:
         (self.run_dir / "ledgers").mkdir(exist_ok=True)
         self.clock = ClockFiles(self.run_dir / "clock")
         self.pg = PgPair()
-        self.model_dir  # built before the services race to build it
+        self.model_dir  # noqa: B018 - the property builds it, before the services race to build it
 
     def _service(self, name: str, kind: str, host: str, args: list[str], *, url: str = "",
                  secrets: dict[str, str] | None = None) -> Service:

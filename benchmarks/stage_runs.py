@@ -93,7 +93,7 @@ def run_once(p: Prepared) -> dict[str, float]:
     out["encode"], encoded = _timed(lambda: encode_delta(
         case.old, case.new, model_id="m", version=1, base_version=0, key=None, base_hash=p.base_hash,
         piece_bytes=PIECE_BYTES))
-    out["sign"], signed = _timed(lambda: encoded.signed(p.key))
+    out["sign"], signed = _timed(lambda version=encoded: version.signed(p.key))
     del encoded, signed
     out["hash"], _ = _timed(lambda: tensor_digests(case.new))
     out["decode"], forward = _timed(lambda: decode_version(load_manifest(p.forward.manifest_bytes, [public]),

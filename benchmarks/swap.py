@@ -236,7 +236,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
             pools[mode] = await stack.enter_async_context(PolicyWeights(engine, sync, hot_swap=MODES[mode]))
         # The ways take turns version by version, so that both see the same background load over time;
         # before each measured version both catch up, off the clock, with the old weights republished.
-        for rep in range(repeats):
+        for _rep in range(repeats):
             for kind in kinds:
                 for mode, weights in pools.items():
                     await trainer.back_to_old()
@@ -266,7 +266,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                              "%.3f s (%d payload bytes)", model.name, kind, mode, version, served, first, over, nbytes)
         next_served = []
         if "in_place" in pools and "delta" in kinds:
-            for rep in range(repeats):
+            for _rep in range(repeats):
                 await trainer.back_to_old()
                 await catch_up(pools.values())
                 async with Generating(pools["in_place"].engine):

@@ -141,7 +141,7 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
     final_asked = False
     while not stop.is_set():
         services.check(allowed_to_end=list(plan.trainers.values()))
-        for model_id, trainer in plan.trainers.items():
+        for trainer in plan.trainers.values():
             code = trainer.returncode()
             if code is not None and code != 0:
                 raise ServiceError(f"{trainer.name} exited with code {code}; its log {trainer.log_path} ends:\n"

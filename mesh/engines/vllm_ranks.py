@@ -219,7 +219,7 @@ class VLLMRanksEngine(VLLMEngine):
         self._set_version(version)
         log.info("%s: v%d %s on %d ranks (%.3f s paused, %.3f s in vLLM)", self.model_id, version, way,
                  len(loaded), seconds, self._reload_s)
-        return [_with_load(p, l.load_s) for p, l in zip(prepared, loaded)]
+        return [_with_load(p, load.load_s) for p, load in zip(prepared, loaded)]
 
     async def _revert(self) -> None:
         """Every rank puts its host copy back (and what it loaded into vLLM); the caller holds the lock."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    CorruptError, apply_version, decode_version, encode_delta, encode_full, load_manifest, tensor_digest, weights_hash,
+    CorruptError, apply_version, decode_version, encode_delta, load_manifest, tensor_digest, weights_hash,
 )
 from deltamesh.delta.assemble import assemble
 from deltamesh.delta.encode import manifest_of_parts, table_of

@@ -29,7 +29,7 @@ from deltamesh.mesh.engines.vllm_ranks import _combined, dealt_cores
 pytestmark = pytest.mark.slow  # a real gateway and decodes on every test: ~10 s in all
 
 LAYOUT = PoolLayout(tp=2, kv_heads=2)
-H, I, V, HEADS, KV = 64, 128, 200, 8, 2
+H, INTER, V, HEADS, KV = 64, 128, 200, 8, 2
 
 
 def dense(seed: int) -> dict[str, torch.Tensor]:
@@ -42,8 +42,8 @@ def dense(seed: int) -> dict[str, torch.Tensor]:
     p = "model.layers.0."
     out.update({p + "self_attn.q_proj.weight": w(H, H), p + "self_attn.k_proj.weight": w(KV * H // HEADS, H),
                 p + "self_attn.v_proj.weight": w(KV * H // HEADS, H), p + "self_attn.o_proj.weight": w(H, H),
-                p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                p + "mlp.down_proj.weight": w(H, I), p + "input_layernorm.weight": w(H)})
+                p + "mlp.gate_proj.weight": w(INTER, H), p + "mlp.up_proj.weight": w(INTER, H),
+                p + "mlp.down_proj.weight": w(H, INTER), p + "input_layernorm.weight": w(H)})
     return out
 
 
