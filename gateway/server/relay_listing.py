@@ -19,7 +19,7 @@ import aiohttp
 from deltamesh.gateway.fetch.links import LinkMonitor
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.fetch.sources import Source, order_sources
-from deltamesh.gateway_client import PEER_HEADER
+from deltamesh.gateway_client import HEADS_PATH, PEER_HEADER, model_path
 from deltamesh.http import HttpError, request_json
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ async def list_upstream(session: aiohttp.ClientSession, sources: list[Source], m
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
         try:
-            answer = await request_json(session, "GET", f"{source.url}/v1/models/{model}/versions",
+            answer = await request_json(session, "GET", f"{source.url}{model_path(model, 'versions')}",
                                         headers={PEER_HEADER: peer}, timeout_s=stall_timeout_s)
             # An upstream of an earlier release lists no `reachable`: it can serve what it holds.
             return UpstreamListing(tuple(PlanStep.from_json(v) for v in answer["versions"]),
@@ -76,7 +76,7 @@ async def follow_heads(session: aiohttp.ClientSession, source: Source, peer: str
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
         try:
-            answer = await request_json(session, "GET", f"{source.url}/v1/heads", params=params,
+            answer = await request_json(session, "GET", f"{source.url}{HEADS_PATH}", params=params,
                                         headers={PEER_HEADER: peer}, timeout_s=FOLLOW_WAIT_S + stall_timeout_s)
             epoch, heads = int(answer["epoch"]), {str(m): int(v) for m, v in answer["heads"].items()}
         except (HttpError, KeyError, TypeError, ValueError, AttributeError) as e:

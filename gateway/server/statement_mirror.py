@@ -21,7 +21,7 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway_client import PEER_HEADER, statement_url
+from deltamesh.gateway_client import HEADS_PATH, PEER_HEADER, statement_url
 from deltamesh.gateway.server.statements import NotNewer, StatementConflict, StatementStore
 from deltamesh.gateway.server.upstreams import upstream_session
 from deltamesh.http import HttpError, request_bytes, request_json
@@ -46,7 +46,7 @@ async def _follow(config: GatewayConfig, statements: StatementStore, session: ai
     since, instance, backoff, asked_at = -1, "", 0.2, 0.0
     while True:
         try:
-            answer = await request_json(session, "GET", f"{upstream}/v1/heads",
+            answer = await request_json(session, "GET", f"{upstream}{HEADS_PATH}",
                                         params={"since": since, "instance": instance, "wait": FOLLOW_WAIT_S},
                                         headers=headers, timeout_s=FOLLOW_WAIT_S + config.stall_timeout_s)
             epoch, models = int(answer["epoch"]), [str(m) for m in answer["heads"]]

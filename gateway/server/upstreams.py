@@ -17,6 +17,7 @@ import uuid
 
 import aiohttp
 from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway_client import GATEWAYS_PATH
 
 from deltamesh.http import HttpError, bearer, client_session, request_json
 
@@ -46,7 +47,7 @@ async def announce_forever(config: GatewayConfig) -> None:
             missed = False
             for url in config.upstreams:
                 try:
-                    answer = await request_json(session, "POST", f"{url}/v1/gateways", body=body)
+                    answer = await request_json(session, "POST", f"{url}{GATEWAYS_PATH}", body=body)
                 except HttpError as e:
                     missed = True
                     if e.status in (401, 403) and refused.get(url) != e.reason:

@@ -30,7 +30,7 @@ from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.mesh.pool.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.gateway.fetch.sources import Source
-from deltamesh.gateway_client import statement_url
+from deltamesh.gateway_client import model_path, statement_url
 from deltamesh.http import HttpError, request_bytes, request_json
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class HeadWatch:
         others = [s for s in self.sources if s is not current]
 
         async def head(source: Source) -> int | None:
-            answer = await request_json(session, "GET", f"{source.url}/v1/models/{model}/head", headers=headers,
+            answer = await request_json(session, "GET", f"{source.url}{model_path(model, 'head')}", headers=headers,
                                         timeout_s=min(self.config.stall_timeout_s, 5.0))
             value = answer.get("head") if isinstance(answer, dict) else "?"
             if not valid_head(value):

@@ -47,7 +47,7 @@ from deltamesh.gateway.fetch.sources import Source, ask_first
 from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.signals import sleep_or_stop, until_stopped
-from deltamesh.gateway_client import PEER_HEADER
+from deltamesh.gateway_client import MODELS_PATH, PEER_HEADER, model_path
 from deltamesh.gateway.plan import Plan, PlanStep
 from deltamesh.mesh.pool.supersede import fetch_superseding
 from deltamesh.gateway.fetch.plan_steps import Step, fetch_verified, inline_envelopes
@@ -200,7 +200,7 @@ class WeightSync(Membership):
             # On every connection beside the head poll, plan and manifest (`deltamesh.gateway.fetch.parts`).
             self._parts_due = False
             self._parts = self._fetcher().ask_parts(self.model, "full", self.config.connections)
-        source, answer = await self._ask("GET", f"/v1/models/{self.model}/head",
+        source, answer = await self._ask("GET", model_path(self.model, "head"),
                                          params={"after": after, "wait": wait_s, "manifests": 1}, timeout=wait_s)
         head = answer.get("head", "?") if isinstance(answer, dict) else "?"
         if not valid_head(head):
@@ -235,7 +235,7 @@ class WeightSync(Membership):
         params = {"from": None if full else (self.version if base is None else base), "to": to}
         if self.config.full_every:
             params.update(since_full=self.since_full, full_every=self.config.full_every)
-        source, answer = await self._ask("GET", f"/v1/models/{self.model}/plan", params=params, prefer=self._round)
+        source, answer = await self._ask("GET", model_path(self.model, "plan"), params=params, prefer=self._round)
         await self._checked()
         try:
             plan = Plan.from_json(answer)
@@ -353,7 +353,7 @@ class WeightSync(Membership):
                                prefer=prefer, pool=self.config.name)
 
     async def _pick_model(self) -> str:
-        _, answer = await self._ask("GET", "/v1/models")
+        _, answer = await self._ask("GET", MODELS_PATH)
         models = answer["models"]
         if len(models) != 1:
             raise SyncError(f"gateway serves {len(models)} models {sorted(models)}; name one")
