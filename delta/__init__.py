@@ -25,9 +25,9 @@ from typing import Any
 
 # Each module of this package -> the public names it defines.
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "apply": ("Applier", "apply", "apply_version"),
-    "decode": ("TensorUpdate", "decode_piece"),
-    "decoded": ("DecodedVersion", "VersionDecoder", "decode_version"),
+    "applier": ("Applier", "apply", "apply_version"),
+    "tensor_updates": ("TensorUpdate", "decode_piece"),
+    "decoded_version": ("DecodedVersion", "VersionDecoder", "decode_version"),
     "directory": ("HeldWeights", "apply_to_dir", "dir_manifest"),
     "dtypes": ("word_view",),
     "encode": ("PIECE_BYTES", "Encoded", "encode_delta", "encode_full"),
@@ -51,8 +51,8 @@ __all__ = sorted(_WHERE)
 class _Package(types.ModuleType):
     """This package, keeping its public names when a submodule of the same name loads: the import
     system binds a loaded submodule on its package (`apply` the module over `apply` the function).
-    So `import deltamesh.delta.apply as m` gives the function: take names from a submodule with
-    `from deltamesh.delta.apply import Applier`."""
+    So `import deltamesh.delta.applier as m` gives the function: take names from a submodule with
+    `from deltamesh.delta.applier import Applier`."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _WHERE and isinstance(value, types.ModuleType):

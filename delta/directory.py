@@ -30,8 +30,8 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from .apply import apply_version
-from .decoded import DecodedVersion, Step, as_decoded, manifest_of
+from .applier import apply_version
+from .decoded_version import DecodedVersion, Step, as_decoded, manifest_of
 from .errors import BaseMismatchError, CorruptError
 from .manifest import Manifest
 from .side_files import MANIFEST_FILE, place_side_files

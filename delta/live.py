@@ -17,8 +17,8 @@ from typing import Mapping
 
 import torch
 
-from .apply import apply_version
-from .decoded import DecodedVersion
+from .applier import apply_version
+from .decoded_version import DecodedVersion
 from .dtypes import DTYPE_NAMES
 from .errors import CorruptError
 from .manifest import Manifest, TensorEntry

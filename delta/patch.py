@@ -27,8 +27,8 @@ import torch
 import xxhash
 
 from .bitdiff import apply_changes
-from .decode import TensorUpdate, changes_torch
-from .decoded import Located, empty_tensor
+from .tensor_updates import TensorUpdate, changes_torch
+from .decoded_version import Located, empty_tensor
 from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
 from .grid import words_digest

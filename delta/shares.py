@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .decode import TensorUpdate, decode_piece
+from .tensor_updates import TensorUpdate, decode_piece
 from .dtypes import is_float, np_words
 from .errors import BaseMismatchError, CodecError, CorruptError
 from .grid import tile_digests

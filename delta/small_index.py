@@ -30,7 +30,7 @@ from .kernels import moved_small_positions, ranked_positions
 from .smallwords import CHUNK_WORDS, is_small
 
 if TYPE_CHECKING:
-    from .decoded import Located
+    from .decoded_version import Located
 
 
 @dataclass(frozen=True)

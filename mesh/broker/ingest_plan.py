@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, Submission,
 )
 from deltamesh.mesh.broker.store_rows import (

@@ -40,7 +40,7 @@ from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.ingest_plan import CommitPlan, StoredGroup, StoredState, plan_commit
 from deltamesh.mesh.broker.postgres_schema import UNAVAILABLE, apply_migrations
 from deltamesh.mesh.broker.recent_groups import DEFAULT_BUDGET_BYTES, RecentGroups
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     GroupKey, GroupVerdict, IngestResult, Lease, LeaderTerm, NotLeader, StoreConflict,
     StoreSnapshot, StoreUnavailable, Submission, TaskRecord,
 )

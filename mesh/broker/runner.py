@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import zstandard
 
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable, Submission,
 )
 from deltamesh.mesh.broker.store_rows import pack_submission

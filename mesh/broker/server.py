@@ -37,10 +37,10 @@ from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionAhead, VersionConflict
 from deltamesh.mesh.broker.slot import BrokerSlot, Standby
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     BrokerStore, IdConflict, LeaderTerm, LeaseNotHeld, StoreConflict, StoreUnavailable,
 )
-from deltamesh.mesh.broker.stores import is_postgres, open_store as open_db
+from deltamesh.mesh.broker.backends import is_postgres, open_store as open_db
 from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.tokens import TokenStore
 from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories

@@ -23,7 +23,7 @@ from deltamesh.mesh.broker.delivery import AckResult, BatchDelivery
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.policies import filter_chain
 from deltamesh.mesh.broker.runner import StoreRunner
-from deltamesh.mesh.broker.store import BrokerStore, IngestResult, LeaseNotHeld, StoreUnavailable
+from deltamesh.mesh.broker.store_interface import BrokerStore, IngestResult, LeaseNotHeld, StoreUnavailable
 from deltamesh.mesh.broker.tasks import TaskScheduler, read_dataset
 from deltamesh.data import DataFormatError, Trajectory
 

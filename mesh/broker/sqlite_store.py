@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 import zstandard
 
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot,
     StoreUnavailable, Submission, TaskRecord,
 )

@@ -15,7 +15,7 @@ import zstandard
 
 from deltamesh.auth import speaks_for
 from deltamesh.data import Trajectory
-from deltamesh.mesh.broker.store import (
+from deltamesh.mesh.broker.store_interface import (
     LEASE_ID, Delivery, GroupKey, GroupSummary, IdConflict, Lease, LeaseNotHeld, StoreConflict, StoreSnapshot,
     Submission, TaskRecord, content_digest,
 )

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .decode import TensorUpdate, decode_checked
+from .tensor_updates import TensorUpdate, decode_checked
 from .dtypes import np_words, torch_dtype
 from .errors import CodecError, CorruptError
 from .manifest import Manifest, NamedByManifest

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the broker's config checks `db` with this module: it stays light to import
-    from deltamesh.mesh.broker.store import BrokerStore, LeaderTerm
+    from deltamesh.mesh.broker.store_interface import BrokerStore, LeaderTerm
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
