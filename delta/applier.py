@@ -1,7 +1,7 @@
 """The one applier: a decoded version written onto weights in memory, all or nothing.
 
 `apply_version(decoded, base)` moves `base` (name -> tensor, on the CPU or any device) to a
-`DecodedVersion` (decoded.py): a delta's base must be the one it was made from (its `base_hash`
+`DecodedVersion` (decoded_version.py): a delta's base must be the one it was made from (its `base_hash`
 equals the base weights' `weights_hash`), each changed tensor's changes are located in the base (or
 taken from an earlier apply of the same decoded version whose results hashed right) and written
 (patch.py: numpy on CPU memory, torch ops elsewhere), and every resulting tensor is checked against

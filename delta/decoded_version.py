@@ -1,7 +1,7 @@
 """A version decoded once: its pieces verified and decoded, ready to be applied to any number of targets.
 
 A rollout pool applies each version twice, to its engine's live tensors and to its synced directory,
-so it is decoded once here and the `DecodedVersion` is handed to both (apply.py writes it). A delta's
+so it is decoded once here and the `DecodedVersion` is handed to both (applier.py writes it). A delta's
 segments stay as immutable `TensorUpdate`s grouped by tensor: where some changes land depends on the
 base's own words (small-word ranks, see smallwords.py), so they are resolved by the first apply, and
 once that apply's results have hashed right their `Located` positions are kept for the next target

@@ -13,7 +13,7 @@ older one is renamed aside before it is deleted, so a reader slower than that fa
 over (`read_weights`), never reading part of a version.
 
 Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
-pieces), decoded here; either way they go through the one applier (apply.py), in place on the weights
+pieces), decoded here; either way they go through the one applier (applier.py), in place on the weights
 read from the directory, or on the ones its writer held in memory since the last apply (`HeldWeights`).
 """
 

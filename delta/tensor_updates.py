@@ -4,8 +4,8 @@
 `TensorUpdate`: for a delta segment, where the changed words are (flat positions, and ranks among
 the base's small words that are resolved against the base when applied) and what they become (key
 differences, or literal new words); for a full segment, the new words of an element range. Updates
-are immutable: one decoded version can be applied to several targets (decoded.py). The whole-version
-applier with rollback is apply.py; the methods here are its per-update building blocks, in numpy for
+are immutable: one decoded version can be applied to several targets (decoded_version.py). The whole-version
+applier with rollback is applier.py; the methods here are its per-update building blocks, in numpy for
 CPU words and in torch ops for words on any device. Every count and range is validated before use
 (see piece.py), so corrupt input raises `CorruptError` and never writes out of bounds.
 """

@@ -8,7 +8,7 @@ every rank, at once, with its own cores and its own connections to the origin:
    (`deltamesh.delta.parts.encode_part`); the pool layouts' `cuts` say where pool ranks' shares end;
 2. stages its pieces on the origin (`deltamesh.trainer.upload.stage_pieces`: checked there, not yet
    part of any version);
-3. puts its part's description (a few bytes per piece and tile, JSON) on the exchange (part_exchange.py).
+3. puts its part's description (a few bytes per piece and tile, JSON) on the exchange (exchange.py).
 
 Rank 0 then gathers every description, assembles the tensor and piece tables
 (`deltamesh.delta.assemble`), signs one manifest, and sends it with `?staged=1`: the origin takes it
