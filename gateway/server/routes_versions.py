@@ -53,22 +53,50 @@ def inline_manifests(gw: Gateway, model: str, version: int) -> dict[str, str]:
     return out
 
 
-def add_version_routes(app: web.Application, gw: Gateway) -> None:
-    cfg = gw.config
-    routes = web.RouteTableDef()
-    base = "/v1/models/{model}"
-    one = base + "/versions/{version}/{kind}"
+BASE = "/v1/models/{model}"
+ONE = BASE + "/versions/{version}/{kind}"
 
-    def guarded(handler):
+
+def add_version_routes(app: web.Application, gw: Gateway) -> None:
+    app.add_routes(VersionRoutes(gw).table())
+
+
+class VersionRoutes:
+    """The version plane's handlers, one named method each, over one gateway; `table` routes them."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.cfg = gw.config
+
+    def table(self) -> list[web.RouteDef]:
+        """Every route of the version plane, each behind `guarded` (a `Reject` becomes its answer)."""
+        g = self.guarded
+        return [
+            web.get("/v1/heads", g(self.heads)),
+            web.get("/v1/models", g(self.models)),
+            web.get(BASE + "/head", g(self.head)),
+            web.get(BASE + "/versions", g(self.versions)),
+            web.get(BASE + "/traffic", g(self.traffic)),
+            web.get(BASE + "/plan", g(self.plan)),
+            web.get(ONE + "/manifest", g(self.get_manifest)),
+            web.put(ONE + "/manifest", g(self.put_manifest)),
+            web.put(ONE + "/pieces/{index}", g(self.put_piece)),
+            web.get(ONE + "/pieces/{index}", g(self.get_piece)),
+            web.get(BASE + "/newest/{kind}/parts/{part}", g(self.get_part)),
+        ]
+
+    def guarded(self, handler):
+        """`handler` with a `Reject` turned into its error answer and every refusal counted."""
+
         async def wrapped(request: web.Request) -> web.StreamResponse:
             try:
                 return await handler(request)
             except web.HTTPException as e:  # from the shared body readers (413)
-                gw.metrics.rejected.labels(str(e.status)).inc()
+                self.gw.metrics.rejected.labels(str(e.status)).inc()
                 raise
             except Reject as r:
                 if r.status != 503 and not r.expected:
-                    gw.metrics.rejected.labels(str(r.status)).inc()
+                    self.gw.metrics.rejected.labels(str(r.status)).inc()
                 resp = error_response(r.status, r.reason)
                 resp.headers.update(r.headers)
                 if r.status == 503:
@@ -76,79 +104,67 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
                 return resp
         return wrapped
 
-    @routes.get("/v1/heads")
-    @guarded
-    async def heads(request: web.Request) -> web.Response:
+    async def heads(self, request: web.Request) -> web.Response:
         since = int_param(request, "since", -1)
-        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
-        if request.query.get("instance") != gw.instance:
+        wait = min(float_param(request, "wait", 0.0), self.cfg.head_wait_max_s)
+        if request.query.get("instance") != self.gw.instance:
             since = -1  # a follower of an earlier life of this gateway: answer at once
-        epoch = await gw.store.wait_change(since, wait)
-        heads = gw.store.heads()
-        answer = {"region": cfg.region, "instance": gw.instance, "epoch": epoch, "heads": heads}
+        epoch = await self.gw.store.wait_change(since, wait)
+        heads = self.gw.store.heads()
+        answer = {"region": self.cfg.region, "instance": self.gw.instance, "epoch": epoch, "heads": heads}
         if wants_manifests(request):
-            inline = {m: inline_manifests(gw, m, v) for m, v in heads.items()}
+            inline = {m: inline_manifests(self.gw, m, v) for m, v in heads.items()}
             answer["manifests"] = {m: kinds for m, kinds in inline.items() if kinds}
         return web.json_response(answer)
 
-    @routes.get("/v1/models")
-    @guarded
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"region": cfg.region, "models": gw.store.heads()})
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"region": self.cfg.region, "models": self.gw.store.heads()})
 
-    @routes.get(base + "/head")
-    @guarded
-    async def head(request: web.Request) -> web.Response:
+    async def head(self, request: web.Request) -> web.Response:
         model = model_of(request)
         after = int_param(request, "after")
-        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
-        h = await gw.store.wait_head(model, after, wait)
-        answer = {"model": model, "head": h, "region": cfg.region}
+        wait = min(float_param(request, "wait", 0.0), self.cfg.head_wait_max_s)
+        h = await self.gw.store.wait_head(model, after, wait)
+        answer = {"model": model, "head": h, "region": self.cfg.region}
         if h is not None and wants_manifests(request):
-            answer["manifests"] = inline_manifests(gw, model, h)
+            answer["manifests"] = inline_manifests(self.gw, model, h)
         return web.json_response(answer)
 
-    def reachable(model: str) -> list[PlanStep]:
+    def reachable(self, model: str) -> list[PlanStep]:
         """What this gateway does not hold but can fetch from its upstreams on demand."""
-        return gw.relay.reachable(model) if gw.relay is not None else []
+        return self.gw.relay.reachable(model) if self.gw.relay is not None else []
 
-    @routes.get(base + "/versions")
-    @guarded
-    async def versions(request: web.Request) -> web.Response:
-        model, entries = entries_of(gw, request)
-        return web.json_response({"model": model, "head": gw.store.head(model),
+    async def versions(self, request: web.Request) -> web.Response:
+        model, entries = entries_of(self.gw, request)
+        return web.json_response({"model": model, "head": self.gw.store.head(model),
                                   "versions": [e.describe() for e in entries],
-                                  "reachable": [s.to_json() for s in reachable(model)]})
+                                  "reachable": [s.to_json() for s in self.reachable(model)]})
 
-    @routes.get(base + "/traffic")
-    @guarded
-    async def traffic(request: web.Request) -> web.Response:
+    async def traffic(self, request: web.Request) -> web.Response:
         model = model_of(request)
-        return web.json_response({"model": model, "region": cfg.region, "versions": gw.traffic.describe(model)})
+        return web.json_response({"model": model, "region": self.cfg.region, "versions": self.gw.traffic.describe(model)})
 
-    @routes.get(base + "/plan")
-    @guarded
-    async def plan(request: web.Request) -> web.Response:
-        model, entries = entries_of(gw, request)
-        head_v = gw.store.head(model)
+    async def plan(self, request: web.Request) -> web.Response:
+        model, entries = entries_of(self.gw, request)
+        head_v = self.gw.store.head(model)
         frm = int_param(request, "from")
         to = int_param(request, "to", head_v)
         since_full = int_param(request, "since_full")
         full_every = int_param(request, "full_every", 0)
-        available = [PlanStep.of(e.manifest) for e in entries] + reachable(model)
+        available = [PlanStep.of(e.manifest) for e in entries] + self.reachable(model)
         try:
             p = make_plan(model, available, frm, to, since_full=since_full, full_every=full_every)
         except NoPlanError as e:
             raise Reject(409, str(e)) from None
         for s in p.steps:
-            entry = gw.store.get(model, s.version, s.kind)
+            entry = self.gw.store.get(model, s.version, s.kind)
             if entry is not None:
-                gw.store.lease([entry], cfg.lease_s)
-            elif gw.relay is not None:  # named from upstream: have it on its way before it is asked for
-                gw.relay.fetch_soon(model, s.version, s.kind)
+                self.gw.store.lease([entry], self.cfg.lease_s)
+            elif self.gw.relay is not None:  # named from upstream: have it on its way before it is asked for
+                self.gw.relay.fetch_soon(model, s.version, s.kind)
         return web.json_response(p.to_json())
 
-    async def announced(request: web.Request) -> tuple[StoredVersion, float]:
+    async def announced(self, request: web.Request) -> tuple[StoredVersion, float]:
         """The version a GET names, and when the wait for its pieces starts.
 
         With `wait=S`, one not announced yet is waited for (a follower that holds the head asks for
@@ -157,53 +173,49 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         wait of `piece_wait_s` (which clients' stall timeouts allow for) covers its manifest and piece.
         """
         asked = time.monotonic()
-        wait = min(float_param(request, "wait", 0.0), cfg.head_wait_max_s)
+        wait = min(float_param(request, "wait", 0.0), self.cfg.head_wait_max_s)
         named = version_kind(request)
-        if wait > 0 and gw.store.get(*named) is None:
-            await gw.store.wait_version(*named, wait)
-            if gw.store.get(*named) is None and not (gw.relay is not None and gw.relay.can_fetch(*named)):
+        if wait > 0 and self.gw.store.get(*named) is None:
+            await self.gw.store.wait_version(*named, wait)
+            if self.gw.store.get(*named) is None and not (self.gw.relay is not None and self.gw.relay.can_fetch(*named)):
                 model, version, kind = named  # a follower's read-ahead of a version not made yet
                 raise Reject(404, f"{model} v{version} {kind} is not in this gateway's store", expected=True)
-        if gw.store.get(*named) is None and gw.relay is not None and gw.relay.can_fetch(*named):
-            if await gw.relay.demand(*named, cfg.piece_wait_s) is None:
+        if self.gw.store.get(*named) is None and self.gw.relay is not None and self.gw.relay.can_fetch(*named):
+            if await self.gw.relay.demand(*named, self.cfg.piece_wait_s) is None:
                 model, version, kind = named
                 raise Reject(503, f"{model} v{version} {kind} is on its way from upstream; ask again")
-            return entry_of(gw, request), asked
-        return entry_of(gw, request), time.monotonic()
+            return entry_of(self.gw, request), asked
+        return entry_of(self.gw, request), time.monotonic()
 
-    @routes.get(one + "/manifest")
-    @guarded
-    async def get_manifest(request: web.Request) -> web.Response:
-        entry, _ = await announced(request)
-        gw.store.lease([entry], cfg.lease_s)
+    async def get_manifest(self, request: web.Request) -> web.Response:
+        entry, _ = await self.announced(request)
+        self.gw.store.lease([entry], self.cfg.lease_s)
         if not_modified(request, entry.manifest_etag):
             return not_modified_response(entry.manifest_etag)
         return web.Response(body=entry.manifest_bytes, content_type="application/json",
                             headers={"ETag": entry.manifest_etag})
 
-    @routes.put(one + "/manifest")
-    @guarded
-    async def put_manifest(request: web.Request) -> web.Response:
-        if not cfg.is_origin:
-            raise Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+    async def put_manifest(self, request: web.Request) -> web.Response:
+        if not self.cfg.is_origin:
+            raise Reject(405, f"gateway {self.cfg.region} relays from upstreams; publish to the origin gateway")
         model, version, kind = version_kind(request)
         if request.content_length is not None and request.content_length > JSON_LIMIT:
             raise Reject(413, f"manifest of {request.content_length} bytes exceeds {JSON_LIMIT}")
         raw = await read_body(request, limit=JSON_LIMIT)
         _check_envelope(raw)
         try:
-            m = load_manifest(raw, gw.trusted_keys)
+            m = load_manifest(raw, self.gw.trusted_keys)
         except SignatureError as e:
             raise Reject(403, f"signature refused: {e}") from None
         except CorruptError as e:
             raise Reject(400, str(e)) from None
         if (m.model_id, m.version, m.kind) != (model, version, kind):
             raise Reject(400, f"manifest is {m.model_id} v{m.version} {m.kind}, URL says {model} v{version} {kind}")
-        if any(p.length > cfg.max_piece_bytes for p in m.pieces):
-            raise Reject(413, f"manifest declares a piece over {cfg.max_piece_bytes} bytes")
+        if any(p.length > self.cfg.max_piece_bytes for p in m.pieces):
+            raise Reject(413, f"manifest declares a piece over {self.cfg.max_piece_bytes} bytes")
         staged = request.query.get("staged") in ("1", "true")
         try:
-            entry, new = await gw.store.put_manifest(raw, published=True, staged=staged)
+            entry, new = await self.gw.store.put_manifest(raw, published=True, staged=staged)
         except StagingIncomplete as e:
             raise Reject(409, str(e)) from None
         except ConflictError as e:
@@ -212,40 +224,36 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
             raise Reject(507, str(e)) from None
         return web.json_response({"stored": new, "missing": entry.missing}, status=201 if new else 200)
 
-    @routes.put(one + "/pieces/{index}")
-    @guarded
-    async def put_piece(request: web.Request) -> web.Response:
-        if not cfg.is_origin:
-            raise Reject(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
-        entry = entry_of(gw, request)
+    async def put_piece(self, request: web.Request) -> web.Response:
+        if not self.cfg.is_origin:
+            raise Reject(405, f"gateway {self.cfg.region} relays from upstreams; publish to the origin gateway")
+        entry = entry_of(self.gw, request)
         index = index_of(request, entry)
         expected = entry.manifest.pieces[index].length
         if request.content_length is not None and request.content_length > expected:
             raise Reject(413, f"piece {index} is {expected} bytes, body says {request.content_length}")
         data = await read_body(request, limit=expected)
-        with gw.store.using(entry):
+        with self.gw.store.using(entry):
             try:
-                stored = await gw.store.put_piece(entry, index, data)
+                stored = await self.gw.store.put_piece(entry, index, data)
             except CorruptError as e:
-                gw.metrics.corrupt_pieces.labels("upload").inc()
+                self.gw.metrics.corrupt_pieces.labels("upload").inc()
                 raise Reject(400, str(e)) from None
             except DiskFullError as e:
                 raise Reject(507, str(e)) from None
         if stored:
-            gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
+            self.gw.metrics.bytes_in.labels(entry.kind, "publish").inc(len(data))
         return web.json_response({"stored": stored, "complete": entry.complete}, status=201 if stored else 200)
 
-    @routes.get(one + "/pieces/{index}")
-    @guarded
-    async def get_piece(request: web.Request) -> web.StreamResponse:
-        entry, t0 = await announced(request)
+    async def get_piece(self, request: web.Request) -> web.StreamResponse:
+        entry, t0 = await self.announced(request)
         index = index_of(request, entry)
-        gw.store.lease([entry], cfg.lease_s)
+        self.gw.store.lease([entry], self.cfg.lease_s)
         etag = piece_etag(entry.manifest.pieces[index].hash)
         if not_modified(request, etag):  # the signed manifest fixes the bytes: no need to read them
             return not_modified_response(etag)
-        with gw.store.using(entry):
-            data = await _wait_and_read(gw, entry, index, t0 + cfg.piece_wait_s)
+        with self.gw.store.using(entry):
+            data = await _wait_and_read(self.gw, entry, index, t0 + self.cfg.piece_wait_s)
         try:
             asked = request.headers.get("Range") if range_applies(request, etag) else None
             span = parse_range(asked, len(data))
@@ -263,13 +271,11 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         await resp.write(memoryview(data)[start:end])
         await resp.write_eof()
         done = time.monotonic()
-        gw.metrics.piece_seconds.labels("serve").observe(done - t0)
-        _served(gw, request, entry, end - start, done - t_send)
+        self.gw.metrics.piece_seconds.labels("serve").observe(done - t0)
+        _served(self.gw, request, entry, end - start, done - t_send)
         return resp
 
-    @routes.get(base + "/newest/{kind}/parts/{part}")
-    @guarded
-    async def get_part(request: web.Request) -> web.StreamResponse:
+    async def get_part(self, request: web.Request) -> web.StreamResponse:
         """Part `part` of `of` of the newest version of a kind, for a fetcher that asks before it knows
         the version (`deltamesh.gateway.version_parts`); 404 unless it is whole here."""
         model, kind, raw = model_of(request), request.match_info["kind"], request.match_info["part"]
@@ -278,32 +284,31 @@ def add_version_routes(app: web.Application, gw: Gateway) -> None:
         of = int_param(request, "of")
         if not INT_RE.match(raw) or of is None or not 0 <= int(raw) < of <= MAX_PARTS:
             raise Reject(400, f"ask for part K of N: 0 <= K < N <= {MAX_PARTS} (?of=N)")
-        entry = newest_whole(gw.store.entries(model), reachable(model), kind)
+        entry = newest_whole(self.gw.store.entries(model), self.reachable(model), kind)
         if entry is None:
             raise Reject(404, f"the newest {kind} version of {model} is not whole in this gateway's store",
                          expected=True)
         total = total_bytes(entry.manifest)
         start, end = part_span(total, int(raw), of)
-        gw.store.lease([entry], cfg.lease_s)
+        self.gw.store.lease([entry], self.cfg.lease_s)
         resp = web.StreamResponse(headers={VERSION_HEADER: str(entry.version), SPAN_HEADER: span_header(start, end, total),
                                            "Content-Type": "application/octet-stream"})
         resp.content_length = end - start
         t0 = time.monotonic()
         await resp.prepare(request)
-        with gw.store.using(entry):
+        with self.gw.store.using(entry):
             for index, a, b in piece_spans(entry.manifest, start, end):
                 try:
-                    data = await gw.store.read_piece(entry, index)
+                    data = await self.gw.store.read_piece(entry, index)
                 except CorruptError:  # dropped by the store; the fetcher sees a short part and asks for pieces
                     if request.transport is not None:
                         request.transport.close()
                     return resp
                 await resp.write(memoryview(data)[a:b])
         await resp.write_eof()
-        _served(gw, request, entry, end - start, time.monotonic() - t0)
+        _served(self.gw, request, entry, end - start, time.monotonic() - t0)
         return resp
 
-    app.add_routes(routes)
 
 
 def _served(gw: Gateway, request: web.Request, entry: StoredVersion, nbytes: int, seconds: float) -> None:
