@@ -182,8 +182,10 @@ class WeightSyncSettings:
     """A gateway that sends no byte for this long is treated as stalled and an alternate is tried."""
     give_up_s: float = 120.0
     """How long a piece may stay unavailable from every gateway before the transfer is abandoned and retried."""
-    full_every: int = 0
-    """Take a full snapshot after this many deltas in a row (0: the plan decides by bytes alone)."""
+    full_after_deltas: int = 0
+    """Ask for a full snapshot instead of a delta chain once this many deltas would have been applied in a
+    row since the last full (the plan's `full_every` hint to the gateway; 0: the plan decides by bytes
+    alone). Not the trainer's `full_every`, which publishes a full snapshot every N versions."""
     stale_after_s: float = 60.0
     """Freeze check: a gateway whose head stays below a version the pool has known of for this long (from
     another of its gateways' heads, or a signed head statement) is flagged stale and the pool turns to
@@ -211,8 +213,8 @@ class WeightSyncSettings:
             raise ValueError("stale_after_s and statement_max_age_s must be >= 0 (0: off)")
         if not self.trusted_keys:
             raise ValueError("trusted_keys must name at least one trainer public key file")
-        if self.gpus < 0 or self.connections < 1 or self.full_every < 0:
-            raise ValueError("gpus and full_every must be >= 0 and connections >= 1")
+        if self.gpus < 0 or self.connections < 1 or self.full_after_deltas < 0:
+            raise ValueError("gpus and full_after_deltas must be >= 0 and connections >= 1")
         if min(self.heartbeat_s, self.poll_wait_s, self.stall_timeout_s, self.give_up_s) <= 0:
             raise ValueError("heartbeat_s, poll_wait_s, stall_timeout_s and give_up_s must be > 0")
 

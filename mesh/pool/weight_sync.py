@@ -233,8 +233,8 @@ class WeightSync(Membership):
         the version it holds."""
         self.state = "planning"
         params = {"from": None if full else (self.version if base is None else base), "to": to}
-        if self.config.full_every:
-            params.update(since_full=self.since_full, full_every=self.config.full_every)
+        if self.config.full_after_deltas:  # the plan's query parameter keeps its wire name
+            params.update(since_full=self.since_full, full_every=self.config.full_after_deltas)
         source, answer = await self._ask("GET", model_path(self.model, "plan"), params=params, prefer=self._round)
         await self._checked()
         try:
