@@ -12,8 +12,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import dir_manifest, live_tensors, read_weights
-from deltamesh.delta import decode as decode_module
-from deltamesh.delta import decoded as decoded_module
+from deltamesh.delta import tensor_updates as decode_module
+from deltamesh.delta import decoded_version as decoded_module
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.timeline import VersionTimeline
