@@ -44,8 +44,8 @@ from deltamesh.gateway.fetch.fetcher import Fetcher
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
-from deltamesh.trainer.upload import upload_version
 from deltamesh.tls import TlsSettings
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "bench"
 PIECE = 4 * 1024 * 1024

@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltamesh.delta import generate_key, save_keypair
-from deltamesh.mesh.demo.processes import ServiceSet, Service, end_process, free_port
-
 import scale_fetch
 import scale_model
 import scale_procs
 from common import emit, wait_healthy
+
+from deltamesh.delta import generate_key, save_keypair
+from deltamesh.mesh.demo.processes import Service, ServiceSet, end_process, free_port
 
 RANKS = 2
 REGIONS = (("us-east", None, 0, 0), ("eu-west", "us-east", 1000, 20), ("ap-south", "eu-west", 500, 40))

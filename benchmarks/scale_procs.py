@@ -20,19 +20,18 @@ import threading
 import time
 from typing import Any
 
+import scale_model
 import torch
 
 from deltamesh.delta import apply_version, load_private_key, tensor_digest
 from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.fetch.errors import SyncError
+from deltamesh.http import HttpError
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.distributed import shard_rows
 from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.shard_publisher import ShardPublisher
-from deltamesh.gateway.fetch.errors import SyncError
-from deltamesh.mesh.pool.weight_sync import WeightSync
-from deltamesh.http import HttpError
-from deltamesh.trainer.distributed import shard_rows
 from deltamesh.trainer.store_exchange import store_exchange
-
-import scale_model
 
 MODEL = "scale"
 log = logging.getLogger(__name__)

@@ -24,18 +24,25 @@ from typing import Callable
 import numpy as np
 import torch
 import xxhash
+from inputs import Case
 
 from deltamesh.delta import (
-    Encoded, SmallWordIndex, apply_version, decode_version, encode_delta, generate_key, live_hash, load_manifest,
-    tensor_digests, weights_hash,
+    Encoded,
+    SmallWordIndex,
+    apply_version,
+    decode_version,
+    encode_delta,
+    generate_key,
+    live_hash,
+    load_manifest,
+    tensor_digests,
+    weights_hash,
 )
 from deltamesh.delta.bitdiff import scan_changes, to_key
 from deltamesh.delta.dtypes import np_words
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.parallel import thread_map
 from deltamesh.mesh.demo.models import to_bf16
-
-from inputs import Case
 
 PIECE_BYTES = 512 << 10
 STAGES = ("cast", "scan", "encode", "sign", "hash", "decode", "apply_first", "apply", "check")

@@ -111,8 +111,8 @@ def pull(args: argparse.Namespace) -> int:
     """
     from deltamesh.delta import load_manifest, load_public_key
     from deltamesh.gateway.fetch.fetcher import Fetcher
-    from deltamesh.gateway.fetch.sources import Source
     from deltamesh.gateway.fetch.plan_steps import inline_envelopes
+    from deltamesh.gateway.fetch.sources import Source
     from deltamesh.http import client_session, request_json
 
     keys = [load_public_key(args.trusted_key)]

@@ -21,13 +21,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from deltamesh.delta import dir_manifest
-from deltamesh.delta.errors import CodecError
 from transfer_mesh import DELTAMESH, POOL_TOKEN, set_tcp_buffers
 from transfer_runs import Scenario, Settings, build_topology, work_dir
 from transfer_scenarios import REGIONS
 from transfer_steps import load_costs, steps_dir
 from wan import Wan, WanError
+
+from deltamesh.delta import dir_manifest
+from deltamesh.delta.errors import CodecError
 
 log = logging.getLogger(__name__)
 

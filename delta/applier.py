@@ -23,7 +23,7 @@ from typing import Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from .decoded_version import Located, DecodedVersion, VersionDecoder, decode_version
+from .decoded_version import DecodedVersion, Located, VersionDecoder, decode_version
 from .dtypes import dtype_name, np_words, torch_dtype, word_view
 from .errors import BaseMismatchError, CodecError, CorruptError
 from .manifest import Manifest, TensorEntry, table_hash

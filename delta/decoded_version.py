@@ -26,12 +26,12 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .tensor_updates import TensorUpdate, decode_checked
 from .dtypes import np_words, torch_dtype
 from .errors import CodecError, CorruptError
 from .manifest import Manifest, NamedByManifest
 from .parallel import thread_map
 from .piece import CODEC
+from .tensor_updates import TensorUpdate, decode_checked
 from .tensors import tensor_digest
 
 Step = tuple[Manifest, Sequence[bytes]]

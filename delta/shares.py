@@ -22,17 +22,17 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .tensor_updates import TensorUpdate, decode_piece
 from .dtypes import is_float, np_words
 from .errors import BaseMismatchError, CodecError, CorruptError
 from .grid import tile_digests
 from .kernels import write_changes
-from .share_plan import Share
 from .manifest import Manifest, TensorEntry
 from .parallel import thread_map
 from .parts import TensorSpec
 from .patch import Rollback
+from .share_plan import Share
 from .storage import weight_files
+from .tensor_updates import TensorUpdate, decode_piece
 from .tensors import tensor_digest
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltamesh.config import http_url, http_urls
-from deltamesh.delta.layouts import parse_layout
 from deltamesh.config_flags import flag
+from deltamesh.delta.layouts import parse_layout
+from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.http import parse_listen
 from deltamesh.tls import TlsSettings
-from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.trainer.config import TrainerConfig
 
 

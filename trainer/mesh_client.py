@@ -27,18 +27,18 @@ from typing import Callable, Mapping, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
+from deltamesh.data import Batch, DataFormatError
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.layouts import PoolLayout
 from deltamesh.http import HttpError, serving
+from deltamesh.loop_thread import LoopThread
 from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
-from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.data import Batch, DataFormatError
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.publishing import Publishing, PublishOutcome, ShardedVersions
 from deltamesh.trainer.stream_start import StreamStart, start_sharded, start_stream
-from deltamesh.loop_thread import LoopThread
-from deltamesh.trainer.publishing import PublishOutcome, Publishing, ShardedVersions
 
 log = logging.getLogger(__name__)
 

@@ -49,10 +49,10 @@ from deltamesh.delta.layouts import PoolLayout, cuts_for
 from deltamesh.delta.manifest import Manifest
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.trainer.origin_link import OriginLink
-from deltamesh.trainer.upload import upload_version
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
+from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.upload import upload_version
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Awaitable, Callable, Mapping, Sequence
 import torch
 
 from deltamesh.delta.cuts import TensorSpec
+from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.publisher import Published
 from deltamesh.trainer.shard_publisher import ShardPublisher
-from deltamesh.loop_thread import LoopThread
 
 log = logging.getLogger(__name__)
 

@@ -33,18 +33,18 @@ import torch
 
 from deltamesh.delta import CodecError
 from deltamesh.delta.assemble import assemble
+from deltamesh.delta.cuts import Cuts, TensorSpec
 from deltamesh.delta.encode import manifest_of_parts, shipped_files
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.manifest import Kind, Manifest
-from deltamesh.delta.cuts import Cuts, TensorSpec
 from deltamesh.delta.parts import Part, encode_part
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
-from deltamesh.trainer.origin_link import OriginLink
-from deltamesh.trainer.exchange import PartExchange
-from deltamesh.trainer.publisher import Published
-from deltamesh.trainer.upload import put_staged_manifest, stage_pieces
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
+from deltamesh.trainer.exchange import PartExchange
+from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.publisher import Published
+from deltamesh.trainer.upload import put_staged_manifest, stage_pieces
 
 log = logging.getLogger(__name__)
 

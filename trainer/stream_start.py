@@ -39,11 +39,11 @@ import torch
 from deltamesh.delta import CodecError, apply, weights_hash
 from deltamesh.delta.keys import Ed25519PublicKey
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError
-from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.fetch.plan_steps import fetch_verified
+from deltamesh.gateway.fetch.sources import Source
+from deltamesh.gateway.plan import Plan
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
-from deltamesh.gateway.plan import Plan
 from deltamesh.trainer.origin_link import OriginLink
 from deltamesh.trainer.publisher import Published, Publisher
 

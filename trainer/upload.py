@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 import aiohttp
 
 from deltamesh.delta.manifest import Manifest
-from deltamesh.http import HttpError, request_bytes
-from deltamesh.peer_json import parse_json
 from deltamesh.gateway.fetch.lanes import run_lanes_of
 from deltamesh.gateway_client import staged_url, version_url
+from deltamesh.http import HttpError, request_bytes
+from deltamesh.peer_json import parse_json
 
 
 async def upload_version(

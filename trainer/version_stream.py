@@ -26,14 +26,14 @@ from torch import nn
 
 from deltamesh.delta import load_private_key, read_side_files
 from deltamesh.delta.layouts import cuts_for, parse_layout
-from deltamesh.trainer.shard_publisher import ShardPublisher
+from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.mesh_client import MeshClient, PublishOutcome
-from deltamesh.trainer.store_exchange import open_store_exchange
-from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.publishing import Publishing, ShardedVersions, rank_publishing
+from deltamesh.trainer.shard_publisher import ShardPublisher
 from deltamesh.trainer.step import published_shard, published_weights
+from deltamesh.trainer.store_exchange import open_store_exchange
 
 
 class VersionStream:

@@ -33,8 +33,8 @@ from deltamesh.config_flags import read_secret
 from deltamesh.delta.keys import load_private_key
 from deltamesh.delta.side_files import read_side_files
 from deltamesh.gateway.config import PublishConfig
-from deltamesh.trainer.publisher import Published, Publisher
 from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publisher import Published, Publisher
 from deltamesh.trainer.step import PUBLISH_DTYPE, published_weights
 
 TOKEN_ENV = "DELTAMESH_TOKEN"

@@ -34,13 +34,13 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError, CorruptError
 from deltamesh.delta.manifest import Manifest
-from deltamesh.gateway.fetch.http_reads import Result, Span, receive_span
 from deltamesh.gateway.fetch.hedge import HEDGE_AFTER_S, Flights, TakenOver, race_span
-from deltamesh.gateway.fetch.parts import EarlyParts, early_limit, take_parts
-from deltamesh.gateway.fetch.lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
+from deltamesh.gateway.fetch.http_reads import Result, Span, receive_span
 from deltamesh.gateway.fetch.judge import FetchError, Key, SourceJudge, Turn, name
+from deltamesh.gateway.fetch.lanes import MIN_SPAN, run_lanes  # noqa: F401 - MIN_SPAN re-exported
 from deltamesh.gateway.fetch.links import LinkMonitor
 from deltamesh.gateway.fetch.manifests import Inline, ManifestFetch, NotAnnounced  # noqa: F401 - re-exported
+from deltamesh.gateway.fetch.parts import EarlyParts, early_limit, take_parts
 from deltamesh.gateway.fetch.sources import Source, order_sources
 from deltamesh.gateway_client import PEER_HEADER, version_url
 from deltamesh.http import open_connections

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Awaitable, Callable, Mapping, Sequence
 
 from deltamesh.delta import CorruptError, Manifest, load_manifest
-from deltamesh.delta.share_plan import Share, pieces_for
 from deltamesh.delta.keys import Ed25519PublicKey
+from deltamesh.delta.share_plan import Share, pieces_for
 from deltamesh.gateway.fetch.fetcher import Fetcher, Inline
 from deltamesh.gateway.fetch.parts import EarlyParts
-from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.fetch.sources import Source
+from deltamesh.gateway.plan import PlanStep
 
 Step = tuple[Manifest, list[bytes]]
 

@@ -13,8 +13,8 @@ from typing import Any, Collection, Sequence
 
 import aiohttp
 
-from deltamesh.gateway.fetch.links import Link
 from deltamesh.gateway.fetch.errors import SyncError, credentials_refused, unreachable
+from deltamesh.gateway.fetch.links import Link
 from deltamesh.http import HttpError, request_json
 
 

@@ -15,16 +15,16 @@ import ssl
 from aiohttp import web
 
 from deltamesh.auth import auth_middleware
-from deltamesh.gateway.server.auth_policy import gateway_policy
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.http import json_errors, listen_socket, parse_listen, serve
-from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
-from deltamesh.tls import server_context
+from deltamesh.gateway.server.auth_policy import gateway_policy
 from deltamesh.gateway.server.routes_control import add_control_routes
 from deltamesh.gateway.server.routes_staging import add_staging_routes
 from deltamesh.gateway.server.routes_statements import add_statement_routes
 from deltamesh.gateway.server.routes_versions import add_version_routes
 from deltamesh.gateway.server.service import Gateway
+from deltamesh.http import json_errors, listen_socket, parse_listen, serve
+from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
+from deltamesh.tls import server_context
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from deltamesh.gateway.config import GatewayConfig
-
 from deltamesh.auth import OPEN, Policy
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.tokens import TokenStore
 
 log = logging.getLogger(__name__)

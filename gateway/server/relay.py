@@ -31,20 +31,20 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.server.disk import DiskFullError
 from deltamesh.delta.errors import CorruptError
 from deltamesh.delta.manifest import load_manifest
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline, NotAnnounced
 from deltamesh.gateway.fetch.judge import name
 from deltamesh.gateway.fetch.links import LinkMonitor
-from deltamesh.gateway.server.metrics import GatewayMetrics
+from deltamesh.gateway.fetch.sources import RateLimiter, Source
 from deltamesh.gateway.plan import PlanStep
+from deltamesh.gateway.server.disk import DiskFullError
+from deltamesh.gateway.server.ledger import ConflictError
+from deltamesh.gateway.server.metrics import GatewayMetrics
 from deltamesh.gateway.server.relay_kinds import anchor_to_fetch, deltas_to_follow
 from deltamesh.gateway.server.relay_listing import UpstreamListing, follow_heads, list_upstream
 from deltamesh.gateway.server.relay_retry import RetrySchedule
-from deltamesh.gateway.fetch.sources import RateLimiter, Source
-from deltamesh.gateway.server.ledger import ConflictError
 from deltamesh.gateway.server.store import VersionStore
 from deltamesh.gateway.server.stored_version import StoredVersion
 from deltamesh.gateway.server.traffic import Traffic

@@ -17,8 +17,8 @@ from typing import Callable
 import aiohttp
 
 from deltamesh.gateway.fetch.links import LinkMonitor
-from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.fetch.sources import Source, order_sources
+from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway_client import HEADS_PATH, PEER_HEADER, model_path
 from deltamesh.http import HttpError, request_json
 

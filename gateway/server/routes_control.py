@@ -13,12 +13,12 @@ import json
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from deltamesh.gateway.server.downstreams import TooManyDownstreams
-from deltamesh.gateway.server.registry import MAX_ENDPOINT, POOL_NAME_RE, RegistryError
-from deltamesh.gateway.server.service import Gateway
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deltamesh.auth import identity, require_name
+from deltamesh.gateway.server.downstreams import TooManyDownstreams
+from deltamesh.gateway.server.registry import MAX_ENDPOINT, POOL_NAME_RE, RegistryError
+from deltamesh.gateway.server.service import Gateway
 from deltamesh.http import error_response, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

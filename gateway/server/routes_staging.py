@@ -15,11 +15,11 @@ import re
 from aiohttp import web
 
 from deltamesh.delta.errors import CorruptError
-from deltamesh.http import error_response, read_body
 from deltamesh.gateway.server.disk import DiskFullError
 from deltamesh.gateway.server.service import Gateway
 from deltamesh.gateway.server.staging import StagingFullError
 from deltamesh.gateway.server.version_requests import Reject, model_of
+from deltamesh.http import error_response, read_body
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 

@@ -22,18 +22,37 @@ from aiohttp import web
 
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
-from deltamesh.gateway.server.service import Gateway
 from deltamesh.gateway.server.disk import DiskFullError
 from deltamesh.gateway.server.ledger import ConflictError
+from deltamesh.gateway.server.service import Gateway
 from deltamesh.gateway.server.staging import StagingIncomplete
 from deltamesh.gateway.server.stored_version import KINDS, StoredVersion
 from deltamesh.gateway.server.validators import not_modified, not_modified_response, piece_etag, range_applies
-from deltamesh.gateway.server.version_requests import (INT_RE, Reject, entries_of, entry_of, float_param, index_of,
-                                                int_param, model_of, peer_role, version_kind, wants_manifests)
-from deltamesh.gateway.version_parts import (MAX_PARTS, SPAN_HEADER, VERSION_HEADER, newest_whole, part_span,
-                                             piece_spans, span_header, total_bytes)
+from deltamesh.gateway.server.version_requests import (
+    INT_RE,
+    Reject,
+    entries_of,
+    entry_of,
+    float_param,
+    index_of,
+    int_param,
+    model_of,
+    peer_role,
+    version_kind,
+    wants_manifests,
+)
+from deltamesh.gateway.version_parts import (
+    MAX_PARTS,
+    SPAN_HEADER,
+    VERSION_HEADER,
+    newest_whole,
+    part_span,
+    piece_spans,
+    span_header,
+    total_bytes,
+)
+from deltamesh.http import JSON_LIMIT, error_response, parse_range, read_body
 from deltamesh.peer_json import parse_json
 
 INLINE_MANIFEST_BYTES = 256 * 1024

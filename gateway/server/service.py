@@ -21,19 +21,19 @@ import aiohttp
 
 from deltamesh.delta.keys import load_public_key
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.server.downstreams import Downstream, Downstreams
-from deltamesh.http import SMALL_LIMIT, client_session, read_limited
-from deltamesh.signals import wait_event
 from deltamesh.gateway.fetch.links import Link, LinkMonitor, probe_forever, tcp_rtt
+from deltamesh.gateway.server.downstreams import Downstream, Downstreams
 from deltamesh.gateway.server.metrics import GatewayMetrics
 from deltamesh.gateway.server.registry import PoolRegistry
 from deltamesh.gateway.server.relay import Relay
 from deltamesh.gateway.server.statement_mirror import mirror_statements
 from deltamesh.gateway.server.statements import StatementStore
-from deltamesh.gateway.server.upstreams import announce_forever
 from deltamesh.gateway.server.store import VersionStore
 from deltamesh.gateway.server.stored_version import StoredVersion
 from deltamesh.gateway.server.traffic import Traffic
+from deltamesh.gateway.server.upstreams import announce_forever
+from deltamesh.http import SMALL_LIMIT, client_session, read_limited
+from deltamesh.signals import wait_event
 
 log = logging.getLogger(__name__)
 

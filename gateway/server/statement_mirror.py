@@ -21,9 +21,9 @@ import aiohttp
 
 from deltamesh.delta.errors import CodecError
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway_client import HEADS_PATH, PEER_HEADER, statement_url
 from deltamesh.gateway.server.statements import NotNewer, StatementConflict, StatementStore
 from deltamesh.gateway.server.upstreams import upstream_session
+from deltamesh.gateway_client import HEADS_PATH, PEER_HEADER, statement_url
 from deltamesh.http import HttpError, request_bytes, request_json
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import logging
 import uuid
 
 import aiohttp
+
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway_client import GATEWAYS_PATH
-
 from deltamesh.http import HttpError, bearer, client_session, request_json
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ import re
 from aiohttp import web
 
 from deltamesh.delta.manifest import MODEL_ID_RE
-from deltamesh.gateway_client import PEER_HEADER
 from deltamesh.gateway.server.service import Gateway
 from deltamesh.gateway.server.stored_version import KINDS, StoredVersion
+from deltamesh.gateway_client import PEER_HEADER
 
 INT_RE = re.compile(r"^[0-9]{1,12}$")
 

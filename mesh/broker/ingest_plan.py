@@ -18,10 +18,19 @@ from typing import Sequence
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.store_interface import (
-    GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, Submission,
+    GroupKey,
+    GroupSummary,
+    GroupVerdict,
+    IngestResult,
+    StoreConflict,
+    Submission,
 )
 from deltamesh.mesh.broker.store_rows import (
-    check_lease_holders, disagreeing_samples, group_mismatch, group_overflow, id_conflict,
+    check_lease_holders,
+    disagreeing_samples,
+    group_mismatch,
+    group_overflow,
+    id_conflict,
 )
 
 

@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
     from deltamesh.gateway.config import PublishConfig
-    from deltamesh.trainer.publisher import Publisher, PublishState, publish_dir
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.mesh.cli.exits import exit_code
+    from deltamesh.trainer.publisher import Publisher, PublishState, publish_dir
 
     config = command_config(args, PublishConfig)
     key = load_private_key(config.key)  # a KeyFileError stops the command here, as one line (exit code 2)

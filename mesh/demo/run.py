@@ -29,9 +29,9 @@ from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
 from deltamesh.mesh.demo.processes import ServiceError, ServiceSet
 from deltamesh.mesh.demo.report import FinalCheck, build_report, write_report
-from deltamesh.signals import sleep_or_stop
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.demo.view import ProgressLines, render
+from deltamesh.signals import sleep_or_stop
 
 log = logging.getLogger(__name__)
 

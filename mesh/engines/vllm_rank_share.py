@@ -38,7 +38,13 @@ import torch
 
 from deltamesh.config import from_dict, to_dict
 from deltamesh.delta import (
-    BaseMismatchError, CodecError, CorruptError, Manifest, dir_manifest, load_public_key, tensor_digest,
+    BaseMismatchError,
+    CodecError,
+    CorruptError,
+    Manifest,
+    dir_manifest,
+    load_public_key,
+    tensor_digest,
 )
 from deltamesh.delta.dtypes import torch_dtype
 from deltamesh.delta.layouts import PoolLayout, shares_of
@@ -49,9 +55,9 @@ from deltamesh.delta.shares import apply_share, check_share, decode_pieces, read
 from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.fetch.fetcher import Fetcher
 from deltamesh.gateway.fetch.judge import FetchError
-from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.fetch.plan_steps import fetch_share
+from deltamesh.gateway.fetch.sources import Source
+from deltamesh.gateway.plan import PlanStep
 from deltamesh.http import bearer, client_session
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from deltamesh.delta import CorruptError, Manifest
-from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.fetch.sources import Source
+from deltamesh.gateway.plan import Plan
 
 REASONS = ("rollback", "equivocation", "statement", "stale")
 """Why a gateway's offer was refused: an older version, another weights hash for a verified version, a

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 import aiohttp
 
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.fetch.errors import SyncError, credentials_refused, unreachable
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
 

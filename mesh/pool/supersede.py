@@ -17,8 +17,8 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, TypeVar
 
-from deltamesh.gateway.plan import Plan
 from deltamesh.gateway.fetch.errors import SyncError
+from deltamesh.gateway.plan import Plan
 from deltamesh.http import HttpError
 
 log = logging.getLogger(__name__)

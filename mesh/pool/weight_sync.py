@@ -33,24 +33,31 @@ from typing import Any, Callable, Sequence
 import aiohttp
 
 from deltamesh.delta import (
-    CodecError, DecodedVersion, HeldWeights, Manifest, apply_to_dir, decode_version, dir_manifest, load_public_key,
+    CodecError,
+    DecodedVersion,
+    HeldWeights,
+    Manifest,
+    apply_to_dir,
+    decode_version,
+    dir_manifest,
+    load_public_key,
 )
 from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline
 from deltamesh.gateway.fetch.parts import EarlyParts
+from deltamesh.gateway.fetch.plan_steps import Step, fetch_verified, inline_envelopes
+from deltamesh.gateway.fetch.sources import Source, ask_first
+from deltamesh.gateway.plan import Plan, PlanStep
+from deltamesh.gateway_client import MODELS_PATH, PEER_HEADER, model_path
+from deltamesh.http import HttpError, bearer, client_session
 from deltamesh.mesh.pool.head_check import GatewayBook, Refusal, Rejected, VersionGuard
 from deltamesh.mesh.pool.head_watch import HeadWatch, valid_head
-from deltamesh.mesh.pool.retry_log import Outage
 from deltamesh.mesh.pool.membership import Membership
 from deltamesh.mesh.pool.presence import Presence
-from deltamesh.gateway.fetch.sources import Source, ask_first
-from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
-from deltamesh.http import HttpError, bearer, client_session
-from deltamesh.signals import sleep_or_stop, until_stopped
-from deltamesh.gateway_client import MODELS_PATH, PEER_HEADER, model_path
-from deltamesh.gateway.plan import Plan, PlanStep
+from deltamesh.mesh.pool.retry_log import Outage
 from deltamesh.mesh.pool.supersede import fetch_superseding
-from deltamesh.gateway.fetch.plan_steps import Step, fetch_verified, inline_envelopes
+from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,14 @@ from typing import Awaitable, Callable, Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
 from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.http import HttpError
+from deltamesh.mesh.engines.base import Engine, EngineError
+from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.dir_writer import DirectoryWriter
 from deltamesh.mesh.pool.head_check import Refusal
+from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
+from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.mesh.pool.weight_sync import (
     RETRY_S,
     CredentialsError,
@@ -55,13 +62,6 @@ from deltamesh.mesh.pool.weight_sync import (
     SyncError,
     WeightSync,
 )
-from deltamesh.http import HttpError
-from deltamesh.mesh.engines.base import Engine, EngineError
-from deltamesh.mesh.pool.config import ServeCheckConfig
-from deltamesh.mesh.pool.dir_writer import DirectoryWriter
-from deltamesh.mesh.pool.metrics import PoolMetrics
-from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
-from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)

@@ -25,12 +25,12 @@ import time
 from typing import Any
 
 from deltamesh.delta import CodecError, DecodedVersion
-from deltamesh.mesh.pool.head_check import Refusal
-from deltamesh.mesh.pool.weight_sync import Refused, SyncError, WeightSync
 from deltamesh.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.engines.metrics import EngineMetrics
+from deltamesh.mesh.pool.head_check import Refusal
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import CheckResult
+from deltamesh.mesh.pool.weight_sync import Refused, SyncError, WeightSync
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.metrics import service_registry, status_app
 from deltamesh.signals import sleep_or_stop, until_stopped

@@ -22,15 +22,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
 )
 
 from deltamesh.config import from_dict
 from deltamesh.gateway.config import PublishConfig
-from deltamesh.trainer.publisher import Published
 from deltamesh.mesh.vllm_plugin import BACKEND
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.trainer import WeightPublisher
+from deltamesh.trainer.publisher import Published
 
 
 @dataclass

@@ -15,19 +15,19 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-
 import transfer
-from deltamesh.http import serving
-from deltamesh.tls import TlsSettings, server_context
+from aiohttp import web
 from transfer_baseline import MIN_RATE_BPS, baseline_seconds
 from transfer_link import pool_link_mbit
+from transfer_long_link import tls_gap
 from transfer_mesh import metric_sum
 from transfer_report import print_report
-from transfer_long_link import tls_gap
 from transfer_runs import Sample, steady_mbit, summarize
 from transfer_tls import RunPki
 from transfer_training import stage_times, staleness, training_json
+
+from deltamesh.http import serving
+from deltamesh.tls import TlsSettings, server_context
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

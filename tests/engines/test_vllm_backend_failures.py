@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from deltamesh.delta import read_weights
+from deltamesh.gateway.config import PublishConfig
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from deltamesh.mesh.vllm_plugin.config import parse_backend_config
 from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
 from deltamesh.mesh.vllm_plugin.worker_weights import WorkerWeights
-from deltamesh.gateway.config import PublishConfig
 from deltamesh.trainer import WeightPublisher
 
 pytestmark = pytest.mark.slow

@@ -14,17 +14,23 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    BaseMismatchError, CorruptError, apply_to_dir, generate_key, load_manifest, save_keypair, write_weights,
+    BaseMismatchError,
+    CorruptError,
+    apply_to_dir,
+    generate_key,
+    load_manifest,
+    save_keypair,
+    write_weights,
 )
 from deltamesh.delta.layouts import PoolLayout
 from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep, error_kind
 from deltamesh.mesh.engines.vllm_ranks import _combined, dealt_cores
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow  # a real gateway and decodes on every test: ~10 s in all
 

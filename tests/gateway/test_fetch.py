@@ -23,8 +23,8 @@ from deltamesh.gateway.fetch.fetcher import MIN_SPAN, Fetcher, NotAnnounced
 from deltamesh.gateway.fetch.lanes import MIN_PART, first_spans
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, parse_range, serving
-from deltamesh.trainer.upload import upload_version
 from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 

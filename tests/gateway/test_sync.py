@@ -11,8 +11,8 @@ from aiohttp import ClientSession, web
 from deltamesh.delta import dir_manifest, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import request_json
-from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

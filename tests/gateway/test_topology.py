@@ -25,8 +25,8 @@ import torch
 
 from deltamesh.delta import dir_manifest, read_weights
 from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.trainer.publisher import Publisher
 from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))

@@ -19,13 +19,12 @@ import torch
 
 from deltamesh.delta import encode_delta, encode_full
 from deltamesh.delta.statement import load_statement
-from deltamesh.gateway_client import statement_url
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.http import client_session, request_bytes, request_json
-from deltamesh.trainer.publisher import Publisher
 from deltamesh.gateway.server.app import create_app
-from deltamesh.http import serving
+from deltamesh.gateway_client import statement_url
+from deltamesh.http import client_session, request_bytes, request_json, serving
 from deltamesh.trainer.mesh_client import MeshClient
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.stream_start import gateway_weights, start_stream
 
 MODEL = "policy"
