@@ -24,9 +24,9 @@ import scale_model
 import torch
 
 from deltamesh.delta import apply_version, load_private_key, tensor_digest
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.http import HttpError
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.distributed import shard_rows
 from deltamesh.trainer.publisher import Publisher

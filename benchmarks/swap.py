@@ -56,12 +56,13 @@ from common import bench_parser, emit, parse_bench_args
 from inputs import qwen3_shapes, synthetic_case
 
 from deltamesh.delta import dir_manifest, generate_key, read_weights, save_keypair, write_weights
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import char_tokenizer_dir, smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.trainer.models import load_tokenizer
 from deltamesh.trainer.publisher import Publisher

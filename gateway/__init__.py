@@ -1,7 +1,7 @@
 """The weight network's gateway: the regional server (`server/`: routes, version store, relays, registry,
 statements) and the verified fetcher that relays and pools share (`fetch/`), with what both sides of
 the protocol speak: the transfer plan (`plan`), the parts of a version (`version_parts`) and the
-settings (`config`). The pool's side of the protocol lives in `deltamesh.mesh.pool` and the
+gateway's settings (`config`). The pool's side of the protocol lives in `deltamesh.mesh.pool` and the
 publisher in `deltamesh.trainer`. Imports only `deltamesh.delta` among deltamesh components.
 
 The face is loaded on first use, so that a module of one side (a pool's fetch, a CLI's flags) does
@@ -13,8 +13,6 @@ from typing import Any
 
 _FACE = {
     "GatewayConfig": "deltamesh.gateway.config",
-    "PoolSyncConfig": "deltamesh.gateway.config",
-    "PublishConfig": "deltamesh.gateway.config",
     "Plan": "deltamesh.gateway.plan",
     "PlanStep": "deltamesh.gateway.plan",
     "create_app": "deltamesh.gateway.server",

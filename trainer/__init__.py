@@ -11,6 +11,7 @@ from typing import Any
 # Loaded on first use: a gateway's command line reads the trainer's settings without its torch stack.
 _FACE = {
     "WeightPublisher": "deltamesh.trainer.weight_publisher",
+    "PublishConfig": "deltamesh.trainer.publish_config",
     "Publisher": "deltamesh.trainer.publisher",
     "Published": "deltamesh.trainer.publisher",
     "ShardPublisher": "deltamesh.trainer.shard_publisher",

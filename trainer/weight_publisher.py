@@ -12,7 +12,7 @@ is a full snapshot numbered after the gateway's head), signs it with the trainer
 to the origin gateway with the trainer's token (`deltamesh.trainer.publisher.Publisher`); it returns
 once the origin holds it. It runs the publisher's asyncio client on a thread of its own
 (`deltamesh.loop_thread`), so the calling loop needs none. The settings are the `[publish]` table of
-`deltamesh publish` (`deltamesh.gateway.config.PublishConfig`); the token never goes in the file: it
+`deltamesh publish` (`deltamesh.trainer.publish_config.PublishConfig`); the token never goes in the file: it
 comes from `token_file` or `$DELTAMESH_TOKEN`.
 
 It lives in the trainer part, not the base package: publishing encodes and signs versions (the codec)
@@ -32,8 +32,8 @@ from deltamesh.config import load_config
 from deltamesh.config_flags import read_secret
 from deltamesh.delta.keys import load_private_key
 from deltamesh.delta.side_files import read_side_files
-from deltamesh.gateway.config import PublishConfig
 from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publish_config import PublishConfig
 from deltamesh.trainer.publisher import Published, Publisher
 from deltamesh.trainer.step import PUBLISH_DTYPE, published_weights
 

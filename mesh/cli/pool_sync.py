@@ -8,8 +8,8 @@ from typing import AsyncIterator
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.gateway.config import PoolSyncConfig
     from deltamesh.mesh.cli import config_command
+    from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 
     p = config_command(
         pool_commands, "sync", PoolSyncConfig, run, help="follow a gateway and keep a weights directory at its head",
@@ -26,11 +26,11 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from deltamesh.gateway.config import PoolSyncConfig
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.cli.exits import Exit, describe, exit_code
     from deltamesh.mesh.cli.progress import transfer_progress
+    from deltamesh.mesh.pool.sync_config import PoolSyncConfig
     from deltamesh.mesh.pool.weight_sync import CredentialsError, SyncError, WeightSync
     from deltamesh.signals import until_stopped
 

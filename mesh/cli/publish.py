@@ -6,8 +6,8 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.gateway.config import PublishConfig
     from deltamesh.mesh.cli import config_command
+    from deltamesh.trainer.publish_config import PublishConfig
 
     p = config_command(
         commands, "publish", PublishConfig, run, help="publish weights to an origin gateway",
@@ -27,10 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.cache import cache_dir
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
-    from deltamesh.gateway.config import PublishConfig
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.mesh.cli.exits import exit_code
+    from deltamesh.trainer.publish_config import PublishConfig
     from deltamesh.trainer.publisher import Publisher, PublishState, publish_dir
 
     config = command_config(args, PublishConfig)

@@ -52,13 +52,13 @@ from deltamesh.delta.parts import TensorSpec
 from deltamesh.delta.patch import Rollback
 from deltamesh.delta.share_plan import Share
 from deltamesh.delta.shares import apply_share, check_share, decode_pieces, read_shares, share_tiles
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.fetch.fetcher import Fetcher
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.fetch.plan_steps import fetch_share
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.http import bearer, client_session
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 

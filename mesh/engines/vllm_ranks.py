@@ -42,13 +42,13 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import BaseMismatchError, CodecError, CorruptError, DecodedVersion, Grid, Manifest
 from deltamesh.delta.hashing import combine_digests
 from deltamesh.delta.layouts import PoolLayout
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankStep
 from deltamesh.mesh.engines.vllm_rank_worker import QUALNAME
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 

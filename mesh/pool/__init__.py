@@ -5,7 +5,7 @@ runs the workflow and submits trajectories.
 
 Modules: `config` (PoolConfig), `pool` (RolloutPool: the wiring), `weights` (a policy's weight-sync
 round: plan -> verified pieces -> decode -> engine swap -> check -> persist -> report, top to bottom),
-`weight_sync` (WeightSync: head, plan, verified steps, persist), `head_check` and `head_watch` (no
+`weight_sync` (WeightSync: head, plan, verified steps, persist), `sync_config` ([pool.sync]), `head_check` and `head_watch` (no
 rollback, one weights hash per version, stale gateways), `supersede`, `presence` (registration and
 heartbeats), `retry_log` (backoff and one log line per outage), `sync_metrics` (`deltamesh pool sync`'s
 metrics), `worker` (the lease/episode/submit loop), `staleness` (when leasing is allowed), `batching`
@@ -19,6 +19,8 @@ from typing import Any
 _FACE = {
     "WeightSync": "deltamesh.mesh.pool.weight_sync",
     "PoolConfig": "deltamesh.mesh.pool.config",
+    "PoolSyncConfig": "deltamesh.mesh.pool.sync_config",
+    "WeightSyncSettings": "deltamesh.mesh.pool.sync_config",
     "RolloutPool": "deltamesh.mesh.pool.pool",
 }
 

@@ -27,11 +27,11 @@ import aiohttp
 
 from deltamesh.delta import CodecError, HeadStatement, StaleStatementError, check_fresh, digest, load_statement
 from deltamesh.delta.keys import Ed25519PublicKey
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import model_path, statement_url
 from deltamesh.http import HttpError, request_bytes, request_json
 from deltamesh.mesh.pool.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from deltamesh.signals import wait_event
 if TYPE_CHECKING:
     import aiohttp
 
-    from deltamesh.gateway.config import PoolSyncConfig
     from deltamesh.mesh.pool.presence import Presence
     from deltamesh.mesh.pool.retry_log import Outage
+    from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 
 log = logging.getLogger("deltamesh.mesh.pool.weight_sync")  # the sync's own log: operators grep one name
 

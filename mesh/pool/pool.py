@@ -25,7 +25,6 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from deltamesh.broker_client import BrokerClient
-from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.gateway.fetch.errors import credentials_refused
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
@@ -35,6 +34,7 @@ from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
 from deltamesh.mesh.pool.engine_setup import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig, WeightSyncSettings
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker

@@ -15,11 +15,11 @@ from typing import Any, Mapping, Sequence
 
 import aiohttp
 
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.errors import SyncError, credentials_refused, unreachable
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,6 @@ from deltamesh.delta import (
     dir_manifest,
     load_public_key,
 )
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.errors import CredentialsError, Refused, SyncError
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError, Inline
 from deltamesh.gateway.fetch.parts import EarlyParts
@@ -57,6 +56,7 @@ from deltamesh.mesh.pool.membership import Membership
 from deltamesh.mesh.pool.presence import Presence
 from deltamesh.mesh.pool.retry_log import Outage
 from deltamesh.mesh.pool.supersede import fetch_superseding
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.pool.config import ServeCheckConfig
@@ -54,6 +53,7 @@ from deltamesh.mesh.pool.dir_writer import DirectoryWriter
 from deltamesh.mesh.pool.head_check import Refusal
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.mesh.pool.weight_sync import (
     RETRY_S,

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from deltamesh.delta import read_weights
-from deltamesh.gateway.config import PublishConfig
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -23,6 +22,7 @@ from deltamesh.mesh.vllm_plugin.config import parse_backend_config
 from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
 from deltamesh.mesh.vllm_plugin.worker_weights import WorkerWeights
 from deltamesh.trainer import WeightPublisher
+from deltamesh.trainer.publish_config import PublishConfig
 
 pytestmark = pytest.mark.slow
 

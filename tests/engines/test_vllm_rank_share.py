@@ -23,13 +23,14 @@ from deltamesh.delta import (
     write_weights,
 )
 from deltamesh.delta.layouts import PoolLayout
-from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep, error_kind
 from deltamesh.mesh.engines.vllm_ranks import _combined, dealt_cores
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow  # a real gateway and decodes on every test: ~10 s in all

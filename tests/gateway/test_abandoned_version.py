@@ -15,9 +15,9 @@ import time
 import pytest
 
 from deltamesh.delta import encode_delta, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway_client import version_url
 from deltamesh.http import client_session, request_bytes
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.upload import upload_version

@@ -14,11 +14,12 @@ import pytest
 
 from deltamesh.config import ConfigError, load_config
 from deltamesh.delta import write_weights
-from deltamesh.gateway.config import GatewayConfig, PublishConfig
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server.app import create_app
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.tls import TlsError, TlsSettings
 from deltamesh.tokens import TokenError, TokenSpec, add_token
+from deltamesh.trainer.publish_config import PublishConfig
 from deltamesh.trainer.publisher import Publisher
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))

@@ -18,11 +18,11 @@ from aiohttp import web
 
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.fetcher import MIN_SPAN, Fetcher, NotAnnounced
 from deltamesh.gateway.fetch.lanes import MIN_PART, first_spans
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, parse_range, serving
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.upload import upload_version
 

@@ -19,10 +19,10 @@ import deltamesh_test_hostile as hostile  # a helper module of this folder, load
 import pytest
 
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.upload import upload_version
 

@@ -16,8 +16,8 @@ import time
 import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 import pytest
 
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import HttpError, client_session, request_json
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.upload import upload_version
 

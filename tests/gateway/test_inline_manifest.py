@@ -21,9 +21,9 @@ from aiohttp import web
 from deltamesh_test_passthrough import pass_through
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.http import client_session, serving
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.tokens import TokenSpec, add_token
 from deltamesh.trainer.publisher import Publisher

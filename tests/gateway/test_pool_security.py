@@ -23,10 +23,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deltamesh.delta import encode_full, generate_key, read_weights, sign_statement
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.pool.head_check import Refusal
 from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import Refused, WeightSync
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.trainer.publisher import Publisher

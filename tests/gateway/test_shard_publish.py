@@ -18,8 +18,8 @@ import torch
 from deltamesh.delta import read_weights
 from deltamesh.delta.encode import table_of
 from deltamesh.delta.parts import encode_part
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import HttpError, client_session, request_bytes
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.distributed import shard_rows
 from deltamesh.trainer.exchange import LocalBoard, LocalExchange

@@ -22,9 +22,9 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from deltamesh.delta import dir_manifest, load_public_key, read_weights, write_weights
 from deltamesh.delta.manifest import Manifest, load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import tiny_model_dir
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import SyncError, WeightSync
 from deltamesh.trainer.publisher import Publisher
 

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import ClientSession, web
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import request_json
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.publisher import Publisher
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.publisher import Publisher
 

@@ -8,11 +8,11 @@ import asyncio
 import json
 import time
 
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.trainer.publisher import Publisher

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import torch
 
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
 from deltamesh.mesh.workflows.tool_use import tool_tasks
 from deltamesh.trainer.batch_client import BatchClient
