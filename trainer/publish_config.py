@@ -10,6 +10,7 @@ from deltamesh.config import http_url
 from deltamesh.config_flags import flag
 from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.tls import TlsSettings, check_token_transport
+from deltamesh.trainer.publish_settings import PublishSettings
 
 
 @dataclass
@@ -50,3 +51,10 @@ class PublishConfig:
             raise ValueError("version must be >= 0")
         if self.full_every < 0 or self.connections < 1 or not self.piece_mib > 0:
             raise ValueError("full_every must be >= 0, connections >= 1 and piece_mib > 0")
+
+    def publish_settings(self) -> PublishSettings:
+        """Where and how `deltamesh publish` (or a `WeightPublisher`) sends versions, handed whole to its
+        publisher."""
+        return PublishSettings(self.gateway, self.model, full_every=self.full_every,
+                               piece_bytes=int(self.piece_mib * 2**20), connections=self.connections,
+                               token=self.token or None, tls=self.tls)

@@ -52,6 +52,7 @@ from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
 from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.publish_settings import PublishSettings, check_publish_numbers
 from deltamesh.trainer.upload import upload_version
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,16 @@ class Publisher:
     link: OriginLink = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.full_every < 0:
-            raise ValueError("full_every must be >= 0 (0: only the first version is full)")
+        check_publish_numbers(self.full_every, self.piece_bytes, self.connections)
         self.link = OriginLink(self.gateway, self.model_id, self.token, self.tls, self.connections)
         self.gateway, self.token = self.link.gateway, self.link.token
+
+    @classmethod
+    def from_settings(cls, settings: PublishSettings, key: Ed25519PrivateKey, **hooks) -> Publisher:
+        """The publisher `settings` describe, signing with `key`; `hooks`: on_progress, on_encoded, side_files."""
+        return cls(settings.gateway, key, settings.model_id, full_every=settings.full_every,
+                   piece_bytes=settings.piece_bytes, connections=settings.connections, token=settings.token,
+                   tls=settings.tls, layouts=settings.layouts, **hooks)
 
     def set_base(self, version: int, weights: Mapping[str, torch.Tensor], weights_hash: str | None = None,
                  side_files: Mapping[str, str] | None = None) -> None:

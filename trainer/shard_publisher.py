@@ -43,6 +43,7 @@ from deltamesh.http import HttpError
 from deltamesh.tls import TlsSettings
 from deltamesh.trainer.exchange import PartExchange
 from deltamesh.trainer.origin_link import OriginLink
+from deltamesh.trainer.publish_settings import PublishSettings, check_publish_numbers
 from deltamesh.trainer.publisher import Published
 from deltamesh.trainer.upload import put_staged_manifest, stage_pieces
 
@@ -88,11 +89,17 @@ class ShardPublisher:
     """Rank 0: exchange keys of the last publish, forgotten once every rank has moved past it."""
 
     def __post_init__(self) -> None:
-        if self.full_every < 0:
-            raise ValueError("full_every must be >= 0 (0: only the first version is full)")
+        check_publish_numbers(self.full_every, self.piece_bytes, self.connections)
         if self.exchange.rank == 0 and self.key is None:
             raise ValueError("rank 0 signs every version: it needs the trainer's key")
         self.link = OriginLink(self.gateway, self.model_id, self.token, self.tls, self.connections)
+
+    @classmethod
+    def from_settings(cls, settings: PublishSettings, exchange: PartExchange, **rest) -> ShardPublisher:
+        """This rank's publisher as `settings` describe; `rest`: key (rank 0's), side_files, cuts, hooks."""
+        return cls(settings.gateway, settings.model_id, exchange, full_every=settings.full_every,
+                   piece_bytes=settings.piece_bytes, connections=settings.connections, token=settings.token,
+                   tls=settings.tls, **rest)
 
     @property
     def rank(self) -> int:

@@ -45,6 +45,7 @@ class VersionStream:
         self.model = model
         self.in_parts = cfg.publish_parts == "on" or (cfg.publish_parts == "auto" and ctx.distributed)
         layouts = [parse_layout(text) for text in cfg.pool_layouts]
+        settings = cfg.publish_settings(layouts)
         key = load_private_key(cfg.key) if ctx.is_main else None
         side_files = read_side_files(cfg.model) if ctx.is_main else None
         self.thread = LoopThread(f"versions-{cfg.model_id}-{ctx.rank}")
@@ -53,23 +54,17 @@ class VersionStream:
         if self.in_parts:
             exchange = open_store_exchange(ctx)  # a collective: every rank, in step
             table, _, rows = published_shard(model)
-            shards = ShardPublisher(cfg.gateway, cfg.model_id, exchange, key=key, full_every=cfg.full_every,
-                                    piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
-                                    token=cfg.gateway_token, tls=cfg.tls, side_files=side_files,
-                                    cuts=cuts_for(table, layouts) if layouts else None)
+            shards = ShardPublisher.from_settings(settings, exchange, key=key, side_files=side_files,
+                                                  cuts=cuts_for(table, layouts) if layouts else None)
             self.sharded = ShardedVersions(shards, table, rows)
             if not ctx.is_main:
                 self._rank_publishing = rank_publishing(self.thread, self.sharded)
         self.client: MeshClient | None = None
         if ctx.is_main:
             assert key is not None
-            self.client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
-                                     gateway_token=cfg.gateway_token, tls=cfg.tls,
-                                     statement_every_s=cfg.statement_every_s, model_id=cfg.model_id, key=key,
-                                     full_every=cfg.full_every, piece_bytes=cfg.piece_bytes,
-                                     connections=cfg.upload_connections, on_published=on_published,
-                                     side_files=side_files, sharded=self.sharded, thread=self.thread,
-                                     layouts=layouts)
+            self.client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, publish=settings, key=key,
+                                     statement_every_s=cfg.statement_every_s, on_published=on_published,
+                                     side_files=side_files, sharded=self.sharded, thread=self.thread)
 
     def start(self, version: int, stop: threading.Event) -> int | None:
         """Join the gateway's stream with the trainer's `version`; the version counter from now on (None

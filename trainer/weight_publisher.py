@@ -47,10 +47,8 @@ class WeightPublisher:
         """`side_files_dir`: a model directory whose config and tokenizer files ship with every version
         (so that a fresh pool's directory loads with `from_pretrained`); None: none ship."""
         self.config = config
-        self.publisher = Publisher(
-            config.gateway, load_private_key(config.key), config.model, full_every=config.full_every,
-            piece_bytes=int(config.piece_mib * 2**20), connections=config.connections,
-            token=config.token or None, tls=config.tls,
+        self.publisher = Publisher.from_settings(
+            config.publish_settings(), load_private_key(config.key),
             side_files=read_side_files(side_files_dir) if side_files_dir is not None else None)
         self.version: int | None = None
         """The last version published (None before the first)."""

@@ -45,10 +45,8 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=f"v{enc.manifest.version} {enc.manifest.kind}",
                             total=enc.manifest.payload_bytes, completed=0)
 
-        publisher = Publisher(config.gateway, key, config.model,
-                              full_every=config.full_every, piece_bytes=int(config.piece_mib * 2**20),
-                              connections=config.connections, token=config.token, tls=config.tls,
-                              on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
+        publisher = Publisher.from_settings(config.publish_settings(), key,
+                                            on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
         try:
             result = asyncio.run(publish_dir(publisher, args.weights_dir, state, config.version))
         except (HttpError, CodecError, RuntimeError, OSError, ValueError) as e:
