@@ -31,9 +31,11 @@ test: $(STAMP)
 	bash benchmarks/setup_sandbox.sh
 	bash benchmarks/setup_prometheus.sh
 	bash benchmarks/setup_browser.sh
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)

@@ -39,18 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from common import wait_healthy
 from postgres_cluster import PostgresCluster
 
-from deltamesh.http import client_session, request_bytes
-from deltamesh.mesh.demo.processes import free_port
 from deltamesh.broker_client import BrokerClient
-from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.certs import issue, make_ca
 from deltamesh.data import Trajectory
+from deltamesh.http import client_session, request_bytes
+from deltamesh.mesh.demo.processes import free_port
 from deltamesh.tls import TlsSettings
 from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.trainer.batch_client import BatchClient
 
 TOKENS = 2048
 GROUP = 8
@@ -255,7 +254,9 @@ def main() -> int:
     if args.json:
         keys = ("ingest_traj_per_s", "batch_latency_ms_p50", "batch_latency_ms_p99")
         out = {k: results[0][1][k] for k in keys}
-        out.update({"ingest_traj_per_s_tls_auth": f["ingest_traj_per_s"] for c, f in results if c.secured})
+        for c, f in results:
+            if c.secured:
+                out["ingest_traj_per_s_tls_auth"] = f["ingest_traj_per_s"]
         for c, f in results:
             if c.postgres:
                 out.update(ingest_traj_per_s_postgres=f["ingest_traj_per_s"],

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import emit, stop_processes, wait_healthy
 from postgres_cluster import PostgresCluster
 

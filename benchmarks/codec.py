@@ -32,10 +32,9 @@ from collections import Counter
 from typing import Any, Callable
 
 import torch
-
 from baselines import BASELINES, Codec, encoded_size
 from common import bench_parser, emit, parse_bench_args
-from inputs import Case, qwen3_shapes, real_cases, adam_run_case, synthetic_case
+from inputs import Case, adam_run_case, qwen3_shapes, real_cases, synthetic_case
 
 log = logging.getLogger("benchmarks.codec")
 
@@ -84,8 +83,15 @@ def deltamesh_codecs() -> tuple[Codec, Codec]:
     The delta encoder is given the base's `weights_hash`, as a trainer has it from the previous
     version's manifest; `prepare` computes it before the timed runs.
     """
-    from deltamesh.delta import (SmallWordIndex, apply, encode_delta, encode_full, generate_key, load_manifest,
-                                 weights_hash)
+    from deltamesh.delta import (
+        SmallWordIndex,
+        apply,
+        encode_delta,
+        encode_full,
+        generate_key,
+        load_manifest,
+        weights_hash,
+    )
 
     key = generate_key()
     trusted = [key.public_key()]

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-
 from common import bench_parser, emit, parse_bench_args, stop_processes, wait_healthy
+
 from deltamesh.delta.keys import generate_key, save_keypair
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import bearer, client_session, serving
 from deltamesh.mesh.demo.processes import deltamesh_command, free_port
 from deltamesh.tokens import TokenSpec, add_token, save_token
+from deltamesh.trainer.publisher import Publisher
 
 TARGET_MS = 200.0
 REGIONS = (("us", None), ("eu", "us"), ("ap", "eu"))

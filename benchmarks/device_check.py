@@ -37,7 +37,6 @@ import time
 from typing import Any
 
 import torch
-
 from codec import median_time, same_weights
 from common import bench_parser, emit, parse_bench_args
 from inputs import Weights, qwen3_shapes, synthetic_case

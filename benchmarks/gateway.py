@@ -40,12 +40,12 @@ from common import emit, piece_digest, stop_processes, wait_healthy
 from deltamesh.certs import issue, make_ca
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
-from deltamesh.gateway.fetch import Fetcher
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
-from deltamesh.gateway.upload import upload_version
 from deltamesh.tls import TlsSettings
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "bench"
 PIECE = 4 * 1024 * 1024

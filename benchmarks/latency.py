@@ -45,15 +45,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from e2e import figures, run_mesh
 from rich.console import Console
 from rich.table import Table
+from swap_compare import PARTS, _env_for, commit_of
 
 from deltamesh.cache import cache_dir
 from deltamesh.delta import dir_manifest
 from deltamesh.logs import setup_logging
-
-from e2e import figures, run_mesh
-from swap_compare import PARTS, _env_for, commit_of
 
 HERE = Path(__file__).resolve().parent
 MODEL = "policy"

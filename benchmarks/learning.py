@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from learning_report import pipeline_model, plot_runs, print_runs
 from rich.console import Console
 
 from deltamesh.config import from_dict
@@ -41,8 +42,6 @@ from deltamesh.logs import setup_logging
 from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
 from deltamesh.mesh.demo.run import run_demo
 from deltamesh.mesh.demo.topology import Topology
-
-from learning_report import pipeline_model, plot_runs, print_runs
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from common import piece_digest, stop_processes, wait_healthy
 from deltamesh.delta.hashing import digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
+from deltamesh.trainer.upload import upload_version
 
 PIECE = 256 * 1024
 PIECES = 4

@@ -84,7 +84,7 @@ async def _publish_case(gateway: str, key, name: str, old: dict, new: dict, vers
                         full_every: int) -> list[dict]:
     import torch
 
-    import deltamesh.gateway.publisher as publisher_module
+    import deltamesh.trainer.publisher as publisher_module
 
     calls: list[tuple[str, str, float, float]] = []  # (what, kind, start, end) of this version
 

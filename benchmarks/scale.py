@@ -11,9 +11,9 @@ Two phases on the same gateways, each a cold start (a full snapshot) and `--step
 
 - sharded: every rank encodes its own rows against its own last copy, stages its pieces on the origin
   over its own connections, and rank 0 signs one manifest from the ranks' descriptions
-  (`deltamesh.gateway.shard_publisher`);
+  (`deltamesh.trainer.shard_publisher`);
 - rank 0 (today's path): the ranks' rows are gathered to rank 0 over gloo, which encodes, signs and
-  uploads the whole model (`deltamesh.gateway.publisher`).
+  uploads the whole model (`deltamesh.trainer.publisher`).
 
 Per version it reports step end -> every pool serving and the stages (encoded, uploaded, the last
 pool's fetch and serving) as medians over the deltas after the first; the peak resident memory that
@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltamesh.delta import generate_key, save_keypair
-from deltamesh.mesh.demo.processes import ServiceSet, Service, end_process, free_port
-
 import scale_fetch
 import scale_model
 import scale_procs
 from common import emit, wait_healthy
+
+from deltamesh.delta import generate_key, save_keypair
+from deltamesh.mesh.demo.processes import Service, ServiceSet, end_process, free_port
 
 RANKS = 2
 REGIONS = (("us-east", None, 0, 0), ("eu-west", "us-east", 1000, 20), ("ap-south", "eu-west", 500, 40))

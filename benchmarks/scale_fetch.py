@@ -10,6 +10,7 @@ rank of the layout fetched, over the delta's payload bytes.
 
 from __future__ import annotations
 
+import scale_model
 import torch
 
 from deltamesh.delta import generate_key, load_manifest
@@ -17,8 +18,6 @@ from deltamesh.delta.encode import encode_delta, encode_full, table_of
 from deltamesh.delta.layouts import PoolLayout, cuts_for, shares_of
 from deltamesh.delta.share_plan import pieces_for
 from deltamesh.delta.shares import apply_share, decode_pieces
-
-import scale_model
 
 
 def ep_fetch_fractions(ranks: tuple[int, ...] = (2, 4), *, quick: bool = False) -> dict[str, float]:

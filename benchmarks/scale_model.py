@@ -15,10 +15,9 @@ import zlib
 from typing import Iterator
 
 import torch
+from inputs import qwen3_shapes
 
 from deltamesh.delta.cuts import TensorSpec
-
-from inputs import qwen3_shapes
 
 LR = 1.0e-6
 """The step's learning rate: about 1% of this model's words move per step."""

@@ -20,19 +20,18 @@ import threading
 import time
 from typing import Any
 
+import scale_model
 import torch
 
 from deltamesh.delta import apply_version, load_private_key, tensor_digest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.shard_publisher import ShardPublisher
-from deltamesh.gateway.sync_errors import SyncError
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.http import HttpError
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.distributed import shard_rows
-from deltamesh.trainer.part_exchange import store_exchange
-
-import scale_model
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.shard_publisher import ShardPublisher
+from deltamesh.trainer.store_exchange import store_exchange
 
 MODEL = "scale"
 log = logging.getLogger(__name__)

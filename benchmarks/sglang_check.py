@@ -132,10 +132,10 @@ def compare(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
 
 async def run_checks(args: argparse.Namespace, work: Path, checks: Checks, figures: dict) -> None:
     from deltamesh.delta import decode_version, encode_delta, generate_key, read_weights, tensor_digest
-    from deltamesh.mesh.engines.base import EngineError, SamplingParams
-    from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
     from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
     from deltamesh.mesh.demo.processes import free_port
+    from deltamesh.mesh.engines.base import EngineError, SamplingParams
+    from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     model_id = "sglang-check"
     key = generate_key()

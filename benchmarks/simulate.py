@@ -30,16 +30,24 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from deltamesh.cache import cache_dir
-
 from common import emit
 from simulate_model import Tcp
 from simulate_scale import NOT_MODELLED, CoreSpeeds, Node, at_scale_rows, speeds_from_report
 from simulate_scale_report import print_at_scale
 from simulate_scenarios import (
-    MODELS, STEP_SECONDS, Codec, Mesh, big_model_rows, calibrate, check_rows, codec_from_training, emulated_rows,
+    MODELS,
+    STEP_SECONDS,
+    Codec,
+    Mesh,
+    big_model_rows,
+    calibrate,
+    check_rows,
+    codec_from_training,
+    emulated_rows,
     paper_rows,
 )
+
+from deltamesh.cache import cache_dir
 
 RESULTS = cache_dir("transfer", "results.json")
 LATENCY = cache_dir("latency", "results.json")

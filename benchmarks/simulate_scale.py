@@ -27,11 +27,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deltamesh.delta.parallel import MAX_WORKERS
-
 from simulate_layouts import DenseLayout, Layout, MoeLayout
 from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path
 from simulate_scenarios import GB, Codec, Mesh
+
+from deltamesh.delta.parallel import MAX_WORKERS
 
 PIECE = 4 * 2**20
 ARRIVED = Link(1e9, 0.0)

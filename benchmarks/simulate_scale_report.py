@@ -7,11 +7,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-
-from deltamesh.delta.parallel import MAX_WORKERS
-
 from simulate_scale import NOT_MODELLED, CoreSpeeds, Node, target_of
 from simulate_scenarios import GB
+
+from deltamesh.delta.parallel import MAX_WORKERS
 
 
 def print_at_scale(rows: list[dict[str, Any]], speeds: CoreSpeeds, node: Node = Node()) -> None:

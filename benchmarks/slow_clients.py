@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common import bench_parser, emit, parse_bench_args, stop_processes, wait_healthy
+
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.mesh.demo.processes import deltamesh_command, free_port
 

@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
+from soak_mesh import GATEWAY_PORT, HIDDEN_PORT, MODEL, SoakMesh
+from soak_schedule import PlannedFault
+
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.demo.processes import Service
-from soak_mesh import HIDDEN_PORT, GATEWAY_PORT, MODEL, SoakMesh
-from soak_schedule import PlannedFault
 
 log = logging.getLogger(__name__)
 

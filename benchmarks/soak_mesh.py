@@ -25,15 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
+from postgres_cluster import PostgresCluster
+from soak_clock import ClockFiles
+from soak_net import SoakNet
 
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.processes import Service, ServiceSet
 from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
-from postgres_cluster import PostgresCluster
-from soak_clock import ClockFiles
-from soak_net import SoakNet
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class SoakMesh:
         (self.run_dir / "ledgers").mkdir(exist_ok=True)
         self.clock = ClockFiles(self.run_dir / "clock")
         self.pg = PgPair()
-        self.model_dir  # built before the services race to build it
+        self.model_dir  # noqa: B018 - the property builds it, before the services race to build it
 
     def _service(self, name: str, kind: str, host: str, args: list[str], *, url: str = "",
                  secrets: dict[str, str] | None = None) -> Service:

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltamesh.gateway_client import GatewayClient
-from deltamesh.http import HttpError, bearer, client_session, request_json
 from soak_checks import Invariants
 from soak_faults import FILLER
 from soak_mesh import MODEL, REGIONS, SoakMesh
+
+from deltamesh.gateway_client import GatewayClient
+from deltamesh.http import HttpError, bearer, client_session, request_json
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-
 from soak_checks import INVARIANTS, Invariants, Violation
 
 log = logging.getLogger(__name__)

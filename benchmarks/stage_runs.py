@@ -24,18 +24,25 @@ from typing import Callable
 import numpy as np
 import torch
 import xxhash
+from inputs import Case
 
 from deltamesh.delta import (
-    Encoded, SmallWordIndex, apply_version, decode_version, encode_delta, generate_key, live_hash, load_manifest,
-    tensor_digests, weights_hash,
+    Encoded,
+    SmallWordIndex,
+    apply_version,
+    decode_version,
+    encode_delta,
+    generate_key,
+    live_hash,
+    load_manifest,
+    tensor_digests,
+    weights_hash,
 )
 from deltamesh.delta.bitdiff import scan_changes, to_key
 from deltamesh.delta.dtypes import np_words
 from deltamesh.delta.keys import Ed25519PrivateKey
 from deltamesh.delta.parallel import thread_map
 from deltamesh.mesh.demo.models import to_bf16
-
-from inputs import Case
 
 PIECE_BYTES = 512 << 10
 STAGES = ("cast", "scan", "encode", "sign", "hash", "decode", "apply_first", "apply", "check")
@@ -93,7 +100,7 @@ def run_once(p: Prepared) -> dict[str, float]:
     out["encode"], encoded = _timed(lambda: encode_delta(
         case.old, case.new, model_id="m", version=1, base_version=0, key=None, base_hash=p.base_hash,
         piece_bytes=PIECE_BYTES))
-    out["sign"], signed = _timed(lambda: encoded.signed(p.key))
+    out["sign"], signed = _timed(lambda version=encoded: version.signed(p.key))
     del encoded, signed
     out["hash"], _ = _timed(lambda: tensor_digests(case.new))
     out["decode"], forward = _timed(lambda: decode_version(load_manifest(p.forward.manifest_bytes, [public]),

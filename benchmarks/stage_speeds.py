@@ -38,19 +38,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from common import bench_parser, emit, parse_bench_args
+from inputs import Case, adam_step_case, qwen3_shapes
 from rich.console import Console
 from rich.table import Table
+from stage_runs import STAGES, change_statistics, prepare, run_once
+from swap_compare import commit_of
 
 from deltamesh.cache import cache_dir
 from deltamesh.delta import load_manifest
 from deltamesh.delta.parallel import usable_cores
 from deltamesh.logs import setup_logging
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_state_dict, to_bf16
-
-from common import bench_parser, emit, parse_bench_args
-from inputs import Case, adam_step_case, qwen3_shapes
-from stage_runs import STAGES, change_statistics, prepare, run_once
-from swap_compare import commit_of
 
 RESULTS = cache_dir("stage_speeds", "results.json")
 HERE = Path(__file__).resolve().parent

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common import bench_parser, emit, parse_bench_args, wait_healthy
+
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.mesh.demo.processes import deltamesh_command, end_process, free_port
 

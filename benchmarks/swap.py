@@ -52,20 +52,20 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-
 from common import bench_parser, emit, parse_bench_args
 from inputs import qwen3_shapes, synthetic_case
 
 from deltamesh.delta import dir_manifest, generate_key, read_weights, save_keypair, write_weights
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.server.app import create_app
+from deltamesh.http import serving
+from deltamesh.mesh.demo.models import char_tokenizer_dir, smollm2_adam_versions, smollm2_model_dir
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.http import serving
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
-from deltamesh.mesh.demo.models import char_tokenizer_dir, smollm2_adam_versions, smollm2_model_dir
 from deltamesh.trainer.models import load_tokenizer
+from deltamesh.trainer.publisher import Publisher
 
 log = logging.getLogger("benchmarks.swap")
 
@@ -236,7 +236,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
             pools[mode] = await stack.enter_async_context(PolicyWeights(engine, sync, hot_swap=MODES[mode]))
         # The ways take turns version by version, so that both see the same background load over time;
         # before each measured version both catch up, off the clock, with the old weights republished.
-        for rep in range(repeats):
+        for _rep in range(repeats):
             for kind in kinds:
                 for mode, weights in pools.items():
                     await trainer.back_to_old()
@@ -266,7 +266,7 @@ async def measure_model(model: ModelInput, repeats: int, workdir: Path, kinds: S
                              "%.3f s (%d payload bytes)", model.name, kind, mode, version, served, first, over, nbytes)
         next_served = []
         if "in_place" in pools and "delta" in kinds:
-            for rep in range(repeats):
+            for _rep in range(repeats):
                 await trainer.back_to_old()
                 await catch_up(pools.values())
                 async with Generating(pools["in_place"].engine):

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import bench_parser, emit, parse_bench_args
 
 from deltamesh.delta import CodecError, decode_version, encode_delta, generate_key, read_weights

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from deltamesh.cache import cache_dir
-
 from common import emit
+
+from deltamesh.cache import cache_dir
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

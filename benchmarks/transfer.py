@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the transfer benchmark needs root (network namespaces); see benchmarks/wan/README.md", file=sys.stderr)
         return 2
-    from transfer_payload import payload_manifest, prepare_payload
     from transfer_mesh import congestion_allowed
+    from transfer_payload import payload_manifest, prepare_payload
     from transfer_runs import Settings
     from transfer_scenarios import SCENARIOS
 

@@ -66,7 +66,7 @@ def publish(args: argparse.Namespace) -> int:
 
     from deltamesh.delta import Manifest, load_private_key
     from deltamesh.http import client_session
-    from deltamesh.gateway.upload import upload_version
+    from deltamesh.trainer.upload import upload_version
 
     folder = Path(args.payload)
     body = Manifest.from_body((folder / "manifest.json").read_bytes())
@@ -110,9 +110,9 @@ def pull(args: argparse.Namespace) -> int:
     the publisher to start; its result lists those fetches under `runs`.
     """
     from deltamesh.delta import load_manifest, load_public_key
-    from deltamesh.gateway.fetch import Fetcher
-    from deltamesh.gateway.sources import Source
-    from deltamesh.gateway.verified import inline_envelopes
+    from deltamesh.gateway.fetch.fetcher import Fetcher
+    from deltamesh.gateway.fetch.plan_steps import inline_envelopes
+    from deltamesh.gateway.fetch.sources import Source
     from deltamesh.http import client_session, request_json
 
     keys = [load_public_key(args.trusted_key)]
@@ -207,7 +207,7 @@ def publish_steps(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
 
     from deltamesh.delta import load_private_key
-    from deltamesh.gateway.publisher import Publisher
+    from deltamesh.trainer.publisher import Publisher
 
     folder = Path(args.steps_dir)
     publisher = Publisher(args.gateway, load_private_key(args.key), args.model, full_every=args.full_every)

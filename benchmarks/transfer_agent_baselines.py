@@ -31,7 +31,8 @@ def serve(args: argparse.Namespace) -> int:
     """
     from aiohttp import web
 
-    from deltamesh.http import parse_range, serve as serve_app
+    from deltamesh.http import parse_range
+    from deltamesh.http import serve as serve_app
 
     blob = memoryview(Path(args.file).read_bytes())
     size = len(blob)

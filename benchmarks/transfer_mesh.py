@@ -22,11 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltamesh.delta import generate_key, save_keypair
-from deltamesh.mesh.demo.processes import log_tail
 from transfer_protocol import end_file
 from transfer_tls import RunPki
 from wan import Host, Wan, WanError
+
+from deltamesh.delta import generate_key, save_keypair
+from deltamesh.mesh.demo.processes import log_tail
 
 log = logging.getLogger(__name__)
 

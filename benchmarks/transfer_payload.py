@@ -16,10 +16,9 @@ import math
 import shutil
 from pathlib import Path
 
-from deltamesh.cache import cache_dir
-
 import torch
 
+from deltamesh.cache import cache_dir
 from deltamesh.delta import Manifest, encode_full, generate_key
 from deltamesh.delta.manifest import FORMAT_VERSION
 

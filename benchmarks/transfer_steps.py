@@ -19,8 +19,18 @@ import torch
 
 from deltamesh.delta import encode_delta, encode_full, generate_key
 from deltamesh.mesh.demo.models import (
-    RECIPE_VERSION, SMOLLM2_NAME, build_causal_lm, build_once, cache_dir, english_text, load_tokenizer,
-    smollm2_config, smollm2_state_dict, smollm2_tokenizer_dir, to_bf16, token_batch,
+    RECIPE_VERSION,
+    SMOLLM2_NAME,
+    build_causal_lm,
+    build_once,
+    cache_dir,
+    english_text,
+    load_tokenizer,
+    smollm2_config,
+    smollm2_state_dict,
+    smollm2_tokenizer_dir,
+    to_bf16,
+    token_batch,
 )
 
 log = logging.getLogger(__name__)

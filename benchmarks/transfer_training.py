@@ -3,7 +3,7 @@
 The fan-out network of scenario 3 (origin, 3 regions over long links, 4 pools per region) runs an
 origin gateway, one relay gateway per region and a real `deltamesh pool sync` agent in every pool
 host, each keeping its own safetensors directory at the head. A publisher agent at the origin
-(`deltamesh.gateway.publisher.Publisher`, a full snapshot every 10 versions) publishes version 0 (the
+(`deltamesh.trainer.publisher.Publisher`, a full snapshot every 10 versions) publishes version 0 (the
 pretrained checkpoint, a full snapshot) and then one version every `step_seconds`, as a trainer does
 after each step, without waiting for the pools. The benchmark watches the pools' directories (which
 version each holds, read from its manifest file) and reports per version the bytes shipped, delta vs
@@ -21,13 +21,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from deltamesh.delta import dir_manifest
-from deltamesh.delta.errors import CodecError
 from transfer_mesh import DELTAMESH, POOL_TOKEN, set_tcp_buffers
 from transfer_runs import Scenario, Settings, build_topology, work_dir
 from transfer_scenarios import REGIONS
 from transfer_steps import load_costs, steps_dir
 from wan import Wan, WanError
+
+from deltamesh.delta import dir_manifest
+from deltamesh.delta.errors import CodecError
 
 log = logging.getLogger(__name__)
 

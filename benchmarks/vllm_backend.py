@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import requests
-
 from common import bench_parser, emit, parse_bench_args
 
 

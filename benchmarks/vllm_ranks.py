@@ -35,21 +35,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import bench_parser, emit, parse_bench_args, stdout_to_stderr
 from swap import synthetic_input
 
 from deltamesh.delta import apply_to_dir, generate_key, save_keypair
-from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
-from deltamesh.gateway.fetch import Fetcher
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.plan_steps import fetch_verified
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.verified import fetch_verified
+from deltamesh.gateway.server.app import create_app
 from deltamesh.http import client_session, serving
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.engines.vllm_ranks import VLLMRanksConfig, VLLMRanksEngine
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
+from deltamesh.trainer.publisher import Publisher
 
 log = logging.getLogger("benchmarks.vllm_ranks")
 

@@ -19,15 +19,12 @@ hashing, key and piece layers, and a gateway host has no torch (tests/delta/test
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 # Each module of this package -> the public names it defines.
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "apply": ("Applier", "apply", "apply_version"),
-    "decode": ("TensorUpdate", "decode_piece"),
-    "decoded": ("DecodedVersion", "VersionDecoder", "decode_version"),
+    "applier": ("Applier", "apply", "apply_version"),
+    "decoded_version": ("DecodedVersion", "VersionDecoder", "decode_version"),
     "directory": ("HeldWeights", "apply_to_dir", "dir_manifest"),
     "dtypes": ("word_view",),
     "encode": ("PIECE_BYTES", "Encoded", "encode_delta", "encode_full"),
@@ -41,26 +38,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "small_index": ("SmallWordIndex",),
     "statement": ("HeadStatement", "StaleStatementError", "check_fresh", "load_statement", "sign_statement"),
     "storage": ("read_weights", "write_weights"),
+    "tensor_updates": ("TensorUpdate", "decode_piece"),
     "tensors": ("tensor_digest", "tensor_digests", "weights_hash"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_WHERE)
-
-
-class _Package(types.ModuleType):
-    """This package, keeping its public names when a submodule of the same name loads: the import
-    system binds a loaded submodule on its package (`apply` the module over `apply` the function).
-    So `import deltamesh.delta.apply as m` gives the function: take names from a submodule with
-    `from deltamesh.delta.apply import Applier`."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _WHERE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

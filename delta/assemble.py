@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .cuts import TensorSpec
 from .errors import CodecError
 from .hashing import digest
 from .manifest import PieceEntry, TensorEntry
-from .cuts import TensorSpec
 from .slices import Grid, Span
 
 

@@ -18,7 +18,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-
 SCAN_CHUNK_BYTES = 1 << 21  # per array per step: both chunks and the mask stay in L2/L3
 
 

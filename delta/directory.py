@@ -13,7 +13,7 @@ older one is renamed aside before it is deleted, so a reader slower than that fa
 over (`read_weights`), never reading part of a version.
 
 Versions come decoded (a pool decodes each once and applies it to its engine too) or as (manifest,
-pieces), decoded here; either way they go through the one applier (apply.py), in place on the weights
+pieces), decoded here; either way they go through the one applier (applier.py), in place on the weights
 read from the directory, or on the ones its writer held in memory since the last apply (`HeldWeights`).
 """
 
@@ -30,8 +30,8 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from .apply import apply_version
-from .decoded import DecodedVersion, Step, as_decoded, manifest_of
+from .applier import apply_version
+from .decoded_version import DecodedVersion, Step, as_decoded, manifest_of
 from .errors import BaseMismatchError, CorruptError
 from .manifest import Manifest
 from .side_files import MANIFEST_FILE, place_side_files

@@ -19,18 +19,18 @@ alone; without cuts, a version of one part is written in format 3.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Mapping
 
 import torch
 
 from .assemble import Assembled, assemble
+from .cuts import Cuts, TensorSpec
 from .dtypes import dtype_name
 from .errors import CodecError
 from .hashing import piece_digest
 from .keys import Ed25519PrivateKey
-from .manifest import FileEntry, Kind, Manifest, PieceEntry, TensorEntry, format_for, table_hash
+from .manifest import FileEntry, Kind, Manifest, PieceEntry, format_for, table_hash
 from .parallel import thread_map
-from .cuts import Cuts, TensorSpec
 from .parts import Part, encode_part
 from .piece import CODEC
 from .tensors import cpu_tensor, tensor_entry

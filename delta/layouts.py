@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import CodecError
 from .cuts import ALL, Cuts, TensorSpec
+from .errors import CodecError
 from .share_plan import Share
 
 VOCAB_PADDING = 64

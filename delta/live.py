@@ -3,7 +3,7 @@
 A live model is seen as a name -> tensor map (`live_tensors`) whose tensors share storage with the
 module's parameters and buffers, on whatever device the model lives, so a write here is a write into
 the model that is serving. `swap_in_place` moves it to a `DecodedVersion`: a delta goes through the
-one applier (apply.py) in place, writing only its changed words and restoring every one of them if
+one applier (applier.py) in place, writing only its changed words and restoring every one of them if
 any resulting tensor's hash differs from the manifest; a full snapshot, decoded and checked off to
 the side, is copied in after the names, dtypes and shapes are checked. `copy_in` is that copy for
 weights read from a directory. Callers make sure no forward pass runs meanwhile.
@@ -17,8 +17,8 @@ from typing import Mapping
 
 import torch
 
-from .apply import apply_version
-from .decoded import DecodedVersion
+from .applier import apply_version
+from .decoded_version import DecodedVersion
 from .dtypes import DTYPE_NAMES
 from .errors import CorruptError
 from .manifest import Manifest, TensorEntry

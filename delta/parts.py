@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from .bitdiff import scan_changes
-from .cuts import ALL, NO_CUTS, Cuts, TensorSpec
+from .cuts import NO_CUTS, Cuts, TensorSpec
 from .device_scan import on_device, scan_on_device
 from .dtypes import dtype_name, is_float, np_words
 from .errors import CodecError
@@ -112,7 +112,7 @@ def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
     for h, scan in zip(holdings, scans):
         held.append(scan.tiles)
         element0 = h.start * h.spec.row_elements
-        for j, (lo, hi) in enumerate(zip(h.bands, h.bands[1:])):
+        for lo, hi in zip(h.bands, h.bands[1:]):
             key = h.cuts.key(lo)
             first, end = lo * h.spec.row_elements, hi * h.spec.row_elements
             if scan.changes is not None:
@@ -122,7 +122,7 @@ def encode_part(table: Sequence[TensorSpec], new: Mapping[str, torch.Tensor], *,
             elif scan.full:
                 whole.setdefault(key, []).append((h.index, first - element0, end - element0, scan.words))
     pieces = [p for cutter in cutters.values() for p in cutter.finish()]
-    for key, ranges in whole.items():
+    for ranges in whole.values():
         pieces += _whole_pieces(ranges, piece_bytes, {h.index: h.start * h.spec.row_elements for h in holdings})
     return Part(tuple(held), pieces, cut=bool(cuts))
 

@@ -27,14 +27,14 @@ import torch
 import xxhash
 
 from .bitdiff import apply_changes
-from .decode import TensorUpdate, changes_torch
-from .decoded import Located, empty_tensor
+from .decoded_version import Located, empty_tensor
 from .dtypes import is_float, np_words, word_view
 from .errors import CorruptError
 from .grid import words_digest
 from .kernels import write_changes
 from .manifest import TensorEntry
 from .small_index import SmallWordIndex
+from .tensor_updates import TensorUpdate, changes_torch
 from .tensors import tensor_digest
 
 PASS_CHUNK_BYTES = 1 << 20

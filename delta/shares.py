@@ -5,7 +5,7 @@ rows, some columns, or none). Of a version built with its layout's cuts (parts.p
 pieces whose spans (format 4) reach into its shares (`pieces_for`), decodes them, and
 `apply_share` writes the changes that land in its slices in place, then checks each share against
 the tiles of the signed manifest's hash grid that cover it, all before it returns: the rank moves to
-the version bit-exact or its slices are restored, as a whole-model apply does (apply.py). Its base is
+the version bit-exact or its slices are restored, as a whole-model apply does (applier.py). Its base is
 what it checked against the base version's tiles last time, which the delta's `base_hash` names (the
 caller passes the manifest it holds). A share the version has no tiles for (a layout the trainer did
 not publish for), or a change located by small-word rank in a segment the share holds only part of,
@@ -22,17 +22,17 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .decode import TensorUpdate, decode_piece
 from .dtypes import is_float, np_words
 from .errors import BaseMismatchError, CodecError, CorruptError
 from .grid import tile_digests
 from .kernels import write_changes
-from .share_plan import Share
 from .manifest import Manifest, TensorEntry
 from .parallel import thread_map
 from .parts import TensorSpec
 from .patch import Rollback
+from .share_plan import Share
 from .storage import weight_files
+from .tensor_updates import TensorUpdate, decode_piece
 from .tensors import tensor_digest
 
 

@@ -10,7 +10,7 @@ builds a tensor's entry in the pass it would have made anyway, and moves every e
 version it applies, at a cost in the changed words. A segment whose `small_max` the bound covers then
 reads its small words off the entry: no pass over the tensor.
 
-An index describes the weights of one `weights_hash` (`weights_hash`); the applier (apply.py) uses it
+An index describes the weights of one `weights_hash` (`weights_hash`); the applier (applier.py) uses it
 only for a delta whose `base_hash` is that, and moves it to the delta's result only once every result
 tensor has hashed right. It never decides what is written without that check: positions read from an
 index that does not describe the base make the result hashes fail, and the applier then clears the
@@ -30,7 +30,7 @@ from .kernels import moved_small_positions, ranked_positions
 from .smallwords import CHUNK_WORDS, is_small
 
 if TYPE_CHECKING:
-    from .decoded import Located
+    from .decoded_version import Located
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from .errors import CodecError
 from .grid import words_digest
 from .hashing import digest as bytes_digest
 from .manifest import TensorEntry, table_hash
-from .slices import Grid
 from .parallel import thread_map
+from .slices import Grid
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:

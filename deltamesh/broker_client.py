@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+STATUS_PATH = "/v1/status"
+"""A service's status (GET): the broker's, and likewise a pool's and the evaluator's (`deltamesh.metrics`)."""
+BALANCE_PATH = "/v1/balance"
+"""The broker's report that drives the autoscaler (GET, admin)."""
+EVALS_PATH = "/v1/evals"
+"""The evaluator's scored versions (GET) and where an admin asks it to score one more (POST)."""
+
+
 @dataclass
 class TaskLease:
     """A task leased to a pool until `deadline` (unix time); submit its samples under `group_id`."""
@@ -146,11 +154,11 @@ class BrokerClient:
     # -- anyone -----------------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
         """Each model's trainer version and buffers, and the tasks' progress."""
-        return await self._call(request_json, "GET", "/v1/status", timeout_s=30)
+        return await self._call(request_json, "GET", STATUS_PATH, timeout_s=30)
 
     async def balance(self) -> dict[str, Any]:
         """The report that drives the autoscaler: trainer waits and pool throughput per model."""
-        return await self._call(request_json, "GET", "/v1/balance", timeout_s=30)
+        return await self._call(request_json, "GET", BALANCE_PATH, timeout_s=30)
 
     # -- pools ------------------------------------------------------------------------------------------
     async def lease(self, max_tasks: int = 1) -> list[TaskLease]:

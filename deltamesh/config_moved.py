@@ -38,6 +38,8 @@ MOVED_KEYS: tuple[tuple[str, str], ...] = (
     ("pool.broker_refresh_s", "pool.worker.broker_refresh_s"),
     ("pool.submit_retries", "pool.worker.submit_retries"),
     ("pool.drain_s", "pool.worker.drain_s"),
+    # The pool's plan hint shared its name with the trainer's full_every (a full every N versions).
+    ("pool.sync.full_every", "pool.sync.full_after_deltas"),
 )
 
 REMOVED_KEYS: tuple[tuple[str, str], ...] = (

@@ -27,19 +27,35 @@ PEER_HEADER = "X-Deltamesh-Peer"
 """Names the caller (`pool/NAME`, `gateway/REGION`, `trainer/MODEL`) so a gateway can attribute links."""
 
 
+MODELS_PATH = "/v1/models"
+"""What a gateway serves (GET); below it, each model's routes (`model_path`)."""
+HEADS_PATH = "/v1/heads"
+"""Every model's head (GET, long-polled): what relays follow."""
+LINKS_PATH = "/v1/links"
+"""The gateway's links and their measurements (GET, admin)."""
+GATEWAYS_PATH = "/v1/gateways"
+"""Where a downstream gateway announces itself to its upstream (POST)."""
+
+
+def model_path(model: str, what: str) -> str:
+    """`/v1/models/{model}/{what}`: a model's `head`, `plan`, `versions`, `traffic`, `statement` or
+    `newest/{kind}/parts` route on a gateway."""
+    return f"{MODELS_PATH}/{model}/{what}"
+
+
 def version_url(base: str, model: str, version: int, kind: str) -> str:
     """Where a gateway at `base` serves one version: `/manifest` and `/pieces/{index}` below it."""
-    return f"{base.rstrip('/')}/v1/models/{model}/versions/{version}/{kind}"
+    return f"{base.rstrip('/')}{model_path(model, f'versions/{version}/{kind}')}"
 
 
 def staged_url(base: str, model: str, piece_hash: str) -> str:
     """Where the origin at `base` takes (PUT) a piece of `model` before the manifest that names it."""
-    return f"{base.rstrip('/')}/v1/models/{model}/staged/{piece_hash}"
+    return f"{base.rstrip('/')}{model_path(model, f'staged/{piece_hash}')}"
 
 
 def statement_url(base: str, model: str) -> str:
     """Where a gateway at `base` serves (GET) and, the origin, takes (PUT) `model`'s signed head statement."""
-    return f"{base.rstrip('/')}/v1/models/{model}/statement"
+    return f"{base.rstrip('/')}{model_path(model, 'statement')}"
 
 
 class GatewayClient:
@@ -69,25 +85,25 @@ class GatewayClient:
     # -- models and versions ---------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
         """`{"region", "models": {model: {...}}}`: what the gateway serves."""
-        return await self._call("GET", "/v1/models")
+        return await self._call("GET", MODELS_PATH)
 
     async def head(self, model: str, *, after: int | None = None, wait_s: float = 0.0) -> int | None:
         """The newest version of `model`; with `after`, waits up to `wait_s` for one newer than it."""
-        answer = await self._call("GET", f"/v1/models/{model}/head", params={"after": after, "wait": wait_s},
+        answer = await self._call("GET", model_path(model, "head"), params={"after": after, "wait": wait_s},
                                   timeout_s=None if self.timeout_s is None else self.timeout_s + wait_s)
         return answer["head"]
 
     async def heads(self, params: Mapping[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         """Every model's head (`GET /v1/heads`), long-polled as `params` say."""
-        return await self._call("GET", "/v1/heads", params=params, timeout_s=timeout_s)
+        return await self._call("GET", HEADS_PATH, params=params, timeout_s=timeout_s)
 
     async def versions(self, model: str) -> dict[str, Any]:
         """The listing of `model`'s versions: `{"head", "versions": [...]}`."""
-        return await self._call("GET", f"/v1/models/{model}/versions")
+        return await self._call("GET", model_path(model, "versions"))
 
     async def plan(self, model: str, params: Mapping[str, Any]) -> dict[str, Any]:
         """A transfer plan (`from`, `to`, `since_full`, `full_every`, ...), as JSON for `Plan.from_json`."""
-        return await self._call("GET", f"/v1/models/{model}/plan", params=params)
+        return await self._call("GET", model_path(model, "plan"), params=params)
 
     # -- pools, gateways, links ------------------------------------------------------------------------
     async def register_pool(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,12 +120,12 @@ class GatewayClient:
         return await self._call("GET", "/v1/pools")
 
     async def links(self) -> dict[str, Any]:
-        return await self._call("GET", "/v1/links")
+        return await self._call("GET", LINKS_PATH)
 
     async def announce(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Tell an upstream gateway that a downstream one follows it (`POST /v1/gateways`); the answer
         says how long the announcement holds (`ttl_s`)."""
-        return await self._call("POST", "/v1/gateways", body=dict(body))
+        return await self._call("POST", GATEWAYS_PATH, body=dict(body))
 
 
 def call_once(base: str, call: Callable[[GatewayClient], Awaitable[T]], *, timeout_s: float = 10.0,

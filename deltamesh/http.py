@@ -248,7 +248,8 @@ async def read_json(request: web.Request, *, limit: int = JSON_LIMIT) -> Any:
     try:
         return parse_json(raw)
     except ValueError as e:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"malformed JSON: {e}"}), content_type="application/json")
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"malformed JSON: {e}"}),
+                                 content_type="application/json") from e
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -22,7 +22,12 @@ from typing import Any, Callable
 
 from aiohttp import web
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, ProcessCollector, disable_created_metrics, generate_latest,
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
 )
 
 from deltamesh import __version__

@@ -6,7 +6,7 @@ deltas after it, whichever carries fewer bytes. A full route is the only choice 
 forced for a periodic full sync: when the pool would otherwise have applied `full_every` deltas in a
 row since its last full snapshot. Plans are pure data computed from what can be served (`PlanStep`s:
 a gateway's own manifests, and on a relay also what its upstreams can serve it, see
-`deltamesh.gateway.relay`); the server serves them as JSON and the puller executes them.
+`deltamesh.gateway.server.relay`); the server serves them as JSON and the puller executes them.
 """
 
 from __future__ import annotations

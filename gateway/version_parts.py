@@ -1,7 +1,7 @@
 """Parts of a whole version: its pieces laid end to end in index order and cut into `of` equal byte
 ranges, so that a fetcher that does not know the version yet can ask for a share of it on each of its
 connections (`GET /v1/models/{model}/newest/{kind}/parts/{part}?of=N`, served by a gateway's version
-routes, taken by `deltamesh.gateway.fetch_parts`). Both sides cut the same way with these functions;
+routes, taken by `deltamesh.gateway.fetch.parts`). Both sides cut the same way with these functions;
 the answer names its version and span in `VERSION_HEADER` and `SPAN_HEADER`.
 """
 

@@ -97,3 +97,28 @@ def test_docs_state_the_same_rules():
         cell = line.split("|")[3]
         named = {p for p in ("base", *PARTS) if f"`{p}`" in cell}
         assert named == allowed, f"{folder}/: docs say {sorted(named)}, the test enforces {sorted(allowed)}"
+
+
+FACES = ("deltamesh.gateway", "deltamesh.gateway.server", "deltamesh.gateway.fetch", "deltamesh.trainer",
+         "deltamesh.mesh.pool")
+
+
+@pytest.mark.parametrize("package", FACES)
+def test_each_face_offers_every_name_it_lists(package):
+    """A package's `__init__` exports its face (`__all__`), and every name in it resolves (lazy ones too)."""
+    import importlib
+
+    module = importlib.import_module(package)
+    assert module.__all__, f"{package} exports nothing"
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert missing == [], f"{package} lists names it does not offer: {missing}"
+
+
+def test_gateway_holds_no_pool_or_publisher_side():
+    """The gateway folder is the server and the shared fetcher: the pool's side of the protocol lives in
+    mesh/pool/ and the publisher in trainer/, so no gateway module names them."""
+    names = {p.relative_to(ROOT / "gateway").as_posix() for p in (ROOT / "gateway").rglob("*.py")}
+    assert not names & {"weight_sync.py", "head_check.py", "head_watch.py", "publisher.py", "shard_publisher.py",
+                        "upload.py", "origin_link.py"}
+    top = {n for n in names if "/" not in n}
+    assert top == {"__init__.py", "config.py", "plan.py", "version_parts.py"}, top

@@ -7,23 +7,25 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from deltamesh.config import ConfigError, load_config
 from deltamesh.config_flags import ALIASES, settings
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig, PublishConfig
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.broker.config import BrokerConfig
-from deltamesh.mesh.console.config import ConsoleConfig
 from deltamesh.mesh.cli import build_parser
+from deltamesh.mesh.console.config import ConsoleConfig
 from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.eval.config import EvalConfig
 from deltamesh.mesh.pool.config import PoolConfig
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.trainer.loop_config import TrainLoopConfig
+from deltamesh.trainer.publish_config import PublishConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "CONFIG.md"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 from deltamesh.delta import read_weights, write_weights

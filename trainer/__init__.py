@@ -1,18 +1,28 @@
-"""The trainer: its loop, RL losses, publishing through a gateway, and the trainer's side of the data
-interface (the trajectory and batch format and the client of the broker's batch API).
+"""The trainer: its loop, RL losses, checkpoints, and the publisher of its versions to an origin gateway
+(`publisher`: whole weights; `shard_publisher`: each rank's rows, in parts; `upload` and `origin_link`:
+the publish protocol's client side; `stream_start`: rejoining the gateway's stream at start or
+restart), plus the trainer's side of the data interface (the client of the broker's batch API).
 Imports `deltamesh.delta` and `deltamesh.gateway`.
 """
 
+from importlib import import_module
 from typing import Any
+
+# Loaded on first use: a gateway's command line reads the trainer's settings without its torch stack.
+_FACE = {
+    "WeightPublisher": "deltamesh.trainer.weight_publisher",
+    "PublishConfig": "deltamesh.trainer.publish_config",
+    "Publisher": "deltamesh.trainer.publisher",
+    "Published": "deltamesh.trainer.publisher",
+    "ShardPublisher": "deltamesh.trainer.shard_publisher",
+    "upload_version": "deltamesh.trainer.upload",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: a gateway's command line reads the trainer's settings without its torch stack.
-    if name == "WeightPublisher":
-        from deltamesh.trainer.weight_publisher import WeightPublisher
-
-        return WeightPublisher
+    if name in _FACE:
+        return getattr(import_module(_FACE[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["WeightPublisher"]
+__all__ = sorted(_FACE)

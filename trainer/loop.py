@@ -12,7 +12,7 @@ step's trainer-side mismatch by rollout pool and names a pool whose mismatch jum
 (`deltamesh.trainer.mismatch`, in the step record and the metrics served at `metrics_listen`). Every
 `checkpoint.every` versions (and on a clean stop) it checkpoints, after that version's publish has
 ended, so a checkpoint never gets ahead of the gateway in a normal run. A restarted trainer resumes
-the newest checkpoint and joins the gateway's stream as `deltamesh.trainer.publish.start_stream`
+the newest checkpoint and joins the gateway's stream as `deltamesh.trainer.stream_start.start_stream`
 describes: versions continue after the gateway's head and the next one is a delta, so the pools keep
 following the chain.
 

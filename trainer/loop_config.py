@@ -11,15 +11,16 @@ in `__post_init__`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 from deltamesh.config import http_url, http_urls
-from deltamesh.delta.layouts import parse_layout
 from deltamesh.config_flags import flag
+from deltamesh.delta.layouts import PoolLayout, parse_layout
+from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.http import parse_listen
 from deltamesh.tls import TlsSettings
-from deltamesh.gateway.config import DEFAULT_PIECE_BYTES
 from deltamesh.trainer.config import TrainerConfig
+from deltamesh.trainer.publish_settings import PublishSettings
 
 
 @dataclass
@@ -110,3 +111,10 @@ class TrainLoopConfig(TrainerConfig):
             parse_layout(layout)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def publish_settings(self, layouts: Sequence[PoolLayout] = ()) -> PublishSettings:
+        """Where and how this trainer's versions go out (`layouts`: `pool_layouts`, parsed), handed whole
+        to its publisher."""
+        return PublishSettings(self.gateway, self.model_id, full_every=self.full_every, piece_bytes=self.piece_bytes,
+                               connections=self.upload_connections, token=self.gateway_token, tls=self.tls,
+                               layouts=tuple(layouts))

@@ -22,23 +22,23 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from deltamesh.data import Batch, DataFormatError
 from deltamesh.delta import CodecError
 from deltamesh.delta.keys import Ed25519PrivateKey
-from deltamesh.delta.layouts import PoolLayout
 from deltamesh.http import HttpError, serving
+from deltamesh.loop_thread import LoopThread
 from deltamesh.metrics import status_app
 from deltamesh.tls import TlsSettings
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.data import Batch, DataFormatError
-from deltamesh.trainer.publish import StreamStart, start_sharded, start_stream
-from deltamesh.loop_thread import LoopThread
-from deltamesh.trainer.publishing import PublishOutcome, Publishing, ShardedVersions
+from deltamesh.trainer.publish_settings import PublishSettings
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.publishing import Publishing, PublishOutcome, ShardedVersions
+from deltamesh.trainer.stream_start import StreamStart, start_sharded, start_stream
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ class MeshClient:
     `broker` is one URL or several (comma-separated: active and standby brokers); each call to them
     fails over for up to `broker_failover_s` (see `deltamesh.broker_client`)."""
 
-    def __init__(self, *, broker: str, gateway: str, model_id: str, key: Ed25519PrivateKey, full_every: int,
-                 piece_bytes: int, connections: int, broker_token: str = "", gateway_token: str = "",
-                 tls: TlsSettings | None = None, statement_every_s: float = 0.0,
-                 on_published: Callable[[PublishOutcome], None] | None = None, broker_failover_s: float = 60.0,
-                 side_files: Mapping[str, bytes] | None = None, sharded: ShardedVersions | None = None,
-                 thread: LoopThread | None = None, layouts: Sequence[PoolLayout] = ()):
+    def __init__(self, *, broker: str, publish: PublishSettings, key: Ed25519PrivateKey, broker_token: str = "",
+                 statement_every_s: float = 0.0, on_published: Callable[[PublishOutcome], None] | None = None,
+                 broker_failover_s: float = 60.0, side_files: Mapping[str, bytes] | None = None,
+                 sharded: ShardedVersions | None = None, thread: LoopThread | None = None):
+        """`publish`: where and how versions go out (the broker's TLS is the gateway's, `publish.tls`)."""
+        model_id, tls = publish.model_id, publish.tls
         self.model_id = model_id
         self.on_published = on_published
         """Called (on the client's thread) as each publish ends, successful or not."""
@@ -72,10 +72,9 @@ class MeshClient:
             self.publisher = sharded
             sharded.shards.on_encoded = self._publishing.encoded
         else:
-            self.publisher = Publisher(gateway, key, model_id, full_every=full_every, piece_bytes=piece_bytes,
-                                       connections=connections, token=gateway_token, tls=tls,
-                                       side_files=side_files,  # config and tokenizer travel with every version
-                                       on_encoded=lambda _: self._publishing.encoded(), layouts=layouts)
+            self.publisher = Publisher.from_settings(
+                publish, key, side_files=side_files,  # config and tokenizer travel with every version
+                on_encoded=lambda _: self._publishing.encoded())
         self._batches: BatchClient = self._thread.call(self._open(broker, broker_token, tls, broker_failover_s))
         self._reports: list[concurrent.futures.Future[None]] = []
         self._statements = (self._thread.submit(self._refresh_statements(statement_every_s))

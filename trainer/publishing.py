@@ -8,7 +8,7 @@ in order), and tells the loop when the version in flight is encoded (`wait_encod
 step's compute waits for that, since they share cores) and when it has ended (`wait_published`). Rank
 0's `MeshClient` publishes this way with the broker around it; every other rank of a trainer that
 publishes in parts does too, with `ShardedVersions` (each rank's rows through
-`deltamesh.gateway.shard_publisher`).
+`deltamesh.trainer.shard_publisher`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Awaitable, Callable, Mapping, Sequence
 import torch
 
 from deltamesh.delta.cuts import TensorSpec
-from deltamesh.gateway.publisher import Published
-from deltamesh.gateway.shard_publisher import ShardPublisher
 from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publisher import Published
+from deltamesh.trainer.shard_publisher import ShardPublisher
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,12 @@ from torch import nn
 
 from deltamesh.trainer.config import OptimizerConfig, TrainerConfig
 from deltamesh.trainer.distributed import (
-    SINGLE, DistContext, all_reduce_sum, full_state_dict, local_state, local_tensor,
+    SINGLE,
+    DistContext,
+    all_reduce_sum,
+    full_state_dict,
+    local_state,
+    local_tensor,
 )
 from deltamesh.trainer.loss_inputs import LossInputs
 from deltamesh.trainer.losses import (

@@ -4,10 +4,10 @@
 
 - whole (`publish_parts` off, or one process): every step's bf16 weights are gathered to rank 0 (a
   collective), whose `MeshClient` encodes and publishes them (the gateway's stream joined as
-  `deltamesh.trainer.publish.start_stream` says);
+  `deltamesh.trainer.stream_start.start_stream` says);
 - in parts (`publish_parts` on, or auto on several ranks): every rank copies its own rows to bf16 (no
   collective) and publishes them in the background on a thread of its own
-  (`deltamesh.gateway.shard_publisher`: encoded against its own last rows, staged on the origin over its
+  (`deltamesh.trainer.shard_publisher`: encoded against its own last rows, staged on the origin over its
   own connections, described to rank 0 on a TCPStore exchange); rank 0 signs one manifest for all of them
   and reports each version to the broker. The stream starts with a full snapshot from every rank
   (`start_sharded`). No rank ever holds more than its own rows, twice, and its pieces.
@@ -26,14 +26,14 @@ from torch import nn
 
 from deltamesh.delta import load_private_key, read_side_files
 from deltamesh.delta.layouts import cuts_for, parse_layout
-from deltamesh.gateway.shard_publisher import ShardPublisher
+from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.distributed import DistContext, broadcast_tensors
 from deltamesh.trainer.loop_config import TrainLoopConfig
 from deltamesh.trainer.mesh_client import MeshClient, PublishOutcome
-from deltamesh.trainer.part_exchange import open_store_exchange
-from deltamesh.loop_thread import LoopThread
 from deltamesh.trainer.publishing import Publishing, ShardedVersions, rank_publishing
+from deltamesh.trainer.shard_publisher import ShardPublisher
 from deltamesh.trainer.step import published_shard, published_weights
+from deltamesh.trainer.store_exchange import open_store_exchange
 
 
 class VersionStream:
@@ -45,6 +45,7 @@ class VersionStream:
         self.model = model
         self.in_parts = cfg.publish_parts == "on" or (cfg.publish_parts == "auto" and ctx.distributed)
         layouts = [parse_layout(text) for text in cfg.pool_layouts]
+        settings = cfg.publish_settings(layouts)
         key = load_private_key(cfg.key) if ctx.is_main else None
         side_files = read_side_files(cfg.model) if ctx.is_main else None
         self.thread = LoopThread(f"versions-{cfg.model_id}-{ctx.rank}")
@@ -53,23 +54,17 @@ class VersionStream:
         if self.in_parts:
             exchange = open_store_exchange(ctx)  # a collective: every rank, in step
             table, _, rows = published_shard(model)
-            shards = ShardPublisher(cfg.gateway, cfg.model_id, exchange, key=key, full_every=cfg.full_every,
-                                    piece_bytes=cfg.piece_bytes, connections=cfg.upload_connections,
-                                    token=cfg.gateway_token, tls=cfg.tls, side_files=side_files,
-                                    cuts=cuts_for(table, layouts) if layouts else None)
+            shards = ShardPublisher.from_settings(settings, exchange, key=key, side_files=side_files,
+                                                  cuts=cuts_for(table, layouts) if layouts else None)
             self.sharded = ShardedVersions(shards, table, rows)
             if not ctx.is_main:
                 self._rank_publishing = rank_publishing(self.thread, self.sharded)
         self.client: MeshClient | None = None
         if ctx.is_main:
             assert key is not None
-            self.client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, gateway=cfg.gateway,
-                                     gateway_token=cfg.gateway_token, tls=cfg.tls,
-                                     statement_every_s=cfg.statement_every_s, model_id=cfg.model_id, key=key,
-                                     full_every=cfg.full_every, piece_bytes=cfg.piece_bytes,
-                                     connections=cfg.upload_connections, on_published=on_published,
-                                     side_files=side_files, sharded=self.sharded, thread=self.thread,
-                                     layouts=layouts)
+            self.client = MeshClient(broker=cfg.broker, broker_token=cfg.broker_token, publish=settings, key=key,
+                                     statement_every_s=cfg.statement_every_s, on_published=on_published,
+                                     side_files=side_files, sharded=self.sharded, thread=self.thread)
 
     def start(self, version: int, stop: threading.Event) -> int | None:
         """Join the gateway's stream with the trainer's `version`; the version counter from now on (None

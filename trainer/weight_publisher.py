@@ -9,10 +9,10 @@ A lab whose trainer is not deltamesh's (`deltamesh train`) publishes with three 
 `publish` casts the floating tensors to bf16 on the CPU (tied tensors once, as Hugging Face stores
 them), then encodes the version against the last one this publisher sent (the first one of a process
 is a full snapshot numbered after the gateway's head), signs it with the trainer's key and uploads it
-to the origin gateway with the trainer's token (`deltamesh.gateway.publisher.Publisher`); it returns
+to the origin gateway with the trainer's token (`deltamesh.trainer.publisher.Publisher`); it returns
 once the origin holds it. It runs the publisher's asyncio client on a thread of its own
 (`deltamesh.loop_thread`), so the calling loop needs none. The settings are the `[publish]` table of
-`deltamesh publish` (`deltamesh.gateway.config.PublishConfig`); the token never goes in the file: it
+`deltamesh publish` (`deltamesh.trainer.publish_config.PublishConfig`); the token never goes in the file: it
 comes from `token_file` or `$DELTAMESH_TOKEN`.
 
 It lives in the trainer part, not the base package: publishing encodes and signs versions (the codec)
@@ -21,6 +21,7 @@ and speaks to the gateway (the weight network), which the base package may not i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -33,9 +34,9 @@ from deltamesh.config_flags import read_secret
 from deltamesh.delta.keys import load_private_key
 from deltamesh.delta.layouts import PoolLayout
 from deltamesh.delta.side_files import read_side_files
-from deltamesh.gateway.config import PublishConfig
-from deltamesh.gateway.publisher import Published, Publisher
 from deltamesh.loop_thread import LoopThread
+from deltamesh.trainer.publish_config import PublishConfig
+from deltamesh.trainer.publisher import Published, Publisher
 from deltamesh.trainer.step import PUBLISH_DTYPE, published_weights
 
 TOKEN_ENV = "DELTAMESH_TOKEN"
@@ -51,11 +52,9 @@ class WeightPublisher:
         pool layouts each version is cut and hashed for (`deltamesh.delta.layouts`), so that every rank of
         such a pool fetches and verifies its own share alone."""
         self.config = config
-        self.publisher = Publisher(
-            config.gateway, load_private_key(config.key), config.model, full_every=config.full_every,
-            piece_bytes=int(config.piece_mib * 2**20), connections=config.connections,
-            token=config.token or None, tls=config.tls,
-            side_files=read_side_files(side_files_dir) if side_files_dir is not None else None, layouts=layouts)
+        self.publisher = Publisher.from_settings(
+            dataclasses.replace(config.publish_settings(), layouts=tuple(layouts)), load_private_key(config.key),
+            side_files=read_side_files(side_files_dir) if side_files_dir is not None else None)
         self.version: int | None = None
         """The last version published (None before the first)."""
         self._thread = LoopThread(f"publish-{config.model}")

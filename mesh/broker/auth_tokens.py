@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deltamesh.mesh.broker.backends import is_postgres
 from deltamesh.mesh.broker.config import BrokerConfig
-from deltamesh.mesh.broker.stores import is_postgres
 from deltamesh.tokens import TokenStore
 
 

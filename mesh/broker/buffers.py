@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from deltamesh.mesh.broker.balance import BalanceWindow
-from deltamesh.mesh.broker.store import Delivery, GroupSummary
+from deltamesh.mesh.broker.store_interface import Delivery, GroupSummary
 from deltamesh.signals import wait_event
 
 

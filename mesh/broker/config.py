@@ -16,7 +16,7 @@ from typing import Literal
 from deltamesh.config_flags import flag
 from deltamesh.http import parse_listen
 from deltamesh.http_guard import HEADER_TIMEOUT_S, MAX_PER_ADDRESS, ConnectionLimits
-from deltamesh.mesh.broker.stores import check_db
+from deltamesh.mesh.broker.backends import check_db
 from deltamesh.tls import TlsSettings
 
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

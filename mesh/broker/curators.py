@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Protocol
 
 from deltamesh.mesh.broker.config import CuratorConfig
 from deltamesh.mesh.broker.policies import resolve
-from deltamesh.mesh.broker.store import GroupSummary
+from deltamesh.mesh.broker.store_interface import GroupSummary
 
 GRESO_WINDOW = 256  # observations the zero-variance share is measured over
 

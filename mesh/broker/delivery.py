@@ -21,13 +21,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from deltamesh.data import encode_batch
 from deltamesh.mesh.broker.buffers import ModelBuffer
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.policies import REPLAY_SELECTORS, BatchPlan, BatchPolicy, resolve
 from deltamesh.mesh.broker.runner import StoreRunner
-from deltamesh.mesh.broker.store import BrokerStore, Delivery, GroupKey
-from deltamesh.data import encode_batch
+from deltamesh.mesh.broker.store_interface import BrokerStore, Delivery, GroupKey
 
 log = logging.getLogger(__name__)
 

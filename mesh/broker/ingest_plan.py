@@ -17,11 +17,20 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.broker.store import (
-    GroupKey, GroupSummary, GroupVerdict, IngestResult, StoreConflict, Submission,
+from deltamesh.mesh.broker.store_interface import (
+    GroupKey,
+    GroupSummary,
+    GroupVerdict,
+    IngestResult,
+    StoreConflict,
+    Submission,
 )
 from deltamesh.mesh.broker.store_rows import (
-    check_lease_holders, disagreeing_samples, group_mismatch, group_overflow, id_conflict,
+    check_lease_holders,
+    disagreeing_samples,
+    group_mismatch,
+    group_overflow,
+    id_conflict,
 )
 
 

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 import psycopg
 
 from deltamesh.mesh.broker.config import LeaderConfig
-from deltamesh.mesh.broker.store import LeaderTerm
+from deltamesh.mesh.broker.store_interface import LeaderTerm
 
 log = logging.getLogger(__name__)
 

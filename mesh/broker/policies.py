@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, TypeVar
 
-from deltamesh.mesh.broker.store import GroupSummary, GroupVerdict
+from deltamesh.mesh.broker.store_interface import GroupSummary, GroupVerdict
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import psycopg
 
-from deltamesh.mesh.broker.store import StoreUnavailable
+from deltamesh.mesh.broker.store_interface import StoreUnavailable
 
 UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.ReadOnlySqlTransaction,
                psycopg.errors.IdleInTransactionSessionTimeout)

@@ -40,13 +40,28 @@ from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.ingest_plan import CommitPlan, StoredGroup, StoredState, plan_commit
 from deltamesh.mesh.broker.postgres_schema import UNAVAILABLE, apply_migrations
 from deltamesh.mesh.broker.recent_groups import DEFAULT_BUDGET_BYTES, RecentGroups
-from deltamesh.mesh.broker.store import (
-    GroupKey, GroupVerdict, IngestResult, Lease, LeaderTerm, NotLeader, StoreConflict,
-    StoreSnapshot, StoreUnavailable, Submission, TaskRecord,
+from deltamesh.mesh.broker.store_interface import (
+    GroupKey,
+    GroupVerdict,
+    IngestResult,
+    LeaderTerm,
+    Lease,
+    NotLeader,
+    StoreConflict,
+    StoreSnapshot,
+    StoreUnavailable,
+    Submission,
+    TaskRecord,
 )
 from deltamesh.mesh.broker.store_rows import (
-    TASK_COLUMNS, TRAJECTORY_COLUMNS, lease_values, read_snapshot, task_from_row, task_values,
-    trajectory_from_row, without_payload,
+    TASK_COLUMNS,
+    TRAJECTORY_COLUMNS,
+    lease_values,
+    read_snapshot,
+    task_from_row,
+    task_values,
+    trajectory_from_row,
+    without_payload,
 )
 
 T = TypeVar("T")

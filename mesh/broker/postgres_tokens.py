@@ -22,8 +22,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from deltamesh.mesh.broker.postgres_schema import migrate
-from deltamesh.mesh.broker.store import StoreUnavailable
-from deltamesh.tokens import Identity, TokenError, TokenSpec, TokenEntry, issue_token, make_entry
+from deltamesh.mesh.broker.store_interface import StoreUnavailable
+from deltamesh.tokens import Identity, TokenEntry, TokenError, TokenSpec, issue_token, make_entry
 
 T = TypeVar("T")
 

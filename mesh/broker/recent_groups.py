@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.broker.store import GroupKey
+from deltamesh.mesh.broker.store_interface import GroupKey
 
 DEFAULT_BUDGET_BYTES = 256 << 20
 """About 10,000 trajectories of 2,048 tokens: several batches of 256 waiting, on any broker host."""

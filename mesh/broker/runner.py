@@ -19,11 +19,16 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import zstandard
 
-from deltamesh.mesh.broker.store import (
-    BrokerStore, GroupVerdict, IngestResult, StoreConflict, StoreUnavailable, Submission,
+from deltamesh.data import Trajectory
+from deltamesh.mesh.broker.store_interface import (
+    BrokerStore,
+    GroupVerdict,
+    IngestResult,
+    StoreConflict,
+    StoreUnavailable,
+    Submission,
 )
 from deltamesh.mesh.broker.store_rows import pack_submission
-from deltamesh.data import Trajectory
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -29,21 +29,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from deltamesh.auth import OPEN, Policy, auth_middleware, identity, require_name
 from deltamesh.broker_client import LEADER_HEADER  # on a standby's 503: where its clients fail over to
+from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 from deltamesh.http import error_response, json_errors, parse_json, parse_listen, read_body, read_json
 from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.mesh.broker.auth_tokens import broker_token_store
+from deltamesh.mesh.broker.backends import is_postgres
+from deltamesh.mesh.broker.backends import open_store as open_db
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
+from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionAhead, VersionConflict
 from deltamesh.mesh.broker.slot import BrokerSlot, Standby
-from deltamesh.mesh.broker.store import (
-    BrokerStore, IdConflict, LeaderTerm, LeaseNotHeld, StoreConflict, StoreUnavailable,
+from deltamesh.mesh.broker.store_interface import (
+    BrokerStore,
+    IdConflict,
+    LeaderTerm,
+    LeaseNotHeld,
+    StoreConflict,
+    StoreUnavailable,
 )
-from deltamesh.mesh.broker.stores import is_postgres, open_store as open_db
-from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.tokens import TokenStore
-from deltamesh.data import BATCH_CONTENT_TYPE, TRAJECTORIES_CONTENT_TYPE, DataFormatError, decode_trajectories
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from deltamesh.data import DataFormatError, Trajectory
 from deltamesh.mesh.broker.balance import PoolRegistry, balance_report
 from deltamesh.mesh.broker.buffers import ModelBuffer
 from deltamesh.mesh.broker.config import MODEL_ID, BrokerConfig
@@ -23,9 +24,8 @@ from deltamesh.mesh.broker.delivery import AckResult, BatchDelivery
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.policies import filter_chain
 from deltamesh.mesh.broker.runner import StoreRunner
-from deltamesh.mesh.broker.store import BrokerStore, IngestResult, LeaseNotHeld, StoreUnavailable
+from deltamesh.mesh.broker.store_interface import BrokerStore, IngestResult, LeaseNotHeld, StoreUnavailable
 from deltamesh.mesh.broker.tasks import TaskScheduler, read_dataset
-from deltamesh.data import DataFormatError, Trajectory
 
 log = logging.getLogger(__name__)
 

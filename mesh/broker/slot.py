@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.broker.service import Broker
-from deltamesh.mesh.broker.store import LeaderTerm
+from deltamesh.mesh.broker.store_interface import LeaderTerm
 
 if TYPE_CHECKING:  # leadership.py needs psycopg, which a broker on SQLite never imports
     from deltamesh.mesh.broker.leadership import Leadership

@@ -28,15 +28,33 @@ from typing import Iterator, Sequence
 
 import zstandard
 
-from deltamesh.mesh.broker.store import (
-    GroupKey, GroupSummary, GroupVerdict, IngestResult, Lease, StoreConflict, StoreSnapshot,
-    StoreUnavailable, Submission, TaskRecord,
+from deltamesh.data import Trajectory
+from deltamesh.mesh.broker.store_interface import (
+    GroupKey,
+    GroupSummary,
+    GroupVerdict,
+    IngestResult,
+    Lease,
+    StoreConflict,
+    StoreSnapshot,
+    StoreUnavailable,
+    Submission,
+    TaskRecord,
 )
 from deltamesh.mesh.broker.store_rows import (
-    TASK_COLUMNS, TRAJECTORY_COLUMNS, check_lease_holders, disagreeing_samples, group_mismatch, group_overflow,
-    id_conflict, lease_values, read_snapshot, task_from_row, task_values, trajectory_from_row,
+    TASK_COLUMNS,
+    TRAJECTORY_COLUMNS,
+    check_lease_holders,
+    disagreeing_samples,
+    group_mismatch,
+    group_overflow,
+    id_conflict,
+    lease_values,
+    read_snapshot,
+    task_from_row,
+    task_values,
+    trajectory_from_row,
 )
-from deltamesh.data import Trajectory
 
 SCHEMA_VERSION = "3"
 _UNAVAILABLE = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,

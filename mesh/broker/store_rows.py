@@ -15,9 +15,19 @@ import zstandard
 
 from deltamesh.auth import speaks_for
 from deltamesh.data import Trajectory
-from deltamesh.mesh.broker.store import (
-    LEASE_ID, Delivery, GroupKey, GroupSummary, IdConflict, Lease, LeaseNotHeld, StoreConflict, StoreSnapshot,
-    Submission, TaskRecord, content_digest,
+from deltamesh.mesh.broker.store_interface import (
+    LEASE_ID,
+    Delivery,
+    GroupKey,
+    GroupSummary,
+    IdConflict,
+    Lease,
+    LeaseNotHeld,
+    StoreConflict,
+    StoreSnapshot,
+    Submission,
+    TaskRecord,
+    content_digest,
 )
 
 SUMMARY_COLUMNS = ("model_id, group_id, task_id, size, min_version, max_version, reward_min, reward_max, reward_mean, "

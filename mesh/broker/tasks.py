@@ -18,7 +18,7 @@ from pathlib import Path
 from deltamesh.auth import speaks_for
 from deltamesh.mesh.broker.config import TasksConfig
 from deltamesh.mesh.broker.curators import Curator
-from deltamesh.mesh.broker.store import Lease, StoreSnapshot, TaskRecord
+from deltamesh.mesh.broker.store_interface import Lease, StoreSnapshot, TaskRecord
 
 
 class DatasetError(ValueError):

@@ -3,7 +3,7 @@
 It reports the RTT (p50/p95 of small requests), the throughput of ranged piece reads over one
 connection and over `--connections` in parallel, and the time a pool here would take to fetch the
 gateway's current head version whole (delta and full, where stored): a rich table, or one JSON object
-with `--json`. The measuring is `deltamesh.gateway.link_bench` (no torch: it runs from the slim
+with `--json`. The measuring is `deltamesh.gateway.fetch.link_bench` (no torch: it runs from the slim
 gateway install). It reads only what a pool reads; its first request is authenticated, so a refused
 token ends it (exit 4) before anything is downloaded. It writes no file. `deltamesh bench soak` is
 bench_soak.py's.
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from deltamesh.gateway.link_bench import BenchError, LinkBenchSettings, measure_link
+    from deltamesh.gateway.fetch.link_bench import BenchError, LinkBenchSettings, measure_link
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.mesh.cli.exits import Exit
 

@@ -28,7 +28,7 @@ def run_broker(args: argparse.Namespace) -> int:
     from deltamesh.http import parse_listen, serve
     from deltamesh.mesh.broker.config import BrokerConfig
     from deltamesh.mesh.broker.server import build_app, connection_guard
-    from deltamesh.mesh.broker.store import StoreUnavailable
+    from deltamesh.mesh.broker.store_interface import StoreUnavailable
     from deltamesh.mesh.broker.tasks import DatasetError
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.tls import server_context

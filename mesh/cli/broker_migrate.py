@@ -25,9 +25,9 @@ def register(broker: argparse.ArgumentParser) -> None:
 def run_migrate(args: argparse.Namespace) -> int:
     import psycopg
 
+    from deltamesh.mesh.broker.backends import check_db, is_postgres
     from deltamesh.mesh.broker.postgres_schema import migrate
-    from deltamesh.mesh.broker.store import StoreUnavailable
-    from deltamesh.mesh.broker.stores import check_db, is_postgres
+    from deltamesh.mesh.broker.store_interface import StoreUnavailable
     from deltamesh.mesh.cli import failed
 
     if not is_postgres(args.db):

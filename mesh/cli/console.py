@@ -26,10 +26,10 @@ def run(args: argparse.Namespace) -> int:
 
     from deltamesh.http import listen_socket, parse_listen, serve
     from deltamesh.mesh.cli import command_config, failed
+    from deltamesh.mesh.cli.exits import Exit
     from deltamesh.mesh.console.collect import Collector
     from deltamesh.mesh.console.config import ConsoleConfig
     from deltamesh.mesh.console.server import build_app
-    from deltamesh.mesh.cli.exits import Exit
     from deltamesh.tls import TlsError, server_context
 
     config = command_config(args, ConsoleConfig, "console")

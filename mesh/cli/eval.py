@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from deltamesh.gateway.sync_errors import CredentialsError
+    from deltamesh.gateway.fetch.errors import CredentialsError
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.cli.exits import describe, exit_code

@@ -50,8 +50,8 @@ def expected_exit(error: BaseException) -> Exit | None:
 
 def _own_exit(error: BaseException) -> Exit | None:
     from deltamesh.delta.errors import KeyFileError
-    from deltamesh.gateway.disk import DiskFullError
-    from deltamesh.gateway.sync_errors import CredentialsError
+    from deltamesh.gateway.fetch.errors import CredentialsError
+    from deltamesh.gateway.server.disk import DiskFullError
     from deltamesh.http import HttpError
 
     if isinstance(error, KeyFileError):

@@ -15,7 +15,7 @@ def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubP
 
 def run(args: argparse.Namespace) -> int:
     from deltamesh.gateway.config import GatewayConfig
-    from deltamesh.gateway.server import run_gateway
+    from deltamesh.gateway.server.app import run_gateway
     from deltamesh.mesh.cli import command_config, failed
 
     config = command_config(args, GatewayConfig, "gateway")

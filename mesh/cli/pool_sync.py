@@ -8,8 +8,8 @@ from typing import AsyncIterator
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.gateway.config import PoolSyncConfig
     from deltamesh.mesh.cli import config_command
+    from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 
     p = config_command(
         pool_commands, "sync", PoolSyncConfig, run, help="follow a gateway and keep a weights directory at its head",
@@ -26,13 +26,13 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from deltamesh.gateway.config import PoolSyncConfig
-    from deltamesh.gateway.weight_sync import CredentialsError, SyncError, WeightSync
-    from deltamesh.signals import until_stopped
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed, stop_on_signals
     from deltamesh.mesh.cli.exits import Exit, describe, exit_code
     from deltamesh.mesh.cli.progress import transfer_progress
+    from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+    from deltamesh.mesh.pool.weight_sync import CredentialsError, SyncError, WeightSync
+    from deltamesh.signals import until_stopped
 
     config = command_config(args, PoolSyncConfig)
 
@@ -86,8 +86,8 @@ async def metrics_served(sync, listen: str) -> AsyncIterator[None]:
         return
     import logging
 
-    from deltamesh.gateway.sync_metrics import sync_registry
     from deltamesh.http import serving
+    from deltamesh.mesh.pool.sync_metrics import sync_registry
     from deltamesh.metrics import status_app
 
     app = status_app(sync_registry(sync), lambda: {"model": sync.model, "version": sync.version, "head": sync.head,

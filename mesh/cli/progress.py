@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from deltamesh.gateway.weight_sync import WeightSync
+    from deltamesh.mesh.pool.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import argparse
 
 
 def register(commands: argparse._SubParsersAction, pool_commands: argparse._SubParsersAction) -> None:
-    from deltamesh.gateway.config import PublishConfig
     from deltamesh.mesh.cli import config_command
+    from deltamesh.trainer.publish_config import PublishConfig
 
     p = config_command(
         commands, "publish", PublishConfig, run, help="publish weights to an origin gateway",
@@ -27,11 +27,11 @@ def run(args: argparse.Namespace) -> int:
     from deltamesh.cache import cache_dir
     from deltamesh.delta import load_private_key
     from deltamesh.delta.errors import CodecError
-    from deltamesh.gateway.config import PublishConfig
-    from deltamesh.gateway.publisher import Publisher, PublishState, publish_dir
     from deltamesh.http import HttpError
     from deltamesh.mesh.cli import command_config, failed
     from deltamesh.mesh.cli.exits import exit_code
+    from deltamesh.trainer.publish_config import PublishConfig
+    from deltamesh.trainer.publisher import Publisher, PublishState, publish_dir
 
     config = command_config(args, PublishConfig)
     key = load_private_key(config.key)  # a KeyFileError stops the command here, as one line (exit code 2)
@@ -45,10 +45,8 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, description=f"v{enc.manifest.version} {enc.manifest.kind}",
                             total=enc.manifest.payload_bytes, completed=0)
 
-        publisher = Publisher(config.gateway, key, config.model,
-                              full_every=config.full_every, piece_bytes=int(config.piece_mib * 2**20),
-                              connections=config.connections, token=config.token, tls=config.tls,
-                              on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
+        publisher = Publisher.from_settings(config.publish_settings(), key,
+                                            on_progress=lambda n: progress.advance(task, n), on_encoded=on_encoded)
         try:
             result = asyncio.run(publish_dir(publisher, args.weights_dir, state, config.version))
         except (HttpError, CodecError, RuntimeError, OSError, ValueError) as e:

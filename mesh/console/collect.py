@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from deltamesh.broker_client import BrokerClient
+from deltamesh.broker_client import STATUS_PATH, BrokerClient
 from deltamesh.http import client_session
 from deltamesh.mesh.console import panels, sources
 from deltamesh.mesh.console.config import ConsoleConfig
@@ -147,7 +147,7 @@ class Collector:
         if not self.config.read_pools:
             return {}
         endpoints = sorted({p["record"].get("endpoint", "") for p in self._pools.values()} - {""})
-        answers = await asyncio.gather(*(sources.read_open_json(self._open, f"{e.rstrip('/')}/v1/status",
+        answers = await asyncio.gather(*(sources.read_open_json(self._open, f"{e.rstrip('/')}{STATUS_PATH}",
                                                                 self.config.timeout_s) for e in endpoints))
         return {e: a for e, a in zip(endpoints, answers) if a is not None}
 

@@ -29,11 +29,10 @@ from deltamesh.mesh.demo.config import DemoConfig
 from deltamesh.mesh.demo.processes import Service, ServiceSet, free_port
 from deltamesh.mesh.demo.security import MeshCredentials, make_credentials
 from deltamesh.mesh.demo.topology import GatewaySpec
-from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
 from deltamesh.mesh.workflows import arithmetic
+from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems, write_tasks
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.tokens import save_token
-
 
 EVALUATOR = "eval"
 """The demo evaluator's name (at its gateway, where it registers as a pool of tier `eval`)."""

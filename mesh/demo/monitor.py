@@ -20,6 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from deltamesh.broker_client import BALANCE_PATH, EVALS_PATH, STATUS_PATH
+from deltamesh.gateway_client import LINKS_PATH, model_path
 from deltamesh.http import HttpError, request_json
 from deltamesh.mesh.demo.launch import MeshPlan
 from deltamesh.mesh.demo.state import LinkReading, MeshState, PoolReading
@@ -94,9 +96,9 @@ class Monitor:
                 self.state.trainer_step(model_id, record, self.upload_link)
 
     async def _version_facts(self, gateway: str, model_id: str, region: str, link: str) -> None:
-        listing = self._get(f"{gateway}/v1/models/{model_id}/versions")
+        listing = self._get(f"{gateway}{model_path(model_id, 'versions')}")
         if link:
-            answer, listed = await asyncio.gather(self._get(f"{gateway}/v1/models/{model_id}/traffic"), listing)
+            answer, listed = await asyncio.gather(self._get(f"{gateway}{model_path(model_id, 'traffic')}"), listing)
             if answer is not None:
                 self.state.relay_traffic(model_id, link, answer["versions"])
         else:
@@ -107,7 +109,7 @@ class Monitor:
             self.state.gateway_listing(model_id, region, listed["versions"])
 
     async def _links(self, gateway: str, region: str, link: str) -> None:
-        answer = await self._get(f"{gateway}/v1/links")
+        answer = await self._get(f"{gateway}{LINKS_PATH}")
         if answer is None:
             return
         for entry in answer["links"]:
@@ -130,12 +132,12 @@ class Monitor:
                         reading.rtt_ms = entry["rtt_ms"]["p50"]
 
     async def _pool(self, name: str, url: str) -> None:
-        status = await self._get(f"{url}/v1/status")
+        status = await self._get(f"{url}{STATUS_PATH}")
         if status is not None:
             self.state.pool_status(name, status, time.time())
 
     async def _evaluator(self, url: str) -> None:
-        results, status = await asyncio.gather(self._get(f"{url}/v1/evals"), self._get(f"{url}/v1/status"))
+        results, status = await asyncio.gather(self._get(f"{url}{EVALS_PATH}"), self._get(f"{url}{STATUS_PATH}"))
         if results is not None:
             self.state.evals = list(results["results"])
         if status is not None:
@@ -145,7 +147,7 @@ class Monitor:
         """Ask the evaluator (as the run's admin) to score `version` too; False if it did not answer."""
         assert self.plan.evaluator is not None
         try:
-            await request_json(self.session, "POST", f"{self.plan.evaluator.url}/v1/evals",
+            await request_json(self.session, "POST", f"{self.plan.evaluator.url}{EVALS_PATH}",
                                body={"version": version}, timeout_s=TIMEOUT_S)
         except HttpError as e:
             log.debug("asking the evaluator for v%d: %s", version, e)
@@ -153,7 +155,7 @@ class Monitor:
         return True
 
     async def _broker(self, url: str) -> None:
-        status, balance = await asyncio.gather(self._get(f"{url}/v1/status"), self._get(f"{url}/v1/balance"))
+        status, balance = await asyncio.gather(self._get(f"{url}{STATUS_PATH}"), self._get(f"{url}{BALANCE_PATH}"))
         if status is not None:
             self.state.broker["status"] = status
         if balance is not None:

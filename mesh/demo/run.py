@@ -29,9 +29,9 @@ from deltamesh.mesh.demo.launch import MeshPlan, prepare, start
 from deltamesh.mesh.demo.monitor import Monitor
 from deltamesh.mesh.demo.processes import ServiceError, ServiceSet
 from deltamesh.mesh.demo.report import FinalCheck, build_report, write_report
-from deltamesh.signals import sleep_or_stop
 from deltamesh.mesh.demo.state import MeshState
 from deltamesh.mesh.demo.view import ProgressLines, render
+from deltamesh.signals import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ async def _watch(plan: MeshPlan, services: ServiceSet, monitor: Monitor, display
     final_asked = False
     while not stop.is_set():
         services.check(allowed_to_end=list(plan.trainers.values()))
-        for model_id, trainer in plan.trainers.items():
+        for trainer in plan.trainers.values():
             code = trainer.returncode()
             if code is not None and code != 0:
                 raise ServiceError(f"{trainer.name} exited with code {code}; its log {trainer.log_path} ends:\n"

@@ -41,15 +41,25 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import BaseMismatchError, DecodedVersion, Grid, dir_manifest, read_weights, tensor_digest
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.engines.base import (
-    EngineError, FinishReason, Generation, SamplingParams, ServedDigests, TokenizedEngine,
+    EngineError,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    ServedDigests,
+    TokenizedEngine,
 )
+from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.local import read_verified
 from deltamesh.mesh.engines.metrics import EngineMetrics
 from deltamesh.mesh.engines.sglang_config import SGLangEngineConfig
 from deltamesh.mesh.engines.sglang_server import (
-    has_route, launch_server, parse_answer, sampling_body, stop_server, wait_healthy,
+    has_route,
+    launch_server,
+    parse_answer,
+    sampling_body,
+    stop_server,
+    wait_healthy,
 )
-from deltamesh.mesh.engines.host_weights import HostWeights
 from deltamesh.mesh.engines.sglang_tensors import post_tensors
 from deltamesh.trainer.models import load_tokenizer
 

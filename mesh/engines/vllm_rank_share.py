@@ -7,7 +7,7 @@ manifest of the version it holds. Taking a version is two-phase, so that the ran
 before any of them changes what it serves:
 
 1. `prepare`: the rank fetches only the pieces that reach its shares from the gateways, with a fetcher
-   of its own (`deltamesh.gateway.verified.fetch_share`: the trainer-signed manifest first, each piece
+   of its own (`deltamesh.gateway.fetch.plan_steps.fetch_share`: the trainer-signed manifest first, each piece
    hash-checked against it), decodes them and applies them to its host copy in place, checked against
    the manifest's tiles (`deltamesh.delta.shares.apply_share`), keeping every word it overwrote;
    `stage` instead reads the share of a model directory, checked against the directory's manifest.
@@ -38,7 +38,13 @@ import torch
 
 from deltamesh.config import from_dict, to_dict
 from deltamesh.delta import (
-    BaseMismatchError, CodecError, CorruptError, Manifest, dir_manifest, load_public_key, tensor_digest,
+    BaseMismatchError,
+    CodecError,
+    CorruptError,
+    Manifest,
+    dir_manifest,
+    load_public_key,
+    tensor_digest,
 )
 from deltamesh.delta.dtypes import torch_dtype
 from deltamesh.delta.layouts import PoolLayout, shares_of
@@ -46,13 +52,13 @@ from deltamesh.delta.parts import TensorSpec
 from deltamesh.delta.patch import Rollback
 from deltamesh.delta.share_plan import Share
 from deltamesh.delta.shares import apply_share, check_share, decode_pieces, read_shares, share_tiles
-from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.fetch import Fetcher
-from deltamesh.gateway.fetch_judge import FetchError
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.judge import FetchError
+from deltamesh.gateway.fetch.plan_steps import fetch_share
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.verified import fetch_share
 from deltamesh.http import bearer, client_session
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from prometheus_client import CollectorRegistry
 from deltamesh.delta import BaseMismatchError, CodecError, CorruptError, DecodedVersion, Grid, Manifest
 from deltamesh.delta.hashing import combine_digests
 from deltamesh.delta.layouts import PoolLayout
-from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.fetch_judge import FetchError
+from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankStep
 from deltamesh.mesh.engines.vllm_rank_worker import QUALNAME
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class VLLMRanksEngine(VLLMEngine):
         self._set_version(version)
         log.info("%s: v%d %s on %d ranks (%.3f s paused, %.3f s in vLLM)", self.model_id, version, way,
                  len(loaded), seconds, self._reload_s)
-        return [_with_load(p, l.load_s) for p, l in zip(prepared, loaded)]
+        return [_with_load(p, load.load_s) for p, load in zip(prepared, loaded)]
 
     async def _revert(self) -> None:
         """Every rank puts its host copy back (and what it loaded into vLLM); the caller holds the lock."""

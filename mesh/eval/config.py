@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from deltamesh.config_flags import flag
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import parse_listen
 from deltamesh.mesh.pool.config import SamplingConfig, ServeCheckConfig
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
 from deltamesh.mesh.workflows.arithmetic import LEVELS
 

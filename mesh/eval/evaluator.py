@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import HttpError
 from deltamesh.mesh.engines.base import Engine, EngineError
 from deltamesh.mesh.eval.config import EvalConfig
@@ -40,6 +38,8 @@ from deltamesh.mesh.eval.scoring import Score, score_tasks
 from deltamesh.mesh.eval.store import EvalResult, EvalStore
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import ServeCheck
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig, WeightSyncSettings
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.workflows import EpisodeContext, Task, Workflow
 from deltamesh.signals import wait_event

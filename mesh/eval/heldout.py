@@ -13,8 +13,7 @@ import hashlib
 from typing import Any
 
 from deltamesh.mesh.eval.config import HeldoutConfig
-from deltamesh.mesh.workflows import Task
-from deltamesh.mesh.workflows import arithmetic
+from deltamesh.mesh.workflows import Task, arithmetic
 from deltamesh.mesh.workflows.code_tasks import humaneval_problems, synthetic_problems
 
 

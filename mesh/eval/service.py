@@ -17,7 +17,6 @@ import logging
 from aiohttp import web
 
 from deltamesh.http import serving
-from deltamesh.metrics import service_registry
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.eval.config import EvalConfig
 from deltamesh.mesh.eval.evaluator import Evaluator
@@ -31,6 +30,7 @@ from deltamesh.mesh.pool.engine_setup import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.sandbox import Sandbox, SandboxError
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow
+from deltamesh.metrics import service_registry
 from deltamesh.tls import server_context
 
 log = logging.getLogger(__name__)

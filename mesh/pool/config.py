@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from deltamesh.config import http_url, http_urls
 from deltamesh.config_flags import flag
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.http import parse_listen
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
 
 

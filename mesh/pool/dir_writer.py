@@ -21,7 +21,7 @@ import logging
 from typing import Callable, Sequence
 
 from deltamesh.delta import DecodedVersion
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ weights are replaced by the synced version before anything is generated (see `we
 from __future__ import annotations
 
 import asyncio
-
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry

@@ -24,24 +24,24 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from deltamesh.gateway.config import PoolSyncConfig, WeightSyncSettings
-from deltamesh.gateway.sync_errors import credentials_refused
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.broker_client import BrokerClient
+from deltamesh.gateway.fetch.errors import credentials_refused
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, serving
-from deltamesh.metrics import service_registry, status_app
-from deltamesh.signals import sleep_or_stop
-from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.pool.batching import BatchingEngine
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig
 from deltamesh.mesh.pool.engine_setup import open_engine
 from deltamesh.mesh.pool.metrics import EngineMetricsCollector, PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig, WeightSyncSettings
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.mesh.pool.weights import PolicyWeights
 from deltamesh.mesh.pool.worker import RolloutWorker
 from deltamesh.mesh.sandbox import Sandbox, SandboxError
 from deltamesh.mesh.workflows import EpisodeContext, make_workflow
+from deltamesh.metrics import service_registry, status_app
+from deltamesh.signals import sleep_or_stop
 
 log = logging.getLogger(__name__)
 

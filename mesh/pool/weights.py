@@ -1,35 +1,38 @@
 """The pool's weight stream for one policy: each new version into its engine and its synced directory.
 
 `PolicyWeights.sync_round` is the whole way of a version into the pool, in one place, top to bottom
-(the gateway-talking steps are `deltamesh.gateway.weight_sync.WeightSync`'s):
+(the gateway-talking steps are `deltamesh.mesh.pool.weight_sync.WeightSync`'s):
 
-1. plan: long-poll the gateway for a head newer than the directory, ask for a transfer plan;
-2. fetch and decode: each step's signed manifest and pieces, verified, then decoded once;
-3. engine: an engine that swaps in place (the transformers engine) takes the decoded versions into
+1. head: long-poll the gateway for a head newer than the directory;
+2. plan: ask for a transfer plan from the version the directory holds (a delta chain or a full);
+3. fetch: each step's signed manifest and pieces, verified;
+4. decode: each step decoded once;
+5. engine: an engine that swaps in place (the transformers engine) takes the decoded versions into
    its live weights (`apply_update`: a delta chain step by step, a full snapshot copied in whole),
-   so generation moves on without waiting for the disk, and is checked at once (step 6), so the
-   version is proven served before the directory is written. A failed update leaves the engine
-   bit-identical on what it served, and is logged;
-4. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
+   so generation moves on without waiting for the disk. A failed update leaves the engine
+   bit-identical on what it served, and is logged. An engine still behind the directory (no hot
+   swap, as with SGLang; a failed update; a delta for weights the engine does not hold) reloads the
+   version from it (`load_version`); if that fails too, the next round retries it first and polls
+   the head only briefly until it succeeds;
+6. prove: the engine's weights, read back, must be exactly the version it claims (`serve_check.py`:
+   every tensor the swap wrote and a rotating share of the rest, against the manifest's signed
+   hashes), before the directory is written. On a mismatch the policy is drifted: not `ready` (so
+   the worker leases nothing), the version is reloaded in full from the directory and checked again;
+   a reload that fails or does not pass is retried at the start of each round;
+7. persist: the same decoded versions are applied to the synced directory, atomically, for restarts
    and for engines that load from disk. Behind an engine that took them in place and passed its
    check, the write is queued (`dir_writer.py`) and the round ends: the next round plans from the
    version the directory will hold, so the next version is fetched and decoded while the disk is
    written (its engine apply waits for the write);
-5. catch up: an engine still behind the directory (no hot swap, as with SGLang; a failed update; a
-   delta for weights the engine does not hold) reloads the version from it (`load_version`). If that
-   fails too, the next round retries it first and polls the head only briefly until it succeeds;
-6. prove: the engine's weights, read back, must be exactly the version it claims (`serve_check.py`:
-   every tensor the swap wrote and a rotating share of the rest, against the manifest's signed
-   hashes). On a mismatch the policy is drifted: not `ready` (so the worker leases nothing), the
-   version is reloaded in full from the directory and checked again; a reload that fails or does not
-   pass is retried at the start of each round;
-7. report: `status` and the pool metrics (steps fetched, swaps by way, checks and drift, offers
-   refused from gateways and gateways found stale: `deltamesh.gateway.head_check`), and `timeline`,
+8. report: `status` and the pool metrics (steps fetched, swaps by way, checks and drift, offers
+   refused from gateways and gateways found stale: `deltamesh.mesh.pool.head_check`), and `timeline`,
    when each version reached each of these steps (`timeline.py`: head, fetched, verified, applied,
    serving, persisted).
 
+These are the steps of docs/ARCHITECTURE.md's version path, numbered the same.
+
 A delta that does not verify, or does not fit what the directory holds, sends the round back to
-step 2 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
+step 3 with a full snapshot. Start-up: a directory that already holds a version (a restarted pool)
 is loaded into the engine first, so only what is newer is fetched; then the pool registers and syncs
 to the gateway's head. `ready` turns true only after that first round, once the engine serves a
 published version, and the rollout worker leases nothing before. Credentials that every gateway
@@ -46,22 +49,22 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest, dir_manifest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.head_check import Refusal
-from deltamesh.gateway.weight_sync import (
+from deltamesh.http import HttpError
+from deltamesh.mesh.engines.base import Engine, EngineError
+from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.dir_writer import DirectoryWriter
+from deltamesh.mesh.pool.head_check import Refusal
+from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.timeline import VersionTimeline
+from deltamesh.mesh.pool.weight_sync import (
     RETRY_S,
     CredentialsError,
     Refused,
     SyncError,
     WeightSync,
 )
-from deltamesh.http import HttpError
-from deltamesh.mesh.engines.base import Engine, EngineError
-from deltamesh.mesh.pool.config import ServeCheckConfig
-from deltamesh.mesh.pool.dir_writer import DirectoryWriter
-from deltamesh.mesh.pool.metrics import PoolMetrics
-from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
-from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.signals import sleep_or_stop, until_stopped
 
 log = logging.getLogger(__name__)
@@ -168,7 +171,7 @@ class PolicyWeights:
 
     # -- the way of a version into the pool ------------------------------------------------------
     async def sync_round(self, wait_s: float = 0.0, *, to: int | None = None) -> bool:
-        """One round (steps 1-6 of the module docstring): wait up to `wait_s` for a head newer than the
+        """One round (steps 1-8 of the module docstring): wait up to `wait_s` for a head newer than the
         directory and bring it into the engine and the directory; True if a new version came in. With
         `to` (above the version held) the round waits for a head at or past `to` and moves to `to`
         itself, not to the head. Raises SyncError/HttpError/CodecError/OSError when the transfer fails

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, TypeVar
 
-from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient, TaskLease
+from deltamesh.http import HttpError
 from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.staleness import LeaseGate

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from deltamesh.config import ConfigError, from_dict, http_url, load_config, split_urls
 from deltamesh.config_flags import read_secret
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import parse_listen
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.tls import TlsSettings
 
 CONFIG_ENV = "DELTAMESH_VLLM_BACKEND"

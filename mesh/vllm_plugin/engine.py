@@ -49,9 +49,13 @@ from deltamesh.mesh.engines.local import read_verified
 from deltamesh.mesh.engines.vllm_ranks import vllm_layout
 from deltamesh.mesh.pool.serve_check import CheckResult, ServeCheck
 from deltamesh.mesh.vllm_plugin.config import (
-    BackendConfig, UpdateInfo, config_from_env, parse_backend_config, parse_update_info,
+    BackendConfig,
+    UpdateInfo,
+    config_from_env,
+    parse_backend_config,
+    parse_update_info,
 )
-from deltamesh.mesh.vllm_plugin.rank_updates import RankGroup, RankUpdates, RanksRefused, WeightsLost
+from deltamesh.mesh.vllm_plugin.rank_updates import RankGroup, RanksRefused, RankUpdates, WeightsLost
 from deltamesh.mesh.vllm_plugin.receiver import VersionReceiver
 from deltamesh.mesh.vllm_plugin.worker_weights import WorkerWeights
 

@@ -66,7 +66,7 @@ class LocalMesh:
         return self
 
     def publish_table(self, **more: Any) -> dict[str, Any]:
-        """The trainer's `[publish]` table (`deltamesh.gateway.config.PublishConfig`), token included."""
+        """The trainer's `[publish]` table (`deltamesh.trainer.publish_config.PublishConfig`), token included."""
         return {"gateway": self.origin_url, "model": self.model, "key": str(self.key),
                 "token": self.trainer_token_file.read_text().strip(), **more}
 

@@ -29,7 +29,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -152,7 +152,7 @@ class RankUpdates:
             self._put_back(share, f"v{step.version}")
             raise RanksRefused(f"{model_id}: v{step.version} not taken by vLLM: {'; '.join(refused)}")
         share.settle()
-        return manifest, [{**p.body(), "load_s": l.load_s, **c} for p, l, c in zip(prepared, loaded, checks)]
+        return manifest, [{**p.body(), "load_s": load.load_s, **c} for p, load, c in zip(prepared, loaded, checks)]
 
     # -- internals ---------------------------------------------------------------------------------
     def _each(self, work: Callable[[], RankReport]) -> list[RankReport]:

@@ -1,7 +1,7 @@
 """The backend's network side: versions fetched and verified through the mesh, the follow loop, metrics.
 
 It runs on the backend's own event loop thread (`deltamesh.loop_thread`), one per vLLM worker. It
-is the pool's weight sync, unchanged (`deltamesh.gateway.weight_sync.WeightSync`): head long polls
+is the pool's weight sync, unchanged (`deltamesh.mesh.pool.weight_sync.WeightSync`): head long polls
 with the freeze and rollback checks, transfer plans, signed manifests verified against the trusted
 keys, pieces hash-checked with failover between the listed gateways, a full snapshot when a delta
 does not verify, registration and heartbeats when the server has a pool name. `fetch` hands the
@@ -27,13 +27,13 @@ import time
 from typing import Any
 
 from deltamesh.delta import CodecError, DecodedVersion, Manifest
-from deltamesh.gateway.head_check import Refusal
 from deltamesh.gateway.plan import Plan, PlanStep
-from deltamesh.gateway.weight_sync import Refused, SyncError, WeightSync
 from deltamesh.http import HttpError, client_session, request_json, serving
 from deltamesh.mesh.engines.metrics import EngineMetrics
+from deltamesh.mesh.pool.head_check import Refusal
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import CheckResult
+from deltamesh.mesh.pool.weight_sync import Refused, SyncError, WeightSync
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.metrics import service_registry, status_app
 from deltamesh.signals import sleep_or_stop, until_stopped

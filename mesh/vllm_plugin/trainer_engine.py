@@ -22,16 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
 )
 
 from deltamesh.config import from_dict
 from deltamesh.delta.layouts import parse_layout
-from deltamesh.gateway.config import PublishConfig
-from deltamesh.gateway.publisher import Published
 from deltamesh.mesh.vllm_plugin import BACKEND
 from deltamesh.mesh.vllm_plugin.config import BackendConfig
 from deltamesh.trainer import WeightPublisher
+from deltamesh.trainer.publish_config import PublishConfig
+from deltamesh.trainer.publisher import Published
 
 
 @dataclass
@@ -40,7 +43,7 @@ class DeltameshTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = BACKEND
     publish: dict[str, Any] = field(default_factory=dict)
-    """The `[publish]` table (`deltamesh.gateway.config.PublishConfig`): gateway (the origin), model, key,
+    """The `[publish]` table (`deltamesh.trainer.publish_config.PublishConfig`): gateway (the origin), model, key,
     token, full_every, piece_mib, connections, tls."""
     engine_init: dict[str, Any] = field(default_factory=dict)
     """The servers' `init_info` (`deltamesh.mesh.vllm_plugin.config.BackendConfig`); its model is the

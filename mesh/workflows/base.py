@@ -20,9 +20,9 @@ from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from deltamesh.data import Trajectory
 from deltamesh.mesh.engines.base import Engine, Generation, SamplingParams
 from deltamesh.mesh.sandbox import Sandbox
-from deltamesh.data import Trajectory
 
 
 class WorkflowError(ValueError):

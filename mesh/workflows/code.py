@@ -14,10 +14,16 @@ import time
 from dataclasses import dataclass
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, finalize_groups,
-                                           trajectory_from_generation)
+from deltamesh.mesh.workflows.base import (
+    EpisodeContext,
+    PromptFormat,
+    Task,
+    WorkflowSpec,
+    finalize_groups,
+    trajectory_from_generation,
+)
 from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
-from deltamesh.mesh.workflows.code_reward import outcome_counts, program_from_completion, pass_reward
+from deltamesh.mesh.workflows.code_reward import outcome_counts, pass_reward, program_from_completion
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 
 

@@ -19,10 +19,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deltamesh.data import Trajectory
-from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, finalize_groups,
-                                           trajectory_from_generation)
+from deltamesh.mesh.workflows.base import (
+    EpisodeContext,
+    PromptFormat,
+    Task,
+    WorkflowSpec,
+    finalize_groups,
+    trajectory_from_generation,
+)
 from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
-from deltamesh.mesh.workflows.code_reward import outcome_counts, program_from_completion, pass_reward
+from deltamesh.mesh.workflows.code_reward import outcome_counts, pass_reward, program_from_completion
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 
 _CHOICE = re.compile(r"\b([AB])\b")

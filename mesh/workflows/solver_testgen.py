@@ -25,10 +25,17 @@ from typing import Sequence
 
 from deltamesh.data import Trajectory
 from deltamesh.mesh.sandbox import ExecutionResult, Sandbox
-from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowError, WorkflowSpec,
-                                           finalize_groups, trajectory_from_generation)
+from deltamesh.mesh.workflows.base import (
+    EpisodeContext,
+    PromptFormat,
+    Task,
+    WorkflowError,
+    WorkflowSpec,
+    finalize_groups,
+    trajectory_from_generation,
+)
 from deltamesh.mesh.workflows.code_prompts import CodePrompter, check_template
-from deltamesh.mesh.workflows.code_reward import failure_report, outcome_counts, program_from_completion, pass_reward
+from deltamesh.mesh.workflows.code_reward import failure_report, outcome_counts, pass_reward, program_from_completion
 from deltamesh.mesh.workflows.code_tasks import CodeProblem
 from deltamesh.mesh.workflows.mutants import mutants
 

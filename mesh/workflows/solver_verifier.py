@@ -19,10 +19,19 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from deltamesh.mesh.workflows.answers import answers_match, extract_answer, first_number
-from deltamesh.mesh.workflows.base import (EpisodeContext, PromptFormat, Task, WorkflowSpec, encode_prompt,
-                                           finalize_groups, render, trajectory_from_generation, uses_chat)
 from deltamesh.data import Trajectory
+from deltamesh.mesh.workflows.answers import answers_match, extract_answer, first_number
+from deltamesh.mesh.workflows.base import (
+    EpisodeContext,
+    PromptFormat,
+    Task,
+    WorkflowSpec,
+    encode_prompt,
+    finalize_groups,
+    render,
+    trajectory_from_generation,
+    uses_chat,
+)
 
 
 @dataclass

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.autoscale.launchers import CommandLauncher, LaunchError, LocalLauncher
 from deltamesh.mesh.autoscale.loop import Autoscaler
-from deltamesh.broker_client import BrokerClient
 from deltamesh.mesh.broker.config import BalanceConfig, BrokerConfig
 from deltamesh.trainer.batch_client import BatchClient
 

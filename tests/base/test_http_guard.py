@@ -14,9 +14,8 @@ import statistics
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 import slow_clients  # benchmarks/slow_clients.py (tests/conftest.py puts benchmarks/ on sys.path)
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import device_check
 import pytest
 import torch
-
-import device_check
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-
 import sandbox as sandbox_bench
 
 

@@ -8,13 +8,13 @@ import math
 from dataclasses import replace
 
 import pytest
-
 import simulate
-from deltamesh.delta.parallel import MAX_WORKERS
 from simulate_layouts import DenseLayout, MoeLayout
 from simulate_model import Link, Path, Tcp, connections_for, fetch, relay_path, single_stream
 from simulate_scale import SCENARIOS, CoreSpeeds, Node, at_scale_rows, budget, threads_worth
 from simulate_scenarios import Codec, Mesh, big_model_rows, calibrate, emulated_rows
+
+from deltamesh.delta.parallel import MAX_WORKERS
 
 MB = 1e6
 

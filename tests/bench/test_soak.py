@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from soak_checks import CONVERGE_BOUND_S, JUDGE_MIN_S, Invariants, slope_per_min
 from soak_faults import FaultLog, Injector
 from soak_schedule import KINDS, MAX_CONCURRENT, count_kinds, make_schedule

@@ -8,9 +8,8 @@ import os
 import sys
 
 import pytest
-import torch
-
 import stage_speeds
+import torch
 from inputs import adam_step_case, qwen3_shapes
 from stage_runs import STAGES, change_statistics
 

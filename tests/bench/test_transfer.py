@@ -15,19 +15,19 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-
 import transfer
-from deltamesh.http import serving
-from deltamesh.tls import TlsSettings, server_context
+from aiohttp import web
 from transfer_baseline import MIN_RATE_BPS, baseline_seconds
 from transfer_link import pool_link_mbit
+from transfer_long_link import tls_gap
 from transfer_mesh import metric_sum
 from transfer_report import print_report
-from transfer_long_link import tls_gap
 from transfer_runs import Sample, steady_mbit, summarize
 from transfer_tls import RunPki
 from transfer_training import stage_times, staleness, training_json
+
+from deltamesh.http import serving
+from deltamesh.tls import TlsSettings, server_context
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -147,7 +147,7 @@ def test_stage_times_time_each_region_from_the_start_and_the_end_of_the_publish(
     for region, after_s in (("regionA", 0.2), ("regionB", 0.3), ("regionC", 0.9)):
         when = datetime.fromtimestamp(base + 2 + after_s).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         (tmp_path / f"gateway-{region}.log").write_text(
-            f"{when} I deltamesh.gateway.relay: relay: m v1 delta complete (1 pieces in 0.10s)\n")
+            f"{when} I deltamesh.gateway.server.relay: relay: m v1 delta complete (1 pieces in 0.10s)\n")
     published = [{"version": 1, "t_start": base + 0.0, "t_done": base + 2.0}]
     stages = stage_times(tmp_path, published, [])[1]
     assert stages["to_regions_seconds"] == 2.3

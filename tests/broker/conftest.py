@@ -7,8 +7,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from deltamesh.mesh.broker.store import BrokerStore
-from deltamesh.mesh.broker.stores import open_store
+from deltamesh.mesh.broker.backends import open_store
+from deltamesh.mesh.broker.store_interface import BrokerStore
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from deltamesh.broker_client import BrokerClient
+from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
 from deltamesh.http import HttpError
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
 
 
 async def post(url: str, data: bytes, content_type: str) -> tuple[int, dict]:

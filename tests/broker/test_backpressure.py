@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltamesh.config import ConfigError, from_dict
 from deltamesh.broker_client import BrokerClient
+from deltamesh.config import ConfigError, from_dict
+from deltamesh.data import Trajectory
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.data import Trajectory
 
 GROUP = 2
 

@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient
-from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.data import Trajectory
+from deltamesh.http import HttpError
+from deltamesh.trainer.batch_client import BatchClient
 
 CLIENTS = 8
 ACKS_BEFORE_KILL = 40

@@ -9,10 +9,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 
-from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.data import (
-    DataFormatError, decode_batch, decode_trajectories, encode_batch, encode_trajectories,
+    DataFormatError,
+    decode_batch,
+    decode_trajectories,
+    encode_batch,
+    encode_trajectories,
 )
+from deltamesh.mesh.broker.json_form import trajectories_from_json
 
 LIMITS = {"max_trajectories": 64, "max_tokens": 4096}
 

@@ -26,12 +26,12 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 import pytest
 
-from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient
+from deltamesh.data import Batch
+from deltamesh.http import HttpError
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, ReplayConfig
 from deltamesh.mesh.broker.sqlite_store import SCHEMA_VERSION, SqliteStore
 from deltamesh.trainer.batch_client import BatchClient
-from deltamesh.data import Batch
 
 POLLER = Path(__file__).with_name("batch_poller.py")
 

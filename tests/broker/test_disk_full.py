@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltamesh.http import HttpError
 from deltamesh.broker_client import BrokerClient
+from deltamesh.http import HttpError
 from deltamesh.trainer.batch_client import BatchClient
 
 

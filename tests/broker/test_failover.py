@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from deltamesh.broker_client import BrokerClient
-from deltamesh.data import encode_trajectories, TRAJECTORIES_CONTENT_TYPE
+from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, encode_trajectories
 from deltamesh.mesh.demo.processes import free_port
 from deltamesh.trainer.batch_client import BatchClient
 

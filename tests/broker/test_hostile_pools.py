@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deltamesh.broker_client import BrokerClient
 from deltamesh.http import HttpError, serving
+from deltamesh.mesh.broker.backends import open_store
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
 from deltamesh.mesh.broker.server import SLOT_KEY, build_app
 from deltamesh.mesh.broker.service import Broker
-from deltamesh.mesh.broker.stores import open_store
 from deltamesh.tokens import TokenSpec, add_token
 from deltamesh.trainer.batch_client import BatchClient
 

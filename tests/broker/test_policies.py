@@ -12,9 +12,15 @@ from deltamesh.mesh.broker.balance import BalanceWindow, target_gpus
 from deltamesh.mesh.broker.config import CuratorConfig
 from deltamesh.mesh.broker.curators import make_curator
 from deltamesh.mesh.broker.policies import (
-    GROUP_FILTERS, BatchPolicy, filter_chain, resolve, select_latest, select_reward, select_uniform,
+    GROUP_FILTERS,
+    BatchPolicy,
+    filter_chain,
+    resolve,
+    select_latest,
+    select_reward,
+    select_uniform,
 )
-from deltamesh.mesh.broker.store import GroupSummary
+from deltamesh.mesh.broker.store_interface import GroupSummary
 
 
 def summary(gid: str, *, size: int = 4, version: int = 0, rewards: tuple[float, float] = (0.0, 1.0),

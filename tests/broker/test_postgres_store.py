@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
+from deltamesh.mesh.broker.backends import is_postgres, open_store
 from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.postgres_schema import SCHEMA_VERSION, SchemaTooNew, migrate
 from deltamesh.mesh.broker.postgres_store import PostgresStore
-from deltamesh.mesh.broker.store import Lease, LeaderTerm, NotLeader, StoreUnavailable, TaskRecord
+from deltamesh.mesh.broker.store_interface import LeaderTerm, Lease, NotLeader, StoreUnavailable, TaskRecord
 from deltamesh.mesh.broker.store_rows import submissions
-from deltamesh.mesh.broker.stores import is_postgres, open_store
 from deltamesh.mesh.cli import main
 
 

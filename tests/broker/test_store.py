@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deltamesh.mesh.broker.store import Delivery, IdConflict, Lease, StoreConflict, TaskRecord
+from deltamesh.mesh.broker.store_interface import Delivery, IdConflict, Lease, StoreConflict, TaskRecord
 from deltamesh.mesh.broker.store_rows import submissions
 
 

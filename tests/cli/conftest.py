@@ -17,9 +17,9 @@ import torch
 from common import wait_healthy
 
 from deltamesh.delta.keys import generate_key, save_keypair
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.trainer.publisher import Publisher
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny"

@@ -16,7 +16,7 @@ from common import wait_healthy
 
 from deltamesh.config_flags import SECRET_ENV, config_overrides, settings
 from deltamesh.delta.keys import generate_key, save_keypair
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig, PublishConfig
+from deltamesh.gateway.config import GatewayConfig
 from deltamesh.mesh.autoscale.config import AutoscaleConfig
 from deltamesh.mesh.cli import build_parser
 from deltamesh.mesh.cli.bench import BenchLinkConfig
@@ -25,7 +25,9 @@ from deltamesh.mesh.cli.pools import PoolsConfig
 from deltamesh.mesh.demo.processes import end_process, free_port
 from deltamesh.mesh.eval.config import EvalConfig
 from deltamesh.mesh.pool.config import PoolConfig
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.trainer.loop_config import TrainLoopConfig
+from deltamesh.trainer.publish_config import PublishConfig
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 CONFIGS = (GatewayConfig, PoolSyncConfig, PublishConfig, PoolConfig, AutoscaleConfig, TrainLoopConfig, LinksConfig,

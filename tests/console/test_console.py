@@ -124,7 +124,9 @@ def test_with_a_login_token_a_browser_without_a_session_gets_nothing(mini_mesh, 
         cookie = headers["Set-Cookie"]
         assert "HttpOnly" in cookie and "Secure" in cookie and "SameSite=Strict" in cookie
         session = {"Cookie": cookie.split(";", 1)[0]}
-        snapshot = lambda: json.loads(get(console.url, "/api/snapshot", context=context, headers=session)[2])
+        def snapshot():
+            return json.loads(get(console.url, "/api/snapshot", context=context, headers=session)[2])
+
         snap = mini_mesh.wait_for(lambda: snapshot()["pools"] and snapshot(), 30, "data once logged in")
         assert {p["name"] for p in snap["pools"]} == {"pool-us"}
         status, _, _ = get(console.url, "/api/snapshot", context=context,

@@ -16,8 +16,19 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    Applier, BaseMismatchError, CodecError, CorruptError, SignatureError, SmallWordIndex, apply, decode_piece,
-    piece_digest, encode_delta, encode_full, generate_key, load_manifest,
+    Applier,
+    BaseMismatchError,
+    CodecError,
+    CorruptError,
+    SignatureError,
+    SmallWordIndex,
+    apply,
+    decode_piece,
+    encode_delta,
+    encode_full,
+    generate_key,
+    load_manifest,
+    piece_digest,
 )
 from deltamesh.delta.manifest import PieceEntry
 

@@ -17,8 +17,19 @@ import torch
 from safetensors import safe_open
 
 from deltamesh.delta import (
-    BaseMismatchError, CodecError, CorruptError, HeldWeights, apply_to_dir, decode_version, dir_manifest, encode_delta, encode_full,
-    read_weights, save_keypair, weights_hash, write_weights,
+    BaseMismatchError,
+    CodecError,
+    CorruptError,
+    HeldWeights,
+    apply_to_dir,
+    decode_version,
+    dir_manifest,
+    encode_delta,
+    encode_full,
+    read_weights,
+    save_keypair,
+    weights_hash,
+    write_weights,
 )
 
 WORKER = Path(__file__).with_name("apply_worker.py")

@@ -227,7 +227,7 @@ def test_full_snapshot_is_decoded_aside_then_copied_in(key, rl_step):
 def test_known_digests_check_the_base_and_spare_untouched_tensors(key, rl_step, monkeypatch):
     """With the tensor digests of the manifest the base was verified against, the base check reads no
     tensor and a tensor the delta leaves alone is never hashed; digests of other weights are refused."""
-    apply_module = importlib.import_module("deltamesh.delta.apply")  # the package exports `apply`, a function
+    apply_module = importlib.import_module("deltamesh.delta.applier")  # the package exports `apply`, a function
 
     old, new = _model_pair(rl_step)
     old["norm"] = torch.ones(64, dtype=torch.bfloat16)

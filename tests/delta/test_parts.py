@@ -12,16 +12,22 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    CorruptError, apply_version, decode_version, encode_delta, encode_full, load_manifest, tensor_digest, weights_hash,
+    CorruptError,
+    apply_version,
+    decode_version,
+    encode_delta,
+    load_manifest,
+    read_weights,
+    tensor_digest,
+    weights_hash,
 )
 from deltamesh.delta.assemble import assemble
 from deltamesh.delta.encode import manifest_of_parts, table_of
 from deltamesh.delta.manifest import Manifest
 from deltamesh.delta.parts import encode_part
 from deltamesh.delta.slices import Grid
-from deltamesh.trainer.distributed import shard_rows
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir
-from deltamesh.delta import read_weights
+from deltamesh.trainer.distributed import shard_rows
 
 
 @pytest.fixture(scope="module")

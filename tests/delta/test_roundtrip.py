@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltamesh.delta import Applier, apply, encode_delta, encode_full, load_manifest, weights_hash
-from deltamesh.delta.dtypes import NP_SWORDS, NP_UWORDS, TORCH_DTYPES, WORD_DTYPES as WORD_TORCH
+from deltamesh.delta.dtypes import NP_SWORDS, NP_UWORDS, TORCH_DTYPES
+from deltamesh.delta.dtypes import WORD_DTYPES as WORD_TORCH
 from deltamesh.delta.manifest import DTYPE_SIZES
 
 DTYPES = sorted(TORCH_DTYPES)

@@ -21,7 +21,7 @@ from deltamesh.delta.shares import apply_share, decode_pieces
 from deltamesh.trainer.distributed import shard_rows
 
 KEY = generate_key()
-H, I, V, HEADS, KV = 64, 128, 200, 8, 2
+H, INTER, V, HEADS, KV = 64, 128, 200, 8, 2
 
 
 def dense(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
@@ -35,8 +35,8 @@ def dense(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         out.update({p + "self_attn.q_proj.weight": w(H, H), p + "self_attn.k_proj.weight": w(KV * H // HEADS, H),
                     p + "self_attn.v_proj.weight": w(KV * H // HEADS, H), p + "self_attn.o_proj.weight": w(H, H),
-                    p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                    p + "mlp.down_proj.weight": w(H, I), p + "input_layernorm.weight": w(H)})
+                    p + "mlp.gate_proj.weight": w(INTER, H), p + "mlp.up_proj.weight": w(INTER, H),
+                    p + "mlp.down_proj.weight": w(H, INTER), p + "input_layernorm.weight": w(H)})
     return out
 
 
@@ -54,7 +54,7 @@ def moe(seed: int, experts: int = 8, layers: int = 2) -> dict[str, torch.Tensor]
                     p + "mlp.gate.weight": w(experts, H), p + "input_layernorm.weight": w(H)})
         for e in range(experts):
             q = f"{p}mlp.experts.{e}."
-            out.update({q + "gate_proj.weight": w(I, H), q + "up_proj.weight": w(I, H), q + "down_proj.weight": w(H, I)})
+            out.update({q + "gate_proj.weight": w(INTER, H), q + "up_proj.weight": w(INTER, H), q + "down_proj.weight": w(H, INTER)})
     return out
 
 

@@ -8,8 +8,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltamesh.delta import CorruptError
-from deltamesh.delta import kernels, streams
+from deltamesh.delta import CorruptError, kernels, streams
+
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 2**20), max_size=60))

@@ -48,7 +48,7 @@ def manifests() -> list[tuple[str, dict]]:
 def test_kubernetes_manifests_validate():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kinds = set()
-    for name, doc in manifests():
+    for _name, doc in manifests():
         kubernetes_validate.validate(doc, "1.30.0", strict=True)  # raises on any schema violation
         kinds.add((doc["kind"], doc["metadata"]["name"]))
     assert {("StatefulSet", "deltamesh-gateway"), ("Service", "deltamesh-gateway"), ("StatefulSet", "deltamesh-broker"),

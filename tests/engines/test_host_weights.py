@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from deltamesh.delta import apply_to_dir, decode_version, dir_manifest, encode_delta, encode_full, generate_key, load_manifest, read_weights, tensor_digest
+from deltamesh.delta import (
+    apply_to_dir,
+    decode_version,
+    dir_manifest,
+    encode_delta,
+    encode_full,
+    generate_key,
+    load_manifest,
+    read_weights,
+    tensor_digest,
+)
 from deltamesh.mesh.engines.host_weights import HostWeights
 
 KEY = generate_key()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 from deltamesh.mesh.demo.processes import free_port

@@ -24,9 +24,9 @@ import aiohttp
 import pytest
 
 from deltamesh.delta import decode_version, encode_delta, encode_full, generate_key, read_weights, tensor_digest
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 from deltamesh.mesh.engines.base import Engine, EngineError, ReadsBack, SamplingParams
 from deltamesh.mesh.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 STANDIN_PATH = Path(__file__).with_name("sglang_standin.py")
 _spec = importlib.util.spec_from_file_location("sglang_standin", STANDIN_PATH)

@@ -32,9 +32,9 @@ from deltamesh.delta import (
     tensor_digests,
     write_weights,
 )
+from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 from deltamesh.mesh.engines.base import Engine, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 
 MODEL = "tiny"
 KEY = generate_key()

@@ -24,13 +24,13 @@ import requests
 import torch
 
 from deltamesh.delta import encode_delta, generate_key, read_weights, save_keypair
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import bearer, client_session
-from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
+from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
 from deltamesh.trainer import WeightPublisher
+from deltamesh.trainer.upload import upload_version
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,10 @@ import pytest
 
 from deltamesh.config import ConfigError
 from deltamesh.mesh.vllm_plugin.config import (
-    CONFIG_ENV, config_from_env, parse_backend_config, parse_update_info,
+    CONFIG_ENV,
+    config_from_env,
+    parse_backend_config,
+    parse_update_info,
 )
 
 BASE = {"gateway": "http://127.0.0.1:8701", "model": "policy", "trusted_key": "trainer.key.pub"}

@@ -21,8 +21,8 @@ from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from deltamesh.mesh.vllm_plugin.config import parse_backend_config
 from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
 from deltamesh.mesh.vllm_plugin.worker_weights import WorkerWeights
-from deltamesh.gateway.config import PublishConfig
 from deltamesh.trainer import WeightPublisher
+from deltamesh.trainer.publish_config import PublishConfig
 
 pytestmark = pytest.mark.slow
 

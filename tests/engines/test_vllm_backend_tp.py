@@ -15,7 +15,6 @@ the same version then goes through from the real relay. The tests run in order a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import threading

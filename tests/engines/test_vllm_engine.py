@@ -28,17 +28,18 @@ from deltamesh.delta import (
     read_weights,
     save_keypair,
 )
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
 from deltamesh.mesh.engines.base import Engine, EngineError, SamplingParams
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from deltamesh.delta import read_weights
-from deltamesh.delta.layouts import PoolLayout, shares_of
 from deltamesh.delta.encode import table_of
+from deltamesh.delta.layouts import PoolLayout, shares_of
 from deltamesh.mesh.demo.models import VLLM_TINY, tiny_model_dir
 from deltamesh.mesh.engines.vllm_ranks import VLLMRanksConfig, VLLMRanksEngine
 

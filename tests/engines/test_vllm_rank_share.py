@@ -14,22 +14,29 @@ import pytest
 import torch
 
 from deltamesh.delta import (
-    BaseMismatchError, CorruptError, apply_to_dir, generate_key, load_manifest, save_keypair, write_weights,
+    BaseMismatchError,
+    CorruptError,
+    apply_to_dir,
+    generate_key,
+    load_manifest,
+    save_keypair,
+    write_weights,
 )
 from deltamesh.delta.layouts import PoolLayout
-from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
-from deltamesh.gateway.fetch_judge import FetchError
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep, error_kind
 from deltamesh.mesh.engines.vllm_ranks import _combined, dealt_cores
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow  # a real gateway and decodes on every test: ~10 s in all
 
 LAYOUT = PoolLayout(tp=2, kv_heads=2)
-H, I, V, HEADS, KV = 64, 128, 200, 8, 2
+H, INTER, V, HEADS, KV = 64, 128, 200, 8, 2
 
 
 def dense(seed: int) -> dict[str, torch.Tensor]:
@@ -42,8 +49,8 @@ def dense(seed: int) -> dict[str, torch.Tensor]:
     p = "model.layers.0."
     out.update({p + "self_attn.q_proj.weight": w(H, H), p + "self_attn.k_proj.weight": w(KV * H // HEADS, H),
                 p + "self_attn.v_proj.weight": w(KV * H // HEADS, H), p + "self_attn.o_proj.weight": w(H, H),
-                p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                p + "mlp.down_proj.weight": w(H, I), p + "input_layernorm.weight": w(H)})
+                p + "mlp.gate_proj.weight": w(INTER, H), p + "mlp.up_proj.weight": w(INTER, H),
+                p + "mlp.down_proj.weight": w(H, INTER), p + "input_layernorm.weight": w(H)})
     return out
 
 

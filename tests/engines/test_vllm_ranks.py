@@ -28,15 +28,16 @@ from deltamesh.delta.encode import table_of
 from deltamesh.delta.layouts import shares_of
 from deltamesh.delta.share_plan import pieces_for
 from deltamesh.delta.side_files import read_side_files
-from deltamesh.gateway.config import GatewayConfig, WeightSyncSettings
-from deltamesh.gateway.fetch_judge import FetchError
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.fetch.judge import FetchError
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server.app import create_app
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import VLLM_TINY, tiny_model_dir
 from deltamesh.mesh.engines.base import EngineError, SamplingParams
 from deltamesh.mesh.engines.vllm_ranks import VLLMRanksConfig, VLLMRanksEngine
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -29,11 +29,12 @@ from deltamesh.delta import read_weights
 from deltamesh.delta.hashing import digest, piece_digest
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.delta.manifest import Manifest, PieceEntry, TensorEntry
-from deltamesh.gateway.config import GatewayConfig, PoolSyncConfig
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.server.app import create_app, ssl_context
 from deltamesh.http import serving
-from deltamesh.gateway.server import create_app, ssl_context
-from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 POOL_TOKEN = "region-token-1"

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import aiohttp
+import deltamesh_test_passthrough as passthrough  # a helper module of this folder, loaded by its conftest.py
 from aiohttp import web
 
-import deltamesh_test_passthrough as passthrough  # a helper module of this folder, loaded by its conftest.py
 from deltamesh.http import serving
 
 PIECE_PATH = re.compile(r"^/v1/models/([^/]+)/versions/([0-9]+)/(delta|full)/pieces/([0-9]+)$")

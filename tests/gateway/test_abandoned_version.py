@@ -1,7 +1,7 @@
 """A version whose upload was abandoned never holds a pool back from the versions after it.
 
 A trainer killed while uploading a version restarts from its checkpoint and publishes the next version
-as a delta on the newest version the gateway holds whole (trainer/publish.py, `start_stream`), so the
+as a delta on the newest version the gateway holds whole (trainer/stream_start.py, `start_stream`), so the
 version it left announced never completes. Found by the chaos soak (benchmarks/soak.py, seed 3): every
 pool that had planned its way through that version waited for its pieces for `give_up_s` (120 s), the
 pools fell behind their staleness bound and stopped leasing, and the trainer starved for two minutes.
@@ -15,12 +15,12 @@ import time
 import pytest
 
 from deltamesh.delta import encode_delta, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.gateway_client import version_url
 from deltamesh.http import client_session, request_bytes
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny"
 PIECE = 4096

@@ -8,11 +8,11 @@ import asyncio
 import json
 
 from aiohttp import web
-from deltamesh.gateway.server import GATEWAY_KEY, create_app
-from deltamesh.gateway.upload import upload_version
 
+from deltamesh.gateway.server.app import GATEWAY_KEY, create_app
 from deltamesh.http import bearer, client_session, request_bytes, serving
 from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny-1"
 

@@ -11,15 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from deltamesh.delta import write_weights
-from deltamesh.gateway.config import GatewayConfig, PublishConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
 
 from deltamesh.config import ConfigError, load_config
+from deltamesh.delta import write_weights
+from deltamesh.gateway.config import GatewayConfig
+from deltamesh.gateway.server.app import create_app
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.tls import TlsError, TlsSettings
 from deltamesh.tokens import TokenError, TokenSpec, add_token
+from deltamesh.trainer.publish_config import PublishConfig
+from deltamesh.trainer.publisher import Publisher
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 FAR = "http://10.11.12.13:8700"

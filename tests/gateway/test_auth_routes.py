@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 
 import pytest
-from deltamesh.gateway.auth_policy import ROUTES, gateway_policy
-from deltamesh.gateway.server import GATEWAY_KEY, create_app
 
 from deltamesh.auth import OPEN, unlisted_routes
 from deltamesh.delta import piece_digest, sign_statement
+from deltamesh.gateway.server.app import GATEWAY_KEY, create_app
+from deltamesh.gateway.server.auth_policy import ROUTES, gateway_policy
 from deltamesh.http import bearer, client_session, serving
 from deltamesh.tokens import ROLES, TokenSpec, add_token, revoke_token
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.trainer.publisher import Publisher
 
 
 def test_a_client_that_hangs_up_mid_piece_is_one_info_line(kit, spawn_gateway):

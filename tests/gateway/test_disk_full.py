@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_bytes, request_json
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 MIB = 2**20

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from deltamesh.delta import write_weights
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,13 +18,13 @@ from aiohttp import web
 
 from deltamesh.delta import generate_key, save_keypair
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import MIN_SPAN, Fetcher, NotAnnounced
-from deltamesh.gateway.fetch_lanes import MIN_PART, first_spans
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.fetcher import MIN_SPAN, Fetcher, NotAnnounced
+from deltamesh.gateway.fetch.lanes import MIN_PART, first_spans
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, parse_range, serving
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 

@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.fetch import Fetcher
-from deltamesh.gateway.fetch_hedge import Flights, TakenOver
-from deltamesh.gateway.sources import Source
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.hedge import Flights, TakenOver
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session, parse_range, serving
 
 MODEL = "m"

@@ -10,20 +10,20 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 import pytest
 
-import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher
-from deltamesh.gateway.fetch_http import Progress
-from deltamesh.gateway.fetch_parts import EarlyParts
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.upload import upload_version
+from deltamesh.gateway.fetch.fetcher import Fetcher
+from deltamesh.gateway.fetch.http_reads import Progress
+from deltamesh.gateway.fetch.parts import EarlyParts
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.version_parts import MAX_PARTS, SPAN_HEADER, VERSION_HEADER
-from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import client_session
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 STALL = 1.5

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deltamesh.delta import Manifest, TensorEntry
-from deltamesh.gateway.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.plan import Plan, PlanStep
-from deltamesh.gateway.sources import Source
+from deltamesh.mesh.pool.head_check import FreezeWatch, GatewayBook, Refusal, Rejected, VersionGuard
 
 A, B = "a" * 32, "b" * 32
 

@@ -15,18 +15,16 @@ import sys
 import time
 from pathlib import Path
 
+import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 import pytest
 
 from deltamesh.delta.manifest import load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.fetch import Fetcher, FetchError
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.sources import Source
-from deltamesh.gateway.upload import upload_version
+from deltamesh.gateway.fetch.fetcher import Fetcher, FetchError
+from deltamesh.gateway.fetch.sources import Source
 from deltamesh.http import client_session
-
-import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
-
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 STALL = 1.0

@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 import pytest
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.publisher import Publisher
-
-import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -13,15 +13,13 @@ import asyncio
 import logging
 import time
 
+import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
 import pytest
 
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_json
-
-import deltamesh_test_hostile as hostile  # a helper module of this folder, loaded by its conftest.py
-
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "m"
 STALL = 1.0

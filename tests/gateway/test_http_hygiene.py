@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from deltamesh.delta.keys import key_id, sign
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_json, serving
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny-1"
 

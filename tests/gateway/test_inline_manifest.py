@@ -18,16 +18,16 @@ from typing import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from deltamesh_test_passthrough import pass_through
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.sync_errors import SyncError
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.gateway.fetch.errors import SyncError
 from deltamesh.http import client_session, serving
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.tokens import TokenSpec, add_token
-from deltamesh_test_passthrough import pass_through
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny"
 PIECE = 4096

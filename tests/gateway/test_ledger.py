@@ -9,10 +9,10 @@ import json
 import shutil
 
 import pytest
-from deltamesh.gateway.ledger import ConflictError, ReplayError, RollbackError
-from deltamesh.gateway.server import GATEWAY_KEY, create_app
-from deltamesh.gateway.store import VersionStore
 
+from deltamesh.gateway.server.app import GATEWAY_KEY, create_app
+from deltamesh.gateway.server.ledger import ConflictError, ReplayError, RollbackError
+from deltamesh.gateway.server.store import VersionStore
 from deltamesh.http import client_session, serving
 from deltamesh.tokens import TokenSpec, add_token
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from deltamesh.gateway.links import TRANSFER_WINDOW_S, TRANSFERS_KEPT, LinkMonitor
+from deltamesh.gateway.fetch.links import TRANSFER_WINDOW_S, TRANSFERS_KEPT, LinkMonitor
 
 
 def test_transfers_older_than_the_window_go_when_the_next_is_recorded_unread():

@@ -8,7 +8,7 @@ import asyncio
 import re
 
 from deltamesh.http import client_session
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny-1"
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.outage import Outage
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.mesh.pool.retry_log import Outage
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
@@ -27,7 +27,7 @@ DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 def test_backoff_grows_with_jitter_to_its_cap_and_logs_once_per_change(caplog):
     now = [0.0]
     outage = Outage("pool p1: sync", base_s=1, cap_s=30, remind_s=300, clock=lambda: now[0], rng=random.Random(4))
-    caplog.set_level(logging.INFO, logger="deltamesh.gateway.outage")
+    caplog.set_level(logging.INFO, logger="deltamesh.mesh.pool.retry_log")
     delays = []
     for _ in range(12):
         delays.append(outage.failed("no gateway answered"))
@@ -45,7 +45,7 @@ def test_backoff_grows_with_jitter_to_its_cap_and_logs_once_per_change(caplog):
 
 
 def _outage_lines(pool) -> list[str]:
-    return [line for line in pool.log_tail(100_000).splitlines() if "deltamesh.gateway.outage" in line]
+    return [line for line in pool.log_tail(100_000).splitlines() if "deltamesh.mesh.pool.retry_log" in line]
 
 
 def test_a_pool_whose_gateway_goes_away_logs_the_outage_not_each_try(kit, spawn_gateway, spawn_pool):

@@ -14,13 +14,13 @@ import pytest
 
 from deltamesh.certs import issue, make_ca
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import CredentialsError, WeightSync
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import client_session
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import CredentialsError, WeightSync
 from deltamesh.tls import TlsSettings
 from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

@@ -18,20 +18,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import deltamesh_test_relay_double as relay_double  # a helper module of this folder, loaded by its conftest.py
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deltamesh.delta import encode_full, generate_key, read_weights, sign_statement
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.head_check import Refusal
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import Refused, WeightSync
 from deltamesh.http import client_session, request_json
+from deltamesh.mesh.pool.head_check import Refusal
 from deltamesh.mesh.pool.metrics import PoolMetrics
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import Refused, WeightSync
 from deltamesh.mesh.pool.weights import PolicyWeights
-
-import deltamesh_test_relay_double as relay_double  # a helper module of this folder, loaded by its conftest.py
-
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

@@ -9,12 +9,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.demo.processes import free_port
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 

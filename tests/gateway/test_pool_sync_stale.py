@@ -21,15 +21,14 @@ import urllib.request
 from pathlib import Path
 from typing import AsyncIterator
 
+import deltamesh_test_relay_double as relay_double  # a helper module of this folder, loaded by its conftest.py
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.cli.exits import Exit
 from deltamesh.mesh.demo.processes import free_port
-
-import deltamesh_test_relay_double as relay_double  # a helper module of this folder, loaded by its conftest.py
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deltamesh.gateway.metrics import GatewayMetrics
-from deltamesh.gateway.publisher import Publisher
+from deltamesh.gateway.server.metrics import GatewayMetrics
 from deltamesh.mesh.broker.metrics import BrokerMetrics
 from deltamesh.mesh.demo.processes import end_process
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.metrics import service_registry
 from deltamesh.trainer.metrics import TrainerMetrics
+from deltamesh.trainer.publisher import Publisher
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"

@@ -11,7 +11,7 @@ import pytest
 
 from deltamesh.delta.keys import generate_key
 from deltamesh.http import client_session, request_bytes, request_json
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny-1"
 

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import HttpError
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

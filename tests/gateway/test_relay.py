@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from deltamesh.http import client_session, request_bytes, request_json
-from deltamesh.gateway.upload import upload_version
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "relay-m"
 
@@ -111,7 +111,7 @@ def test_relay_fails_over_mid_version_without_refetching(kit, spawn_gateway, how
     b = spawn_gateway("B", upstreams=[a.url, origin.url], start=False)
     for g in (origin, a, b):
         g.wait()
-    kit.wait_until(lambda: any(l["peer"] == "B" for l in kit.get_json(f"{origin.url}/v1/links")["links"]), 10,
+    kit.wait_until(lambda: any(link["peer"] == "B" for link in kit.get_json(f"{origin.url}/v1/links")["links"]), 10,
                    "B to announce itself to the origin")
     pieces = _publish(kit, origin.url, 0, "full", pieces=16, piece_size=256 * 1024)
     total = sum(len(p) for p in pieces)
@@ -133,7 +133,7 @@ def test_relay_fails_over_mid_version_without_refetching(kit, spawn_gateway, how
 
 def _sent_to(kit, url: str, peer: str) -> int:
     links = kit.get_json(f"{url}/v1/links")["links"]
-    return sum(l["bytes_total"] for l in links if l["peer"] == peer and l["role"] == "downstream")
+    return sum(link["bytes_total"] for link in links if link["peer"] == peer and link["role"] == "downstream")
 
 
 def test_relay_waits_upstream_for_the_next_version_and_takes_it_on_announcement(kit, spawn_gateway):

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from deltamesh.delta import read_weights
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.gateway.plan import PlanStep
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.relay_kinds import anchor_to_fetch, deltas_to_follow
-from deltamesh.gateway.server import create_app
-from deltamesh.gateway.upload import upload_version
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.gateway.server.app import create_app
+from deltamesh.gateway.server.relay_kinds import anchor_to_fetch, deltas_to_follow
 from deltamesh.http import HttpError, client_session, request_bytes, request_json, serving
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.upload import upload_version
 
 MODEL = "tiny"
 PIECE = 4096

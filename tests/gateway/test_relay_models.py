@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deltamesh.gateway.upload import upload_version
 from deltamesh.http import HttpError, client_session, request_json
+from deltamesh.trainer.upload import upload_version
 
 MODELS = [f"model-{i:02d}" for i in range(12)]
 

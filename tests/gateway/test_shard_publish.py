@@ -18,13 +18,13 @@ import torch
 from deltamesh.delta import read_weights
 from deltamesh.delta.encode import table_of
 from deltamesh.delta.parts import encode_part
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.part_exchange import LocalBoard, LocalExchange
-from deltamesh.gateway.shard_publisher import PartsError, ShardPublisher
-from deltamesh.gateway.upload import stage_pieces
-from deltamesh.gateway.weight_sync import WeightSync
 from deltamesh.http import HttpError, client_session, request_bytes
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
 from deltamesh.trainer.distributed import shard_rows
+from deltamesh.trainer.exchange import LocalBoard, LocalExchange
+from deltamesh.trainer.shard_publisher import PartsError, ShardPublisher
+from deltamesh.trainer.upload import stage_pieces
 
 MODEL = "tiny"
 
@@ -176,11 +176,11 @@ def test_a_pool_rank_receives_only_the_pieces_of_its_share(kit, tmp_path):
     from deltamesh.delta.layouts import PoolLayout, shares_of
     from deltamesh.delta.share_plan import pieces_for
     from deltamesh.delta.shares import apply_share, decode_pieces
-    from deltamesh.gateway.fetch import Fetcher
+    from deltamesh.gateway.fetch.fetcher import Fetcher
+    from deltamesh.gateway.fetch.plan_steps import fetch_share
+    from deltamesh.gateway.fetch.sources import Source
     from deltamesh.gateway.plan import PlanStep
-    from deltamesh.gateway.publisher import Publisher
-    from deltamesh.gateway.sources import Source
-    from deltamesh.gateway.verified import fetch_share
+    from deltamesh.trainer.publisher import Publisher
 
     g = torch.Generator().manual_seed(5)
     v0 = {f"model.layers.{i}.mlp.experts.{e}.{p}.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16)

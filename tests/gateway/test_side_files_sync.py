@@ -15,18 +15,18 @@ import urllib.request
 from pathlib import Path
 from typing import AsyncIterator
 
+import deltamesh_test_passthrough as passthrough  # a helper module of this folder, loaded by its conftest.py
 import pytest
 import torch
 from aiohttp import ClientSession, ClientTimeout, web
 
-import deltamesh_test_passthrough as passthrough  # a helper module of this folder, loaded by its conftest.py
 from deltamesh.delta import dir_manifest, load_public_key, read_weights, write_weights
 from deltamesh.delta.manifest import Manifest, load_manifest
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import SyncError, WeightSync
 from deltamesh.http import serving
 from deltamesh.mesh.demo.models import tiny_model_dir
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import SyncError, WeightSync
+from deltamesh.trainer.publisher import Publisher
 
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
 MODEL = "tiny-hf"

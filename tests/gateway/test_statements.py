@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from deltamesh.delta import generate_key, load_statement, sign_statement
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import HttpError, client_session, request_bytes
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

@@ -13,8 +13,8 @@ import pytest
 
 from deltamesh.delta import dir_manifest
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.registry import PoolRegistry
+from deltamesh.gateway.server.registry import PoolRegistry
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 

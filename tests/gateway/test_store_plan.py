@@ -10,8 +10,8 @@ import pytest
 from deltamesh.delta.errors import CorruptError, SignatureError
 from deltamesh.delta.keys import generate_key
 from deltamesh.gateway.plan import NoPlanError, PlanStep, make_plan
-from deltamesh.gateway.ledger import ConflictError
-from deltamesh.gateway.store import VersionStore
+from deltamesh.gateway.server.ledger import ConflictError
+from deltamesh.gateway.server.store import VersionStore
 
 MODEL = "m"
 

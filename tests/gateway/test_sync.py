@@ -9,10 +9,10 @@ import pytest
 from aiohttp import ClientSession, web
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
 from deltamesh.http import request_json
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 PIECE = 4096

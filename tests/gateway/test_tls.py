@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from deltamesh.delta import apply_to_dir, load_manifest, read_weights
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import GATEWAY_KEY, create_app, ssl_context
 
 from deltamesh.certs import issue, make_ca
+from deltamesh.delta import apply_to_dir, load_manifest, read_weights
+from deltamesh.gateway.server.app import GATEWAY_KEY, create_app, ssl_context
 from deltamesh.gateway_client import GatewayClient
 from deltamesh.http import HttpError, client_session, request_bytes, serving
 from deltamesh.tls import TlsSettings, client_context
+from deltamesh.trainer.publisher import Publisher
 
 DELTAMESH = [str(Path(sys.executable).with_name("deltamesh"))]
 MODEL = "tiny-1"

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.weight_sync import WeightSync
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
+from deltamesh.mesh.pool.weight_sync import WeightSync
+from deltamesh.trainer.publisher import Publisher
 
 MODEL = "tiny"
 DELTAMESH = str(Path(sys.executable).with_name("deltamesh"))
@@ -79,9 +79,10 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
 
         try:
             kit.wait_until(done, timeout, f"every pool at v{version}", interval=0.05)
-        except AssertionError:
+        except AssertionError as e:
             states = {p.name: _version(p) for p in pools}
-            raise AssertionError(f"pools at {states}, want v{version}\n" + "\n".join(p.log_tail(1500) for p in pools))
+            raise AssertionError(f"pools at {states}, want v{version}\n"
+                                 + "\n".join(p.log_tail(1500) for p in pools)) from e
         for p in pools:
             assert kit.same_bits(read_weights(p.dir), weights), p.name
 
@@ -121,12 +122,12 @@ def test_mesh_converges_catches_up_and_survives_a_relay_kill(kit, spawn_gateway,
                              env={**os.environ, "COLUMNS": "200"})
         assert cli.returncode == 0 and "pa1" in cli.stdout and "pa2" in cli.stdout, cli.stderr
         links = kit.get_json(f"{a.url}/v1/links")["links"]
-        roles = {(l["role"], l["peer"]) for l in links}
+        roles = {(link["role"], link["peer"]) for link in links}
         assert ("upstream", origin.url) in roles and ("downstream", "B") in roles
-        assert all(l["rtt_ms"]["samples"] > 0 for l in links if l["role"] == "upstream")
+        assert all(link["rtt_ms"]["samples"] > 0 for link in links if link["role"] == "upstream")
         # These gateways run anonymous: B's announcement names its link but its URL is never probed
         # (test_announce.py has an authenticated downstream measured).
-        assert all(l["rtt_ms"]["samples"] == 0 and not l["url"] for l in links if l["role"] == "downstream")
+        assert all(link["rtt_ms"]["samples"] == 0 and not link["url"] for link in links if link["role"] == "downstream")
 
         # A large version (a new 4 MiB tensor) crosses A slowly (16 Mbit/s): kill A in the middle.
         pub.full_every = 0

@@ -26,10 +26,10 @@ import torch
 
 from deltamesh.delta import generate_key, read_weights, save_keypair
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.gateway.server import create_app
+from deltamesh.gateway.server.app import create_app
+from deltamesh.http import serving
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
 from deltamesh.mesh.broker.server import build_app
-from deltamesh.http import serving
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
 from deltamesh.mesh.demo.processes import end_process, free_port, log_tail
 

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from deltamesh.config import load_config
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.mesh.cli import build_parser
 from deltamesh.mesh.cli.pool_run import overrides
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import PoolError, RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
 
 BASE = ["pool", "run", "--gateway", "http://127.0.0.1:1", "--broker", "http://127.0.0.1:2",

@@ -15,17 +15,17 @@ import aiohttp
 import pytest
 
 from deltamesh.delta import weights_hash
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.http import HttpError, client_session, request_json
 from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.engines.base import EngineError, ServedDigests
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine
 from deltamesh.mesh.eval.config import EvalConfig, HeldoutConfig
 from deltamesh.mesh.eval.server import ROUTES, eval_app
 from deltamesh.mesh.eval.service import run_evaluator
 from deltamesh.mesh.eval.store import EvalStore
 from deltamesh.mesh.pool.config import SamplingConfig
-from deltamesh.mesh.engines.transformers_engine import TransformersEngine
 from deltamesh.tokens import TokenSpec, add_token
+from deltamesh.trainer.publisher import Publisher
 
 
 def eval_config(kit, gateway: str, **kw) -> EvalConfig:

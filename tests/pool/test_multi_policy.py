@@ -9,13 +9,13 @@ import json
 import time
 
 from deltamesh.http import client_session, request_json
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, PoliciesConfig, TasksConfig
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.publisher import Publisher
 
 
 def test_a_pool_serves_two_policies_each_following_its_own_weights(kit):

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deltamesh.config import ConfigError, load_config
 from deltamesh.broker_client import TaskLease
+from deltamesh.config import ConfigError, load_config
 from deltamesh.mesh.cli import build_parser
 from deltamesh.mesh.cli.pool_run import overrides
 from deltamesh.mesh.engines.base import SamplingParams

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deltamesh.delta import live_tensors
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.config import ServeCheckConfig
+from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.serve_check import ServeCheck
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
+from deltamesh.trainer.publisher import Publisher
 
 
 def _same(engine: TransformersEngine, weights: dict[str, torch.Tensor]) -> bool:

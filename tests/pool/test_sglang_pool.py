@@ -17,13 +17,13 @@ import urllib.request
 from pathlib import Path
 
 from deltamesh.delta import dir_manifest
-from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.broker.config import BrokerConfig, TasksConfig
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.workflows.verifiable_math import digit_sum_tasks
 from deltamesh.trainer.batch_client import BatchClient
+from deltamesh.trainer.publisher import Publisher
 
 STANDIN = Path(__file__).resolve().parent.parent / "engines" / "sglang_standin.py"
 

@@ -12,16 +12,16 @@ import time
 import numpy as np
 import torch
 
-from deltamesh.gateway.config import WeightSyncSettings
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.pool.config import PolicyConfig, PoolConfig, SamplingConfig, WorkerConfig
 from deltamesh.mesh.pool.pool import RolloutPool
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
 from deltamesh.mesh.workflows.tool_use import tool_tasks
 from deltamesh.trainer.batch_client import BatchClient
 from deltamesh.trainer.config import TrainerConfig
 from deltamesh.trainer.loss_inputs import inputs_from_batch
 from deltamesh.trainer.models import load_causal_lm
+from deltamesh.trainer.publisher import Publisher
 from deltamesh.trainer.step import TrainState, build_optimizer, train_step
 
 EPISODES = 4

@@ -7,19 +7,18 @@ from __future__ import annotations
 import asyncio
 import time
 
+import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from deltamesh.delta import decoded_version as decoded_module
 from deltamesh.delta import dir_manifest, live_tensors, read_weights
-from deltamesh.delta import decode as decode_module
-from deltamesh.delta import decoded as decoded_module
+from deltamesh.delta import tensor_updates as decode_module
 from deltamesh.http import client_session, request_json
 from deltamesh.mesh.pool.metrics import PoolMetrics
 from deltamesh.mesh.pool.timeline import VersionTimeline
 from deltamesh.mesh.pool.weights import PolicyWeights
-
-import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 
 
 def test_hot_swap_in_place_then_restart_resumes_from_the_directory(kit):

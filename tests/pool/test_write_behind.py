@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 import torch
 
 from deltamesh.delta import dir_manifest, read_weights
-
-import deltamesh_pool_test_weights_kit as wk  # a helper module of this folder, loaded by its conftest.py
 
 
 def test_the_next_version_goes_in_while_a_full_snapshot_it_adopted_is_still_being_written(kit):

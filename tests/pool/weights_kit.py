@@ -11,10 +11,10 @@ import time
 import torch
 
 from deltamesh.delta import live_tensors
-from deltamesh.gateway.config import PoolSyncConfig
-from deltamesh.gateway.publisher import Publisher
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
+from deltamesh.mesh.pool.sync_config import PoolSyncConfig
 from deltamesh.mesh.pool.weights import PolicyWeights
+from deltamesh.trainer.publisher import Publisher
 
 
 def tiny_engine(kit) -> TransformersEngine:

@@ -20,7 +20,6 @@ from deltamesh.delta import dir_manifest
 from deltamesh.trainer.loop import pad_rows
 from deltamesh.trainer.step import TrainState, build_optimizer, train_step
 
-
 MODEL = "policy"
 
 

@@ -19,14 +19,14 @@ import torch
 
 from deltamesh.delta import encode_delta, encode_full
 from deltamesh.delta.statement import load_statement
-from deltamesh.gateway_client import statement_url
 from deltamesh.gateway.config import GatewayConfig
-from deltamesh.http import client_session, request_bytes, request_json
-from deltamesh.gateway.publisher import Publisher
-from deltamesh.gateway.server import create_app
-from deltamesh.http import serving
+from deltamesh.gateway.server.app import create_app
+from deltamesh.gateway_client import statement_url
+from deltamesh.http import client_session, request_bytes, request_json, serving
 from deltamesh.trainer.mesh_client import MeshClient
-from deltamesh.trainer.publish import gateway_weights, start_stream
+from deltamesh.trainer.publish_settings import PublishSettings
+from deltamesh.trainer.publisher import Publisher
+from deltamesh.trainer.stream_start import gateway_weights, start_stream
 
 MODEL = "policy"
 
@@ -245,8 +245,8 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
     outcomes = []
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, on_published=outcomes.append, broker_failover_s=0)
+        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
+                            connections=2), on_published=outcomes.append, broker_failover_s=0)
         try:
             assert client.start(0, weights_at(0), threading.Event()).published is not None
             client.publish(weights_at(1), 1)
@@ -276,8 +276,8 @@ def test_the_mesh_client_reports_when_each_stage_of_a_publish_ended(tmp_path, ke
     outcomes = []
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=2, piece_bytes=1 << 20,
-                            connections=2, on_published=outcomes.append, broker_failover_s=0)
+        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=2, piece_bytes=1 << 20,
+                            connections=2), on_published=outcomes.append, broker_failover_s=0)
         try:
             client.start(0, weights_at(0), threading.Event())
             for v in (1, 2):
@@ -307,8 +307,8 @@ def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_
         return load_statement(raw, [key.public_key()], model=MODEL).issued_ms
 
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, statement_every_s=0.2, broker_failover_s=0)
+        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
+                            connections=2), statement_every_s=0.2, broker_failover_s=0)
         try:
             client.start(0, weights_at(0), threading.Event())
             first = asyncio.run(issued(url))
@@ -331,8 +331,8 @@ def test_wait_encoded_returns_once_the_version_is_encoded_while_its_upload_goes_
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, gateway=url, model_id=MODEL, key=key, full_every=0, piece_bytes=1 << 20,
-                            connections=2, on_published=outcomes.append, broker_failover_s=0)
+        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
+                            connections=2), on_published=outcomes.append, broker_failover_s=0)
         try:
             client.start(0, weights_at(0), threading.Event())
             assert client.wait_encoded() < 0.1  # nothing in flight

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from deltamesh.config import ConfigError
 from wan import load_topology
 from wan.emulator import STATE_DIR
 from wan.netns import list_namespaces
+
+from deltamesh.config import ConfigError
 
 CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "wan" / "cli.py"
 TOPOLOGIES = CLI.parent / "topologies"

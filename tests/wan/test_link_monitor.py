@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from wan import Wan
 
 from deltamesh.certs import issue, make_ca
 from deltamesh.delta import generate_key, save_keypair, write_weights
-from wan import Wan
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.usefixtures("netns_ok")]
 

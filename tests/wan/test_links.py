@@ -9,7 +9,6 @@ import sys
 from typing import Callable
 
 import pytest
-
 from wan import Wan, WanError, verify_link
 from wan.verify import PROBE, LinkCheck
 

@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from wan import LinkRecorder, Loss, Wan, WanError, verify_link
 from wan.verify import PROBE
 

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from transfer_mesh import Mesh
 from transfer_payload import MODEL_ID, prepare_payload
 from wan import LinkRecorder, Wan

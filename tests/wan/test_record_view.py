@@ -11,7 +11,6 @@ import random
 import statistics
 
 import pytest
-
 from wan.links import DelayLine
 from wan.loss import Dropper, Loss, segments_of
 from wan.record_view import LATE_SHARE, build_record, summary

@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from wan import Wan, WanError
 from wan.netns import list_namespaces
 from wan.processes import is_running

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 from deltamesh.mesh.demo.models import TinyModelConfig, tiny_model_dir
+from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
 
 
 @pytest.fixture(scope="session")

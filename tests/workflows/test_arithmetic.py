@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from deltamesh.mesh.broker.tasks import read_dataset
 from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
 from deltamesh.mesh.demo.launch import prepare
-from deltamesh.mesh.broker.tasks import read_dataset
 from deltamesh.mesh.eval.config import HeldoutConfig
 from deltamesh.mesh.eval.heldout import heldout_records
-from deltamesh.mesh.workflows.arithmetic import LEVELS, problem, problems, split_of, train_tasks, heldout_tasks
+from deltamesh.mesh.workflows.arithmetic import LEVELS, heldout_tasks, problem, problems, split_of, train_tasks
 
 
 def test_each_level_asks_its_operation_and_the_answer_is_exact():

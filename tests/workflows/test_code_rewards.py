@@ -12,8 +12,7 @@ from deltamesh.broker_client import TaskLease
 from deltamesh.mesh.pool.worker import task_from_lease
 from deltamesh.mesh.sandbox import Outcome
 from deltamesh.mesh.workflows import WorkflowError
-from deltamesh.mesh.workflows.code_reward import (failure_report, outcome_counts, program_from_completion,
-                                                  pass_reward)
+from deltamesh.mesh.workflows.code_reward import failure_report, outcome_counts, pass_reward, program_from_completion
 from deltamesh.mesh.workflows.code_tasks import CodeProblem, humaneval_problems, synthetic_problems
 from deltamesh.mesh.workflows.mutants import mutants
 from deltamesh.mesh.workflows.solver_selector import parse_choice

@@ -3,7 +3,6 @@ environment's tokens masked out, one trajectory per episode; and the Python tool
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

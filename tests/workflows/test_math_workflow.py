@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from deltamesh.data import decode_trajectories, encode_trajectories
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.workflows import EpisodeContext, Task, WorkflowError, make_workflow
 from deltamesh.mesh.workflows.verifiable_math import MathConfig, digit_sum_tasks, score
-from deltamesh.data import decode_trajectories, encode_trajectories
 
 PARAMS = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
 

@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 
+from deltamesh.data import decode_trajectories, encode_trajectories
 from deltamesh.mesh.engines.base import SamplingParams
 from deltamesh.mesh.workflows import EpisodeContext, Task, make_workflow
 from deltamesh.mesh.workflows.answers import answers_match, extract_answer
-from deltamesh.data import decode_trajectories, encode_trajectories
 
 PARAMS = SamplingParams(max_new_tokens=4, temperature=1.0, seed=9)
 ROLES = {"solver": "solver", "verifier": "verifier"}

@@ -1,0 +1,67 @@
+"""HTTP routes of head statements: the trainer's signed word on a model's newest version, kept and served.
+
+`PUT /v1/models/{model}/statement` (origin only, role trainer) takes a signed statement
+(`deltamesh.delta.statement`) and keeps it if it is the newest valid one (`deltamesh.gateway.server.statements`);
+`GET` serves the kept one as the exact signed bytes, with an entity tag so a pool that asks every
+round mostly gets a 304. See docs/api/gateway.md.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from deltamesh.delta.errors import CorruptError, SignatureError
+from deltamesh.delta.manifest import MODEL_ID_RE
+from deltamesh.delta.statement import MAX_STATEMENT_BYTES
+from deltamesh.gateway.server.service import Gateway
+from deltamesh.gateway.server.statements import StatementConflict
+from deltamesh.gateway.server.validators import not_modified, not_modified_response
+from deltamesh.http import error_response, read_body
+
+
+def add_statement_routes(app: web.Application, gw: Gateway) -> None:
+    cfg = gw.config
+    routes = web.RouteTableDef()
+    path = "/v1/models/{model}/statement"
+
+    def refuse(status: int, reason: str) -> web.Response:
+        gw.metrics.rejected.labels(str(status)).inc()
+        return error_response(status, reason)
+
+    @routes.get(path)
+    async def get_statement(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if not MODEL_ID_RE.match(model):
+            return refuse(400, f"invalid model id {model[:80]!r}")
+        kept = gw.statements.get(model)
+        if kept is None:
+            return error_response(404, f"no head statement of {model} here")
+        if not_modified(request, kept.etag):
+            return not_modified_response(kept.etag)
+        return web.Response(body=kept.raw, content_type="application/json", headers={"ETag": kept.etag})
+
+    @routes.put(path)
+    async def put_statement(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if not MODEL_ID_RE.match(model):
+            return refuse(400, f"invalid model id {model[:80]!r}")
+        if not cfg.is_origin:
+            return refuse(405, f"gateway {cfg.region} relays from upstreams; send statements to the origin gateway")
+        try:
+            raw = await read_body(request, limit=MAX_STATEMENT_BYTES)
+        except web.HTTPException as e:
+            gw.metrics.rejected.labels(str(e.status)).inc()
+            raise
+        try:
+            new = await gw.statements.put(raw, published=True, model=model)
+        except SignatureError as e:
+            return refuse(403, f"signature refused: {e}")
+        except CorruptError as e:
+            return refuse(400, str(e))
+        except StatementConflict as e:
+            return refuse(409, str(e))
+        kept = gw.statements.get(model)
+        return web.json_response({"stored": new, "version": kept.statement.version,
+                                  "issued_ms": kept.statement.issued_ms}, status=201 if new else 200)
+
+    app.add_routes(routes)
