@@ -40,6 +40,13 @@ MOVED_KEYS: tuple[tuple[str, str], ...] = (
     ("pool.drain_s", "pool.worker.drain_s"),
     # The pool's plan hint shared its name with the trainer's full_every (a full every N versions).
     ("pool.sync.full_every", "pool.sync.full_after_deltas"),
+    # The scaling thresholds were declared twice, in the broker's balance table and the autoscaler's.
+    ("broker.balance.scale_up_above", "broker.balance.thresholds.scale_up_above"),
+    ("broker.balance.scale_down_below", "broker.balance.thresholds.scale_down_below"),
+    ("broker.balance.headroom", "broker.balance.thresholds.headroom"),
+    ("autoscale.scale_up_above", "autoscale.thresholds.scale_up_above"),
+    ("autoscale.scale_down_below", "autoscale.thresholds.scale_down_below"),
+    ("autoscale.headroom", "autoscale.thresholds.headroom"),
 )
 
 REMOVED_KEYS: tuple[tuple[str, str], ...] = (

@@ -231,6 +231,21 @@ def test_a_pool_file_with_submit_retries_names_what_replaced_them(tmp_path: Path
     assert "`pool.worker.submit_retries` was removed: a pool retries every broker call" in message, message
 
 
+def test_the_scaling_thresholds_are_declared_once_and_their_old_keys_name_the_new_ones(tmp_path: Path):
+    from deltamesh.mesh.autoscale.config import AutoscaleConfig
+    from deltamesh.mesh.broker.config import BrokerConfig, ScaleThresholds
+
+    broker = refusal(tmp_path, BrokerConfig, "[broker.balance]\nscale_up_above = 0.2\n", "broker")
+    assert "`broker.balance.scale_up_above` moved to `broker.balance.thresholds.scale_up_above`" in broker, broker
+    scaler = refusal(tmp_path, AutoscaleConfig, '[autoscale]\ncommand = ["x"]\nheadroom = 1.5\n', "autoscale")
+    assert "`autoscale.headroom` moved to `autoscale.thresholds.headroom`" in scaler, scaler
+    path = tmp_path / "ok.toml"
+    path.write_text('[autoscale]\ncommand = ["x"]\n[autoscale.thresholds]\nscale_up_above = 0.2\n')
+    assert load_config(AutoscaleConfig, path, section="autoscale").thresholds == ScaleThresholds(scale_up_above=0.2)
+    with pytest.raises(ValueError, match="scale_down_below <= scale_up_above"):
+        ScaleThresholds(scale_up_above=0.01)
+
+
 def test_the_pools_old_full_every_names_its_new_name(tmp_path: Path):
     """The pool's plan hint was `full_every`, the trainer's name for a full snapshot every N versions."""
     from deltamesh.mesh.pool.config import PoolConfig
@@ -254,11 +269,14 @@ def test_moves_concern_only_the_table_they_touch(tmp_path: Path):
 
 def test_every_moved_key_names_an_existing_setting():
     from deltamesh.config_flags import settings
+    from deltamesh.mesh.autoscale.config import AutoscaleConfig
+    from deltamesh.mesh.broker.config import BrokerConfig
     from deltamesh.mesh.pool.config import PoolConfig
     from deltamesh.trainer.loop_config import TrainLoopConfig
 
-    known = {f"{table}.{s.path}" for table, cls in (("pool", PoolConfig), ("trainer", TrainLoopConfig))
-             for _, _, found in settings(cls) for s in found}
+    tables = (("pool", PoolConfig), ("trainer", TrainLoopConfig), ("broker", BrokerConfig),
+              ("autoscale", AutoscaleConfig))
+    known = {f"{table}.{s.path}" for table, cls in tables for _, _, found in settings(cls) for s in found}
     removed = {old for old, _ in REMOVED_KEYS}
     moved_again = {old for old, _ in MOVED_KEYS}
     for old, new in MOVED_KEYS:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from deltamesh.config import http_urls
 from deltamesh.config_flags import flag
+from deltamesh.mesh.broker.config import ScaleThresholds
 
 
 @dataclass
@@ -41,12 +42,8 @@ class AutoscaleConfig:
     """local: SIGTERM, then SIGKILL after this long."""
     command_timeout_s: float = 300.0
     """command: longest one run of the scaling command may take."""
-    scale_up_above: float = 0.10
-    """Wait fraction above which pools are added."""
-    scale_down_below: float = 0.05
-    """Wait fraction below which pools are removed."""
-    headroom: float = 1.10
-    """Kept above the consumption rate when shrinking."""
+    thresholds: ScaleThresholds = field(default_factory=ScaleThresholds)
+    """When pools are added or removed (`[autoscale.thresholds]`, the broker's balance report's kind)."""
 
     def __post_init__(self) -> None:
         self.broker = http_urls(self.broker, "broker")

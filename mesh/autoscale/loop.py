@@ -50,8 +50,7 @@ class Autoscaler:
         """(target GPUs, pools wanted within bounds) for `current` pools running."""
         c = self.config
         gpus = current * c.gpus_per_pool
-        targets = [target_gpus(gpus, m["wait_fraction"], m["produced"], m["consumed"], scale_up_above=c.scale_up_above,
-                               scale_down_below=c.scale_down_below, headroom=c.headroom)
+        targets = [target_gpus(gpus, m["wait_fraction"], m["produced"], m["consumed"], c.thresholds)
                    for m in report.get("models", {}).values()]
         target = max(targets, default=gpus)
         return target, min(c.max_pools, max(c.min_pools, math.ceil(target / c.gpus_per_pool)))

@@ -14,18 +14,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from deltamesh.mesh.broker.config import BalanceConfig
+from deltamesh.mesh.broker.config import BalanceConfig, ScaleThresholds
 
 
-def target_gpus(gpus: int, wait_fraction: float, produced: int, consumed: int, *, scale_up_above: float = 0.10,
-                scale_down_below: float = 0.05, headroom: float = 1.10) -> int:
+def target_gpus(gpus: int, wait_fraction: float, produced: int, consumed: int,
+                thresholds: ScaleThresholds | None = None) -> int:
     """G_target = ceil(G / (1 - w)) if w > 0.10; min(G, ceil(G * n_c / n_p * 1.10)) if w < 0.05 and
-    n_p, n_c > 0; otherwise G. A starved trainer asks for more rollout capacity; a fed one releases
-    what production beyond consumption (plus headroom) does not need."""
-    if wait_fraction > scale_up_above:
+    n_p, n_c > 0; otherwise G (0.10, 0.05 and 1.10: the default `thresholds`). A starved trainer asks
+    for more rollout capacity; a fed one releases what production beyond consumption (plus headroom)
+    does not need."""
+    t = thresholds or ScaleThresholds()
+    if wait_fraction > t.scale_up_above:
         return math.ceil(gpus / (1.0 - wait_fraction))
-    if wait_fraction < scale_down_below and produced > 0 and consumed > 0:
-        return min(gpus, math.ceil(gpus * consumed / produced * headroom))
+    if wait_fraction < t.scale_down_below and produced > 0 and consumed > 0:
+        return min(gpus, math.ceil(gpus * consumed / produced * t.headroom))
     return gpus
 
 
@@ -93,9 +95,8 @@ def balance_report(windows: Mapping[str, BalanceWindow], pools: PoolRegistry, no
     models = {}
     for model_id, window in windows.items():
         summary = window.summary()
-        summary["target_gpus"] = target_gpus(
-            gpus, summary["wait_fraction"], summary["produced"], summary["consumed"],
-            scale_up_above=config.scale_up_above, scale_down_below=config.scale_down_below, headroom=config.headroom)
+        summary["target_gpus"] = target_gpus(gpus, summary["wait_fraction"], summary["produced"], summary["consumed"],
+                                             config.thresholds)
         models[model_id] = summary
     return {
         "gpus": gpus,

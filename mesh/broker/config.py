@@ -134,25 +134,38 @@ class PoliciesConfig:
 
 
 @dataclass
-class BalanceConfig:
-    """The balance report: wait fraction and the rollout GPU target (AstraFlow's controller)."""
+class ScaleThresholds:
+    """When rollout capacity should change, from the trainer's wait fraction: declared once, read by the
+    broker's balance report (`[broker.balance.thresholds]`) and the autoscaler (`[autoscale.thresholds]`)."""
 
-    window_steps: int = 20
-    """Trainer steps the report looks back over."""
     scale_up_above: float = 0.10
     """Wait fraction above which rollout capacity grows."""
     scale_down_below: float = 0.05
     """Wait fraction below which rollout capacity shrinks."""
     headroom: float = 1.10
-    """Kept when shrinking towards the consumption rate."""
+    """Kept above the consumption rate when shrinking."""
+
+    def __post_init__(self) -> None:
+        if self.headroom < 1.0:
+            raise ValueError("thresholds.headroom must be >= 1")
+        if not 0.0 <= self.scale_down_below <= self.scale_up_above < 1.0:
+            raise ValueError("thresholds need 0 <= scale_down_below <= scale_up_above < 1")
+
+
+@dataclass
+class BalanceConfig:
+    """The balance report: wait fraction and the rollout GPU target (AstraFlow's controller)."""
+
+    window_steps: int = 20
+    """Trainer steps the report looks back over."""
+    thresholds: ScaleThresholds = field(default_factory=ScaleThresholds)
+    """When the report's GPU target departs from the GPUs there are (`[broker.balance.thresholds]`)."""
     pool_ttl_s: float = 120.0
     """A pool counts towards the GPU total this long after its last request."""
 
     def __post_init__(self) -> None:
-        if self.window_steps < 1 or self.pool_ttl_s <= 0 or self.headroom < 1.0:
-            raise ValueError("balance.window_steps, pool_ttl_s must be positive and headroom >= 1")
-        if not 0.0 <= self.scale_down_below <= self.scale_up_above < 1.0:
-            raise ValueError("balance needs 0 <= scale_down_below <= scale_up_above < 1")
+        if self.window_steps < 1 or self.pool_ttl_s <= 0:
+            raise ValueError("balance.window_steps and pool_ttl_s must be positive")
 
 
 @dataclass

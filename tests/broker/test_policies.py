@@ -159,3 +159,11 @@ def test_balance_window_counts_per_step_and_forgets_old_steps():
     window.add_step(wait_s=2.0, step_s=2.0)  # the first step leaves the window
     assert window.summary()["wait_fraction"] == pytest.approx(2.0 / 6.0)
     assert window.summary()["produced"] == 6
+
+
+def test_target_follows_the_thresholds_it_is_given():
+    from deltamesh.mesh.broker.config import ScaleThresholds
+
+    assert target_gpus(8, 0.15, 10, 10) == 10  # above the default 0.10: grow
+    assert target_gpus(8, 0.15, 10, 10, ScaleThresholds(scale_up_above=0.2)) == 8  # within a wider band: hold
+    assert target_gpus(8, 0.01, 100, 50, ScaleThresholds(headroom=1.5)) == 6  # ceil(8 * 0.5 * 1.5)
