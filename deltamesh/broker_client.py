@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from deltamesh.config import split_urls
 from deltamesh.data import TRAJECTORIES_CONTENT_TYPE, Trajectory, encode_trajectories
@@ -68,6 +68,17 @@ LEADER_HEADER = "X-Broker-Leader"
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
+
+
+class HeldBack(Exception):
+    """No lease for a pool serving a model more than the broker's `policies.max_staleness` behind that
+    model's training_version: what it would generate is stale before a batch takes it. The broker
+    raises it (and answers 200 with no leases and `held_back`), the client raises it again for the pool.
+    `training_versions` names, per such model, the version to serve before asking again."""
+
+    def __init__(self, training_versions: dict[str, int], reason: str):
+        super().__init__(reason)
+        self.training_versions = training_versions
 
 
 class BrokerClient:
@@ -161,10 +172,15 @@ class BrokerClient:
         return await self._call(request_json, "GET", BALANCE_PATH, timeout_s=30)
 
     # -- pools ------------------------------------------------------------------------------------------
-    async def lease(self, max_tasks: int = 1) -> list[TaskLease]:
-        """Up to `max_tasks` tasks; an empty list when none is available right now."""
-        body = {"pool": self.pool, "region": self.region, "gpus": self.gpus, "max_tasks": max_tasks}
+    async def lease(self, max_tasks: int = 1, served: Mapping[str, int] | None = None) -> list[TaskLease]:
+        """Up to `max_tasks` tasks; an empty list when none is available right now. `served`: the version
+        of each model this pool generates with; HeldBack if one is beyond the broker's staleness bound."""
+        body: dict[str, Any] = {"pool": self.pool, "region": self.region, "gpus": self.gpus, "max_tasks": max_tasks}
+        if served:
+            body["served"] = dict(served)
         answer = await self._call(request_json, "POST", "/v1/leases", body=body, timeout_s=60)
+        if answer.get("held_back"):
+            raise HeldBack({str(m): int(v) for m, v in answer["held_back"].items()}, str(answer.get("reason", "")))
         return [TaskLease(**item) for item in answer["leases"]]
 
     async def submit(self, trajectories: Sequence[Trajectory]) -> SubmitResult:

@@ -70,6 +70,10 @@ class OptimizerConfig:
     """Clip the global gradient norm to this (unset: no clipping)."""
     warmup_steps: int = 0
     """Linear warm-up of the learning rate over this many steps."""
+    skip_without_signal: bool = True
+    """No update from a batch in which no group's rewards differ (every advantage 0): its only loss is
+    the KL penalty at its minimum, whose near-zero gradient AdamW would scale up to full-size steps
+    (and weight decay and momentum would move the weights anyway). The version is still made."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0.0:

@@ -14,6 +14,7 @@ a batch into micro-batches or over ranks and still get exactly the whole-batch g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,19 @@ def grpo_advantages(
         # A group without spread is all zeros; keep it so even when eps is 0.
         centred = torch.where(centred == 0, centred, centred / (std[group] + eps))
     return centred.float()
+
+
+def rewards_differ(rewards: torch.Tensor, group_ids: torch.Tensor) -> bool:
+    """Whether any group's rewards differ. If none do, every GRPO advantage is 0 (up to rounding) and
+    no sample carries a policy-gradient signal."""
+    r = rewards.detach().double().reshape(-1)
+    if r.numel() == 0:
+        return False
+    _, group = torch.unique(group_ids.reshape(-1), return_inverse=True)
+    n = int(group.max()) + 1
+    high = torch.full((n,), -math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, group, r, "amax")
+    low = torch.full((n,), math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, group, r, "amin")
+    return bool((high > low).any())
 
 
 def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -4,7 +4,8 @@
 whole batch, takes this rank's equal share of the sequences, runs them through the model in
 micro-batches, accumulates the gradient of the M2PO/PPO loss (normalised by the whole batch's token
 count, so micro-batches and ranks simply add up), clips the global gradient norm and takes one AdamW
-step. When the batch is split (micro-batches or ranks), M2PO's mask must still see every token of
+step (none when no group's rewards differ: `OptimizerConfig.skip_without_signal`). When the batch is
+split (micro-batches or ranks), M2PO's mask must still see every token of
 the batch, so a gradient-free forward pass first gathers the current logprobs of all of them.
 The training forward pass also yields, per row, the trainer-side mismatch sums on the tokens
 generated at the trainer's current version (`deltamesh.trainer.mismatch`), kept in
@@ -39,6 +40,7 @@ from deltamesh.trainer.losses import (
     m2po_keep_mask,
     normalize_advantages,
     policy_loss,
+    rewards_differ,
     token_logprobs,
 )
 from deltamesh.trainer.mismatch import ROW_SUMS, row_sums
@@ -213,8 +215,12 @@ def train_step(
     lr = learning_rate(cfg.optim, state.step)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    state.optimizer.step()
+    # Every rank sees the same batch, so every rank decides alike (no collective needed).
+    update = not cfg.optim.skip_without_signal or rewards_differ(inputs.rewards, inputs.group_ids)
+    if update:
+        state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
+    # The version advances either way: the loop publishes one per batch, and the broker counts on it.
     state.step += 1
     state.version += 1
 
@@ -236,6 +242,7 @@ def train_step(
         "ratio_mean": s["ratio"] / kept,
         "grad_norm": grad_norm,
         "lr": lr,
+        "updated": 1.0 if update else 0.0,
         "reward_mean": float(inputs.rewards.double().mean()),
         "tokens": s["tokens"],
         "mismatch": abs_sum / counted if counted else 0.0,

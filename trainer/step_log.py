@@ -30,7 +30,8 @@ from deltamesh.trainer.mismatch import PoolMismatch
 
 log = logging.getLogger(__name__)
 
-LOSS_TERMS = ("loss", "pg_loss", "kl", "m2", "m2po_masked_frac", "clip_frac", "ratio_mean", "grad_norm", "lr", "tokens")
+LOSS_TERMS = ("loss", "pg_loss", "kl", "m2", "m2po_masked_frac", "clip_frac", "ratio_mean", "grad_norm", "lr", "tokens",
+              "updated")
 
 
 def step_record(*, step: int, version: int, batch: Batch, metrics: dict[str, float], trained_on: int,

@@ -74,6 +74,12 @@ class ModelBuffer:
         self.unacked_samples -= delivery.samples
         return delivery
 
+    def take_back(self, batch_id: str) -> None:
+        """Requeue an unacknowledged batch: its groups go back, and the version it was counted to make
+        is not counted twice when they are served again."""
+        self.requeue(self.settle(batch_id).groups)
+        self.taken = max(0, self.taken - 1)
+
     def overdue(self, now: float) -> list[str]:
         return [batch_id for batch_id, u in self.unacked.items() if u.deadline <= now]
 
@@ -124,10 +130,15 @@ class ModelBuffer:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    @property
+    def training_version(self) -> int:
+        """The version the trainer's batches in hand will have made: the version the next batch trains.
+        Staleness is measured from it (a pool that far behind makes samples staler than their lag from
+        `version` says: a synchronous run's pools wait for it)."""
+        return self.version + self.taken
+
     def status(self) -> dict[str, int]:
-        # training_version: the version the trainer's batches in hand will have made (a pool that far
-        # behind makes samples staler than their lag now says: a synchronous run's pools wait for it).
-        return {"version": self.version, "training_version": self.version + self.taken,
+        return {"version": self.version, "training_version": self.training_version,
                 "fresh_groups": len(self.fresh), "fresh_samples": self.fresh_samples,
                 "replay_groups": len(self.replay), "replay_samples": self.replay_samples,
                 "unacked_batches": len(self.unacked), "unacked_samples": self.unacked_samples}

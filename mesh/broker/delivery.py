@@ -110,8 +110,10 @@ class BatchDelivery:
         async with buf.taking:
             if not alive():
                 return None
+            # Staleness from the version this batch will train, not the last one reported: the trainer
+            # may still be publishing the version its previous batch made.
             plan = self.policy.plan(list(buf.fresh.values()), list(buf.replay.values()), size=size,
-                                    version=buf.version, rng=self._rng)
+                                    version=buf.training_version, rng=self._rng)
             if plan.ready:
                 return await self._serve(buf, plan)
             if plan.stale or plan.retired:
@@ -204,7 +206,7 @@ class BatchDelivery:
                 if ids:
                     await self.runner.call(self.store.requeue_batches, ids)
                     for batch_id in ids:
-                        buf.requeue(buf.settle(batch_id).groups)
+                        buf.take_back(batch_id)
                     self._on_change()
                 return ids
 

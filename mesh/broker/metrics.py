@@ -50,7 +50,9 @@ class BrokerMetrics:
                                     ["model_id", "buffer"], registry=r)
         self.trainer_version = Gauge("deltamesh_broker_trainer_version", "Latest version a trainer reported",
                                      ["model_id"], registry=r)
-        self.leases = Counter("deltamesh_broker_leases_total", "Leases issued, expired and prompts skipped",
+        self.leases = Counter("deltamesh_broker_leases_total",
+                              "Leases issued, expired, prompts skipped, and requests held_back (the pool serves "
+                              "a version beyond policies.max_staleness of the training version)",
                               ["event"], registry=r)
         self.wait_fraction = Gauge("deltamesh_broker_wait_fraction", "Trainer wait fraction over the window",
                                    ["model_id"], registry=r)

@@ -39,7 +39,7 @@ from deltamesh.mesh.broker.config import BrokerConfig
 from deltamesh.mesh.broker.delivery import UnknownBatch
 from deltamesh.mesh.broker.json_form import trajectories_from_json
 from deltamesh.mesh.broker.metrics import BrokerMetrics
-from deltamesh.mesh.broker.service import Broker, UnknownModel, VersionAhead, VersionConflict
+from deltamesh.mesh.broker.service import Broker, HeldBack, UnknownModel, VersionAhead, VersionConflict
 from deltamesh.mesh.broker.slot import BrokerSlot, Standby
 from deltamesh.mesh.broker.store_interface import (
     BrokerStore,
@@ -253,10 +253,18 @@ def build_app(config: BrokerConfig, db: str | Path | None = None, *,
         require_name(request, pool)
         gpus = _field(body, "gpus", int, 1, minimum=0)
         max_tasks = _field(body, "max_tasks", int, 1, minimum=1)
+        served = _field(body, "served", dict, {})
+        if len(served) > 256 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                        for v in served.values()):
+            raise web.HTTPBadRequest(reason="served must map model ids to versions (ints >= 0)")
         who = identity(request)
         broker = slot.current()
-        # A pool token's leases under every name it may use (NAME.SUFFIX too) share its in-flight bound.
-        leases = await broker.lease(pool, region, gpus, max_tasks, who.name if who is not None else None)
+        try:
+            # A pool token's leases under every name it may use (NAME.SUFFIX too) share its in-flight bound.
+            leases = await broker.lease(pool, region, gpus, max_tasks, who.name if who is not None else None, served)
+        except HeldBack as e:  # not an error: the pool waits for the version named, then asks again
+            return web.json_response({"leases": [], "tasks": broker.status()["tasks"], "reason": str(e),
+                                      "held_back": e.training_versions})
         return web.json_response({"leases": leases, "tasks": broker.status()["tasks"]})
 
     @routes.get("/v1/leases")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from deltamesh.broker_client import HeldBack
 from deltamesh.data import DataFormatError, Trajectory
 from deltamesh.mesh.broker.balance import PoolRegistry, balance_report
 from deltamesh.mesh.broker.buffers import ModelBuffer
@@ -159,15 +160,18 @@ class Broker:
     # ---- tasks out ------------------------------------------------------------------------------------
 
     async def lease(self, pool: str, region: str, gpus: int, max_tasks: int,
-                    holder: str | None = None) -> list[dict[str, Any]]:
+                    holder: str | None = None, served: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
         """Lease up to `max_tasks` tasks to `pool` (at most `tasks.max_lease_batch`); each lease's id is
         the group id to submit under. `holder` (default `pool`): the token's name, whose active leases
-        count towards `tasks.max_inflight_per_pool`."""
+        count towards `tasks.max_inflight_per_pool`. `served`: the version of each model the pool
+        generates with; HeldBack if one is beyond `policies.max_staleness` of its trainer's
+        training_version (its samples would only be dropped as stale)."""
         assert self.scheduler is not None
         now = time.time()
         self.pools.seen(pool, region, gpus, now)
         async with self._lease_lock:
             model_ids = self.config.tasks.model_ids or sorted(self.models)
+            self._check_served(model_ids, served or {})
             max_tasks = min(max_tasks, self._lease_room(model_ids))
             if max_tasks < 1:
                 return []
@@ -184,6 +188,19 @@ class Broker:
             "prompt": tasks[le.task_id].prompt, "metadata": tasks[le.task_id].metadata, "n_samples": le.n_samples,
             "model_ids": le.model_ids, "deadline": le.deadline,
         } for le in plan.new]
+
+    def _check_served(self, model_ids: Sequence[str], served: Mapping[str, int]) -> None:
+        bound = self.config.policies.max_staleness
+        if bound is None:
+            return
+        behind = {m: self.models[m].training_version for m in model_ids
+                  if m in self.models and m in served and self.models[m].training_version - served[m] > bound}
+        if behind:
+            self.metrics.leases.labels("held_back").inc()
+            lags = "; ".join(f"{m}: v{served[m]} is {v - served[m]} behind training_version v{v}"
+                             for m, v in behind.items())
+            raise HeldBack(behind, f"held back ({lags}; policies.max_staleness {bound}): lease again once "
+                                   f"serving the training_version")
 
     def _lease_room(self, model_ids: Sequence[str]) -> int:
         """Backpressure (`tasks.max_buffered_groups`): leases that may go out before the fresh groups

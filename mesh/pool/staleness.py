@@ -5,7 +5,9 @@ trainer may be ahead of what has reached this region; while it trains on batches
 those will make, `training_version`) and the head announced by the region's gateway. A pool whose
 engine is more than `max_staleness` versions behind it stops leasing until its weight sync catches up;
 episodes already running carry on. `lease_verdict` is the pure rule;
-`LeaseGate` feeds it the live versions, reading the broker's at most every `refresh_s`.
+`LeaseGate` feeds it the live versions, reading the broker's at most every `refresh_s`, and at once
+when the broker holds a lease back (`HeldBack`): the broker checks the served versions a lease request
+carries against its own bound, so a status read a moment old never lets a stale lease through.
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ class LeaseGate:
             for model_id, lag in verdict.behind.items():
                 self.metrics.behind.labels(model_id).set(lag)
         return verdict
+
+    def served(self) -> dict[str, int]:
+        """The version each ready engine serves: what a lease request tells the broker it generates with."""
+        return {m: p.version for m, p in self.policies.items() if p.ready and p.version is not None}
+
+    def held_back(self, training_versions: Mapping[str, int]) -> None:
+        """The broker leased nothing because an engine is beyond its staleness bound: take the training
+        versions it named at once (not at the next status read), so the gate stays shut until they are
+        served."""
+        for model_id, version in training_versions.items():
+            self.trainer_versions[model_id] = max(version, self.trainer_versions.get(model_id, version))
 
     async def _read_trainer_versions(self) -> None:
         self._read_at = time.monotonic()

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, TypeVar
 
-from deltamesh.broker_client import BrokerClient, TaskLease
+from deltamesh.broker_client import BrokerClient, HeldBack, TaskLease
 from deltamesh.http import HttpError
 from deltamesh.mesh.pool.config import WorkerConfig
 from deltamesh.mesh.pool.metrics import PoolMetrics
@@ -109,7 +109,13 @@ class RolloutWorker:
                     await sleep_or_stop(stop, s.idle_s)
                     continue
                 try:
-                    leases = await unless_stopped(self.client.lease(min(room, s.lease_batch)), stop)
+                    leases = await unless_stopped(self.client.lease(min(room, s.lease_batch), self.gate.served()),
+                                                  stop)
+                except HeldBack as e:
+                    self.gate.held_back(e.training_versions)
+                    log.debug("no lease: %s", e)  # the gate, now shut, logs the wait once
+                    await sleep_or_stop(stop, s.idle_s)
+                    continue
                 except HttpError as e:
                     log.warning("cannot lease from the broker: %s", e)
                     await sleep_or_stop(stop, s.idle_s)

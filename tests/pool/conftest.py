@@ -155,12 +155,17 @@ class PoolKit:
         return service.start()
 
     def broker(self, *, tasks: list[dict], n_samples: int = 2, lease_timeout_s: float = 30.0,
-               epochs: int = 1) -> Service:
+               epochs: int = 1, max_buffered_groups: int | None = None, max_staleness: int | None = None) -> Service:
         dataset = self.tmp / "tasks.jsonl"
         dataset.write_text("".join(json.dumps(t) + "\n" for t in tasks))
         config = self.tmp / "broker.toml"
-        config.write_text(f"[broker]\ndurability = \"process\"\n[broker.tasks]\nn_samples = {n_samples}\n"
-                          f"lease_timeout_s = {lease_timeout_s}\nepochs = {epochs}\n")
+        text = (f"[broker]\ndurability = \"process\"\n[broker.tasks]\nn_samples = {n_samples}\n"
+                f"lease_timeout_s = {lease_timeout_s}\nepochs = {epochs}\n")
+        if max_buffered_groups is not None:
+            text += f"max_buffered_groups = {max_buffered_groups}\n"
+        if max_staleness is not None:
+            text += f"[broker.policies]\nmax_staleness = {max_staleness}\n"
+        config.write_text(text)
         port = free_port()
         return self._spawn("broker", ["broker", "--anonymous", "--listen", f"127.0.0.1:{port}", "--db", str(self.tmp / "broker.db"),
                                       "--config", str(config), "--model", MODEL, "--dataset", str(dataset)],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -216,6 +217,59 @@ def test_a_synchronous_pool_waits_for_the_version_its_trainer_is_making_before_i
 
     after = [s for s in _drain(broker.url, kit.model, 2) if s["timings"]["leased_at"] > closed_at]
     assert after and all(s["min_version"] == s["max_version"] == 2 for s in after)
+
+
+def test_a_synchronous_run_trains_no_batch_on_a_sample_older_than_the_version_it_trains(kit):
+    """Max staleness 0 on the broker and the pool, one step's groups buffered (the sync mode). The
+    trainer, played here as the trainer loop runs, takes a batch, trains for a while, then publishes
+    the version it made in the background and polls the next batch before that publish is reported.
+    The pool reads the trainer's versions only every 5 s, so after a take it would lease at the old
+    version (every second batch of a learning run was one version stale so): the broker must hold
+    that lease back, the pool wait for the new version, and every batch hold only samples generated
+    at the version it trains."""
+    broker = kit.broker(tasks=digit_sum_tasks(40, seed=4), n_samples=2, epochs=100, max_buffered_groups=2,
+                        max_staleness=0)
+    gateway = kit.gateway("east")
+    broker.wait_healthy()
+    gateway.wait_healthy()
+    pub = Publisher(gateway.url, kit.private_key, kit.model, full_every=0, piece_bytes=32768)
+    weights = kit.next_version(kit.base_weights(), 1)
+    _publish(pub, weights, 1)
+    version_url = f"{broker.url}/v1/models/{kit.model}/version"
+    kit.post_json(version_url, {"version": 1})
+    pool = kit.pool("p1", gateway.url, broker.url, "--worker.max-staleness", "0",
+                    "--worker.broker-refresh-s", "5", "--worker.idle-s", "0.1")
+    pool.wait_healthy()
+
+    async def train(steps: int) -> list[tuple[int, list[dict]]]:
+        """(version trained, samples) of each batch taken."""
+        nonlocal weights
+        taken, version, publishing = [], 1, None
+        async with BatchClient(broker.url, kit.model) as trainer:
+            for _ in range(steps):
+                batch = await trainer.next_batch(4, timeout_s=90)
+                assert batch is not None, pool.log_tail()
+                taken.append((version, batch.samples))
+                await asyncio.sleep(1.5)  # the optimizer step
+                if publishing is not None:
+                    await publishing
+                version += 1
+                weights = kit.next_version(weights, version)
+                publishing = asyncio.create_task(publish_and_report(version))
+            await publishing
+        return taken
+
+    async def publish_and_report(version: int) -> None:
+        await pub.publish(weights, version)
+        await asyncio.to_thread(kit.post_json, version_url, {"version": version})
+
+    taken = asyncio.run(train(5))
+    stale = [(v, s["min_version"], s.get("id")) for v, samples in taken for s in samples if s["min_version"] < v]
+    assert not stale, f"(version trained, sample version, id) of stale samples: {stale}"
+    assert all(s["min_version"] == s["max_version"] == v for v, samples in taken for s in samples)
+    with urllib.request.urlopen(f"{broker.url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'deltamesh_broker_leases_total{event="held_back"}' in metrics  # the broker's answer did it
 
 
 def test_a_pool_told_to_stop_while_its_broker_is_gone_stops_at_once(kit):

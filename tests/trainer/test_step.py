@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,10 @@ from deltamesh.config import ConfigError, load_config
 from deltamesh.trainer.config import OptimizerConfig, TrainerConfig
 from deltamesh.trainer.distributed import SINGLE, DistContext
 from deltamesh.trainer.loss_inputs import LossInputs
+from deltamesh.trainer.losses import rewards_differ
 from deltamesh.trainer.step import (
     TrainState,
+    batch_logprobs,
     build_optimizer,
     clip_grad_norm,
     learning_rate,
@@ -201,3 +204,46 @@ def test_reference_logprobs_for_the_kl_penalty(tiny):
     model = tiny.tiny_model()
     metrics = train_step(TrainState(model, build_optimizer(model, cfg.optim)), batch, cfg)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_batch_whose_groups_all_have_equal_rewards_leaves_the_weights_alone_but_still_makes_a_version(tiny):
+    """No group's rewards differ: every advantage is 0 and the loss is the KL penalty at its minimum (the
+    policy is the reference). AdamW would still move every weight (normalised noise and weight decay),
+    so no update is taken; the version still advances, as the loop publishes one per batch. A batch
+    with a signal after it does train."""
+    cfg = tiny.trainer_config()
+    reference = tiny.tiny_model()
+    flat, signal = tiny.fixed_batches(reference, 2)
+    flat.rewards = torch.ones_like(flat.rewards)
+    flat.ref_logprobs = batch_logprobs(reference, flat, cfg)
+    model = tiny.tiny_model()
+    state = TrainState(model, build_optimizer(model, cfg.optim), version=7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = train_step(state, flat, cfg)
+    assert metrics["updated"] == 0.0 and (state.version, state.step) == (8, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert train_step(state, signal, cfg)["updated"] == 1.0 and state.version == 9
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_without_the_skip_a_batch_with_equal_rewards_moves_the_weights(tiny):
+    """The drift the skip prevents (OptimizerConfig.skip_without_signal false: the old behaviour)."""
+    cfg = tiny.trainer_config()
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, skip_without_signal=False))
+    model = tiny.tiny_model()
+    flat = tiny.fixed_batches(model, 1)[0]
+    flat.rewards = torch.zeros_like(flat.rewards)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert train_step(TrainState(model, build_optimizer(model, cfg.optim)), flat, cfg)["updated"] == 1.0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("rewards, groups, differ", [
+    ([1.0, 1.0, 0.0, 0.0], [0, 0, 1, 1], False),
+    ([0.1, 0.1, 0.1], [3, 3, 3], False),
+    ([1.0, 0.0, 0.5, 0.5], [0, 0, 1, 1], True),
+    ([1.0, 0.0], [0, 1], False),  # groups of one: advantage 0
+])
+def test_rewards_differ_per_group(rewards, groups, differ):
+    assert rewards_differ(torch.tensor(rewards), torch.tensor(groups)) is differ
