@@ -37,11 +37,11 @@ import torch.distributed as dist
 from deltamesh.delta import CodecError, Manifest
 from deltamesh.delta.layouts import PoolLayout
 from deltamesh.delta.shares import check_share
-from deltamesh.gateway.config import WeightSyncSettings
 from deltamesh.gateway.plan import PlanStep
 from deltamesh.mesh.engines.vllm_rank_share import RankReport, RankShare, RankStep
 from deltamesh.mesh.engines.vllm_rank_worker import reload_previous, reload_share, served_shares
 from deltamesh.mesh.engines.vllm_ranks import agreed
+from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 
 T = TypeVar("T")
 
