@@ -20,16 +20,22 @@ from deltamesh.auth import auth_middleware
 from deltamesh.congestion import set_congestion
 from deltamesh.gateway.config import GatewayConfig
 from deltamesh.gateway.server.auth_policy import gateway_policy
-from deltamesh.gateway.server.routes_control import add_control_routes
-from deltamesh.gateway.server.routes_staging import add_staging_routes
-from deltamesh.gateway.server.routes_statements import add_statement_routes
-from deltamesh.gateway.server.routes_versions import add_version_routes
+from deltamesh.gateway.server.routes_control import ControlRoutes
+from deltamesh.gateway.server.routes_staging import StagingRoutes
+from deltamesh.gateway.server.routes_statements import StatementRoutes
+from deltamesh.gateway.server.routes_versions import VersionRoutes
 from deltamesh.gateway.server.service import Gateway
 from deltamesh.http import json_errors, listen_socket, parse_listen, serve
 from deltamesh.http_guard import ConnectionGuard, ConnectionLimits
 from deltamesh.tls import server_context
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
+def route_table(gw: Gateway) -> list[web.RouteDef]:
+    """Every route the gateway serves, each a named handler of its plane's routes class."""
+    return VersionRoutes(gw).table() + StatementRoutes(gw).table() + ControlRoutes(gw).table() + \
+        StagingRoutes(gw).table()
 
 
 def create_app(config: GatewayConfig) -> web.Application:
@@ -41,10 +47,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[json_errors, auth_middleware(policy)],
                           client_max_size=config.max_piece_bytes + 1024)
     app[GATEWAY_KEY] = gw
-    add_version_routes(app, gw)
-    add_statement_routes(app, gw)
-    add_control_routes(app, gw)
-    add_staging_routes(app, gw)
+    app.add_routes(route_table(gw))
 
     async def start(_app: web.Application) -> None:
         await gw.start()

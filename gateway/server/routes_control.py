@@ -24,24 +24,40 @@ from deltamesh.http import error_response, read_json
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def add_control_routes(app: web.Application, gw: Gateway) -> None:
-    cfg = gw.config
-    routes = web.RouteTableDef()
+class ControlRoutes:
+    """The control plane's handlers, one named method each, over one gateway; `table` routes them."""
 
-    def counted(handler: Handler) -> Handler:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.cfg = gw.config
+
+    def table(self) -> list[web.RouteDef]:
+        """Every route of the control plane; those a caller may be refused by are counted."""
+        return [
+            web.get("/healthz", self.healthz),
+            web.get("/metrics", self.metrics),
+            web.post("/v1/pools", self.counted(self.register_pool)),
+            web.post("/v1/pools/{name}/heartbeat", self.counted(self.heartbeat)),
+            web.delete("/v1/pools/{name}", self.counted(self.deregister)),
+            web.get("/v1/pools", self.list_pools),
+            web.get("/v1/links", self.links),
+            web.post("/v1/gateways", self.counted(self.announce)),
+        ]
+
+    def counted(self, handler: Handler) -> Handler:
         """Count every refusal of a handler (a 4xx it answers or raises) in the rejected-requests metric."""
         async def wrapped(request: web.Request) -> web.StreamResponse:
             try:
                 resp = await handler(request)
             except web.HTTPException as e:
-                gw.metrics.rejected.labels(str(e.status)).inc()
+                self.gw.metrics.rejected.labels(str(e.status)).inc()
                 raise
             if resp.status >= 400:
-                gw.metrics.rejected.labels(str(resp.status)).inc()
+                self.gw.metrics.rejected.labels(str(resp.status)).inc()
             return resp
         return wrapped
 
-    def pool_name(request: web.Request) -> str:
+    def pool_name(self, request: web.Request) -> str:
         name = request.match_info["name"]
         if not POOL_NAME_RE.match(name):
             raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid pool name {name[:80]!r}"}),
@@ -49,21 +65,17 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
         require_name(request, name)
         return name
 
-    @routes.get("/healthz")
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "region": cfg.region, "origin": cfg.is_origin,
-                                  "instance": gw.instance, "upstreams": cfg.upstreams,
-                                  "disk": gw.store.disk_state(),
-                                  "relay": gw.relay.status() if gw.relay is not None else None})
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "region": self.cfg.region, "origin": self.cfg.is_origin,
+                                  "instance": self.gw.instance, "upstreams": self.cfg.upstreams,
+                                  "disk": self.gw.store.disk_state(),
+                                  "relay": self.gw.relay.status() if self.gw.relay is not None else None})
 
-    @routes.get("/metrics")
-    async def metrics(request: web.Request) -> web.Response:
-        body = gw.metrics.render(gw.store, gw.pools, gw.links)
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.gw.metrics.render(self.gw.store, self.gw.pools, self.gw.links)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    @routes.post("/v1/pools")
-    @counted
-    async def register_pool(request: web.Request) -> web.Response:
+    async def register_pool(self, request: web.Request) -> web.Response:
         body = await read_json(request, limit=64 * 1024)
         who = identity(request)
         if isinstance(body, dict) and isinstance(body.get("name"), str) and POOL_NAME_RE.match(body["name"]):
@@ -74,47 +86,39 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
         try:
             # Only an authenticated pool's endpoint is probed: the gateway connects to no address an
             # anonymous caller names.
-            record = gw.pools.register(body, probe=who is not None)
+            record = self.gw.pools.register(body, probe=who is not None)
         except RegistryError as e:
             return error_response(400, str(e))
-        gw.links.link(record.name, "pool", record.endpoint)
-        return web.json_response({"name": record.name, "region": cfg.region,
-                                  "heartbeat_timeout_s": cfg.heartbeat_timeout_s}, status=201)
+        self.gw.links.link(record.name, "pool", record.endpoint)
+        return web.json_response({"name": record.name, "region": self.cfg.region,
+                                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s}, status=201)
 
-    @routes.post("/v1/pools/{name}/heartbeat")
-    @counted
-    async def heartbeat(request: web.Request) -> web.Response:
-        name = pool_name(request)
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        name = self.pool_name(request)
         body = await read_json(request, limit=64 * 1024)
         try:
-            record = gw.pools.heartbeat(name, body)
+            record = self.gw.pools.heartbeat(name, body)
         except RegistryError as e:
             return error_response(400, str(e))
         if record is None:
             return error_response(404, f"pool {name} is not registered here; register again")
-        head = gw.store.head(record.model)
+        head = self.gw.store.head(record.model)
         return web.json_response({"name": name, "head": head})
 
-    @routes.delete("/v1/pools/{name}")
-    @counted
-    async def deregister(request: web.Request) -> web.Response:
-        name = pool_name(request)
-        if not gw.pools.deregister(name):
+    async def deregister(self, request: web.Request) -> web.Response:
+        name = self.pool_name(request)
+        if not self.gw.pools.deregister(name):
             return error_response(404, f"pool {name} is not registered here")
-        gw.links.forget(name, "pool")
+        self.gw.links.forget(name, "pool")
         return web.json_response({"name": name, "deregistered": True})
 
-    @routes.get("/v1/pools")
-    async def list_pools(request: web.Request) -> web.Response:
-        return web.json_response({"region": cfg.region, "pools": gw.pools.describe(gw.store.heads())})
+    async def list_pools(self, request: web.Request) -> web.Response:
+        return web.json_response({"region": self.cfg.region, "pools": self.gw.pools.describe(self.gw.store.heads())})
 
-    @routes.get("/v1/links")
-    async def links(request: web.Request) -> web.Response:
-        return web.json_response({"region": cfg.region, "links": gw.links.describe()})
+    async def links(self, request: web.Request) -> web.Response:
+        return web.json_response({"region": self.cfg.region, "links": self.gw.links.describe()})
 
-    @routes.post("/v1/gateways")
-    @counted
-    async def announce(request: web.Request) -> web.Response:
+    async def announce(self, request: web.Request) -> web.Response:
         body = await read_json(request, limit=16 * 1024)
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
@@ -125,9 +129,7 @@ def add_control_routes(app: web.Application, gw: Gateway) -> None:
             return error_response(400, f"url must be an http(s) URL of at most {MAX_ENDPOINT} characters")
         require_name(request, region, "gateway")
         try:
-            gw.announce_downstream(region, url.rstrip("/"), probe=identity(request) is not None)
+            self.gw.announce_downstream(region, url.rstrip("/"), probe=identity(request) is not None)
         except TooManyDownstreams as e:
             return error_response(429, str(e))
-        return web.json_response({"region": cfg.region, "ttl_s": cfg.downstream_ttl_s})
-
-    app.add_routes(routes)
+        return web.json_response({"region": self.cfg.region, "ttl_s": self.cfg.downstream_ttl_s})

@@ -24,12 +24,19 @@ from deltamesh.http import error_response, read_body
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-def add_staging_routes(app: web.Application, gw: Gateway) -> None:
-    cfg = gw.config
+class StagingRoutes:
+    """The staging area's handler over one gateway; `table` routes it."""
 
-    async def put_staged(request: web.Request) -> web.Response:
-        if not cfg.is_origin:
-            return error_response(405, f"gateway {cfg.region} relays from upstreams; publish to the origin gateway")
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.cfg = gw.config
+
+    def table(self) -> list[web.RouteDef]:
+        return [web.put("/v1/models/{model}/staged/{digest}", self.put_staged)]
+
+    async def put_staged(self, request: web.Request) -> web.Response:
+        if not self.cfg.is_origin:
+            return error_response(405, f"gateway {self.cfg.region} relays from upstreams; publish to the origin gateway")
         try:
             model = model_of(request)
         except Reject as r:
@@ -37,18 +44,16 @@ def add_staging_routes(app: web.Application, gw: Gateway) -> None:
         piece_hash = request.match_info["digest"]
         if not _DIGEST.match(piece_hash):
             return error_response(400, f"invalid piece digest {piece_hash[:80]!r}: 64 lowercase hex characters")
-        if request.content_length is not None and request.content_length > cfg.max_piece_bytes:
-            return error_response(413, f"piece of {request.content_length} bytes exceeds {cfg.max_piece_bytes}")
-        data = await read_body(request, limit=cfg.max_piece_bytes)
+        if request.content_length is not None and request.content_length > self.cfg.max_piece_bytes:
+            return error_response(413, f"piece of {request.content_length} bytes exceeds {self.cfg.max_piece_bytes}")
+        data = await read_body(request, limit=self.cfg.max_piece_bytes)
         try:
-            stored = await gw.store.staging.put(model, piece_hash, data)
+            stored = await self.gw.store.staging.put(model, piece_hash, data)
         except CorruptError as e:
-            gw.metrics.corrupt_pieces.labels("upload").inc()
+            self.gw.metrics.corrupt_pieces.labels("upload").inc()
             return error_response(400, str(e))
         except (StagingFullError, DiskFullError) as e:
             return error_response(507, str(e))
         if stored:
-            gw.metrics.bytes_in.labels("staged", "publish").inc(len(data))
+            self.gw.metrics.bytes_in.labels("staged", "publish").inc(len(data))
         return web.json_response({"stored": stored}, status=201 if stored else 200)
-
-    app.router.add_put("/v1/models/{model}/staged/{digest}", put_staged)

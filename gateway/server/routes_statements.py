@@ -18,50 +18,54 @@ from deltamesh.gateway.server.statements import StatementConflict
 from deltamesh.gateway.server.validators import not_modified, not_modified_response
 from deltamesh.http import error_response, read_body
 
+STATEMENT = "/v1/models/{model}/statement"
 
-def add_statement_routes(app: web.Application, gw: Gateway) -> None:
-    cfg = gw.config
-    routes = web.RouteTableDef()
-    path = "/v1/models/{model}/statement"
 
-    def refuse(status: int, reason: str) -> web.Response:
-        gw.metrics.rejected.labels(str(status)).inc()
+class StatementRoutes:
+    """The head statement's handlers, one named method each, over one gateway; `table` routes them."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.cfg = gw.config
+
+    def table(self) -> list[web.RouteDef]:
+        return [web.get(STATEMENT, self.get_statement), web.put(STATEMENT, self.put_statement)]
+
+    def refuse(self, status: int, reason: str) -> web.Response:
+        self.gw.metrics.rejected.labels(str(status)).inc()
         return error_response(status, reason)
 
-    @routes.get(path)
-    async def get_statement(request: web.Request) -> web.Response:
+    async def get_statement(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
         if not MODEL_ID_RE.match(model):
-            return refuse(400, f"invalid model id {model[:80]!r}")
-        kept = gw.statements.get(model)
+            return self.refuse(400, f"invalid model id {model[:80]!r}")
+        kept = self.gw.statements.get(model)
         if kept is None:
             return error_response(404, f"no head statement of {model} here")
         if not_modified(request, kept.etag):
             return not_modified_response(kept.etag)
         return web.Response(body=kept.raw, content_type="application/json", headers={"ETag": kept.etag})
 
-    @routes.put(path)
-    async def put_statement(request: web.Request) -> web.Response:
+    async def put_statement(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
         if not MODEL_ID_RE.match(model):
-            return refuse(400, f"invalid model id {model[:80]!r}")
-        if not cfg.is_origin:
-            return refuse(405, f"gateway {cfg.region} relays from upstreams; send statements to the origin gateway")
+            return self.refuse(400, f"invalid model id {model[:80]!r}")
+        if not self.cfg.is_origin:
+            return self.refuse(405, f"gateway {self.cfg.region} relays from upstreams; send statements to the origin "
+                                    "gateway")
         try:
             raw = await read_body(request, limit=MAX_STATEMENT_BYTES)
         except web.HTTPException as e:
-            gw.metrics.rejected.labels(str(e.status)).inc()
+            self.gw.metrics.rejected.labels(str(e.status)).inc()
             raise
         try:
-            new = await gw.statements.put(raw, published=True, model=model)
+            new = await self.gw.statements.put(raw, published=True, model=model)
         except SignatureError as e:
-            return refuse(403, f"signature refused: {e}")
+            return self.refuse(403, f"signature refused: {e}")
         except CorruptError as e:
-            return refuse(400, str(e))
+            return self.refuse(400, str(e))
         except StatementConflict as e:
-            return refuse(409, str(e))
-        kept = gw.statements.get(model)
+            return self.refuse(409, str(e))
+        kept = self.gw.statements.get(model)
         return web.json_response({"stored": new, "version": kept.statement.version,
                                   "issued_ms": kept.statement.issued_ms}, status=201 if new else 200)
-
-    app.add_routes(routes)

@@ -76,10 +76,6 @@ BASE = "/v1/models/{model}"
 ONE = BASE + "/versions/{version}/{kind}"
 
 
-def add_version_routes(app: web.Application, gw: Gateway) -> None:
-    app.add_routes(VersionRoutes(gw).table())
-
-
 class VersionRoutes:
     """The version plane's handlers, one named method each, over one gateway; `table` routes them."""
 
