@@ -31,7 +31,7 @@ from deltamesh.gateway.fetch.http_reads import CHUNK, OnChunk, Progress
 from deltamesh.gateway.fetch.judge import SourceJudge, name
 from deltamesh.gateway.fetch.sources import Source
 from deltamesh.gateway.version_parts import SPAN_HEADER, VERSION_HEADER, parse_span, part_span, total_bytes
-from deltamesh.gateway_client import PEER_HEADER
+from deltamesh.gateway_client import PEER_HEADER, model_path
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EarlyParts:
             rule: Progress, limit: int, on_chunk: OnChunk) -> "EarlyParts":
         """Ask for the `of` parts; each holds at most `limit` bytes until `lay` is called (`early_limit`)."""
         parts = cls(model, kind)
-        url = f"{source.url.rstrip('/')}/v1/models/{model}/newest/{kind}/parts"
+        url = f"{source.url.rstrip('/')}{model_path(model, f'newest/{kind}/parts')}"
         parts._tasks = [asyncio.create_task(parts._receive(session, source, f"{url}/{k}", {PEER_HEADER: peer},
                                                            k, of, rule, limit, on_chunk)) for k in range(of)]
         return parts
