@@ -20,7 +20,8 @@ CI (a 1.5-minute fault phase: 6 faults of 6 kinds with seed 1, about 3 minutes i
 `--json` prints one object: `faults` ({kind: count}), `violations` (each with `invariant`, `time_s`,
 `seed`, `detail` and the log lines around it; empty when every invariant held), `converged_s_max`
 (seconds the slowest pool took to reach the head after the last fault), `leaks` ({process:
-{"fds_slope", "rss_slope", ...}} per minute), and every invariant's figures. Exit status 1 when an
+{"fds_slope", "rss_slope", "threads_slope", "connections_slope", "judged"}} per minute; fds count
+established TCP connections apart, reported as connections and not judged), and every invariant's figures. Exit status 1 when an
 invariant was violated. The run directory keeps the logs, the fault log, soak.json and versions.png.
 """
 

@@ -73,7 +73,8 @@ def lives(readings: Readings) -> dict[str, dict[str, list[list[tuple[float, floa
     """Process or store -> measure -> one (t, value) series per process life (a new pid starts one)."""
     out: dict[str, dict[str, list[list[tuple[float, float]]]]] = {}
     for name, samples in readings.procs.items():
-        measures: dict[str, list[list[tuple[float, float]]]] = {"fds": [], "threads": [], "rss_mib": []}
+        measures: dict[str, list[list[tuple[float, float]]]] = {"fds": [], "threads": [], "rss_mib": [],
+                                                                 "connections": []}
         pid = None
         for s in samples:
             if s.pid != pid:
@@ -83,6 +84,7 @@ def lives(readings: Readings) -> dict[str, dict[str, list[list[tuple[float, floa
             measures["fds"][-1].append((s.t, s.fds))
             measures["threads"][-1].append((s.t, s.threads))
             measures["rss_mib"][-1].append((s.t, s.rss_mib))
+            measures["connections"][-1].append((s.t, s.connections))
         out[name] = measures
     for name, points in readings.disk.items():
         out.setdefault(name, {})["disk_mib"] = [list(points)]

@@ -43,7 +43,8 @@ CONVERGE_BOUND_S = 90.0
 WAIT_RATIO, WAIT_SLACK_S = 2.0, 0.5
 JUDGE_MIN_S = 300.0
 SLOPES = {"fds": 1.0, "threads": 0.5, "rss_mib": 4.0, "disk_mib": 2.0}
-"""Largest growth per minute that counts as flat."""
+"""Largest growth per minute that counts as flat. Established connections ("connections") are reported,
+not judged: they follow the callers (and the connection caps bound them), not the process's own code."""
 GROWING = {"postgres"}
 """Stores that grow by design: the broker keeps every trajectory id for good (a late resubmission is a
 duplicate forever), so its database is reported per trajectory, not judged flat."""
@@ -325,7 +326,7 @@ class Invariants:
                 longest = max(series, key=lambda s: s[-1][0] - s[0][0] if s else 0, default=[])
                 row[f"{measure}_slope"] = round(slope_per_min(longest), 3)
                 row.setdefault("judged", False)
-                if name in GROWING:
+                if name in GROWING or measure not in SLOPES:
                     continue
                 bound = SLOPES[measure]
                 for life in series:

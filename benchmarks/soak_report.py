@@ -59,7 +59,8 @@ def result(*, seed: int, minutes: float, checks: Invariants, faults: list[dict[s
             counts[e["kind"]] = counts.get(e["kind"], 0) + 1
     done = [s for s in converged.values() if s is not None]
     processes = {name: {"fds_slope": row.get("fds_slope", 0.0), "rss_slope": row.get("rss_mib_slope", 0.0),
-                        "threads_slope": row.get("threads_slope", 0.0), "judged": row["judged"]}
+                        "threads_slope": row.get("threads_slope", 0.0),
+                        "connections_slope": row.get("connections_slope", 0.0), "judged": row["judged"]}
                  for name, row in leaks.items() if "fds_slope" in row}
     disk = {name: {"disk_slope": row["disk_mib_slope"], "judged": row["judged"]}
             for name, row in leaks.items() if "disk_mib_slope" in row}

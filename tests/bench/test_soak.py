@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,30 @@ def test_leaks_are_judged_on_long_lives_only_and_their_slope_is_per_minute():
     out = c.leaks(9.0, {"gw": {"fds": [short, flat]}, "pool": {"fds": [growing]}})
     assert out["gw"]["judged"] and out["pool"]["fds_slope"] == pytest.approx(10.0)
     assert [v.detail.split(":")[0] for v in c.violations] == ["pool"]
+
+
+def test_established_connections_are_counted_apart_from_the_fds_a_leak_grows():
+    from soak_observe import proc_sample
+
+    before = proc_sample(0.0, os.getpid())
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        after = proc_sample(1.0, os.getpid())
+        assert after.connections == before.connections + 2  # both ends live in this process
+        assert after.fds == before.fds + 1  # the listening socket is judged like any other fd
+    finally:
+        for s in (accepted, client, listener):
+            s.close()
+
+
+def test_connections_are_reported_but_not_judged():
+    c = _checks()
+    span = int(JUDGE_MIN_S * 2)
+    growing = [(float(t), t / 6.0) for t in range(0, span, 10)]
+    out = c.leaks(9.0, {"broker": {"connections": [growing]}})
+    assert out["broker"]["connections_slope"] == pytest.approx(10.0) and c.held("leaks")
 
 
 @pytest.mark.slow
