@@ -41,23 +41,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(repeats: int) -> dict[str, Any]:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.plugins import load_general_plugins
 
     from deltamesh.delta import read_weights
     from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
-    from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
+    from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh, dict_source
     from deltamesh.mesh.vllm_plugin.trainer_engine import DeltameshTrainerInitInfo
-
-    class Source(WeightSource):
-        def __init__(self, weights: dict) -> None:
-            self.weights = weights
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
-
-        def __iter__(self):
-            return iter(list(self.weights.items()))
 
     base = read_weights(smollm2_model_dir())
     step = smollm2_adam_versions([5e-6])[5e-6]
@@ -67,7 +56,7 @@ def run(repeats: int) -> dict[str, Any]:
     result: dict[str, Any] = {"model": "SmolLM2-135M", "repeats": repeats, "backend": [], "disk": []}
     with LocalMesh(work / "mesh", "smollm2") as mesh:
         server = mesh.start_vllm(smollm2_model_dir(), args=["--max-model-len", "512", "--no-enable-prefix-caching"])
-        source = Source(base)
+        source = dict_source(base)
         engine = WeightTransferTrainerFactory.trainer_init(
             DeltameshTrainerInitInfo(rank=0, publish=mesh.publish_table(full_every=0), engine_init=mesh.engine_init()),
             client=HTTPVLLMWeightSyncClient(server), source=source)

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from deltamesh.delta.keys import generate_key, save_keypair
 from deltamesh.mesh.demo.processes import ServiceError, child_env, deltamesh_command, free_port, log_tail
@@ -154,3 +154,21 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def dict_source(weights: Mapping[str, Any]) -> Any:
+    """vLLM's `WeightSource` over a name -> tensor mapping, as a trainer holding a state dict hands it to
+    the trainer engine; set its `weights` to the next version's before the next `send_weights`."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class DictSource(WeightSource):
+        def __init__(self) -> None:
+            self.weights = weights
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
+
+        def __iter__(self):
+            return iter(list(self.weights.items()))
+
+    return DictSource()

@@ -28,7 +28,7 @@ from deltamesh.http import bearer, client_session
 from deltamesh.mesh.demo.models import smollm2_adam_versions, smollm2_model_dir, smollm2_version_dirs
 from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.engines.transformers_engine import TransformersEngine, TransformersEngineConfig
-from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
+from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh, dict_source
 from deltamesh.trainer import WeightPublisher
 from deltamesh.trainer.upload import upload_version
 
@@ -116,21 +116,6 @@ def assert_close_to_reference(served, reference: TransformersEngine, directory: 
         assert max(gaps) < 0.25 and sum(gaps) / len(gaps) < 0.08, f"{logprobs} against {expected}"
 
 
-def make_source(weights: dict[str, torch.Tensor]):
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class DictSource(WeightSource):
-        def __init__(self) -> None:
-            self.weights = weights
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
-
-        def __iter__(self):
-            return iter(list(self.weights.items()))
-
-    return DictSource()
-
 
 @pytest.fixture(scope="module")
 def trainer(mesh, server, versions):
@@ -145,7 +130,7 @@ def trainer(mesh, server, versions):
     info = DeltameshTrainerInitInfo(rank=0, publish=mesh.publish_table(full_every=0),
                                     engine_init=mesh.engine_init(give_up_s=10, stall_timeout_s=5, metrics_listen=listen))
     engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server),
-                                                       source=make_source(versions["v0"]))
+                                                       source=dict_source(versions["v0"]))
     engine.status_url = f"http://{listen}"
     yield engine
     engine.shutdown()

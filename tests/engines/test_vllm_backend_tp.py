@@ -33,7 +33,7 @@ from deltamesh.delta.share_plan import pieces_for
 from deltamesh.mesh.demo.models import VLLM_TINY, tiny_model_dir
 from deltamesh.mesh.demo.processes import free_port
 from deltamesh.mesh.engines.vllm_ranks import dealt_cores
-from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh
+from deltamesh.mesh.vllm_plugin.local_mesh import LocalMesh, dict_source
 
 pytestmark = pytest.mark.slow
 
@@ -82,21 +82,6 @@ def server(mesh, model_dir) -> str:
         "--no-enable-prefix-caching", "--return-tokens-as-token-ids"])
 
 
-def make_source(weights: dict[str, torch.Tensor]):
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class DictSource(WeightSource):
-        def __init__(self) -> None:
-            self.weights = weights
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
-
-        def __iter__(self):
-            return iter(list(self.weights.items()))
-
-    return DictSource()
-
 
 @pytest.fixture(scope="module")
 def status_url() -> str:
@@ -115,7 +100,7 @@ def trainer(mesh, server, versions, status_url):
         rank=0, publish=mesh.publish_table(full_every=0, piece_mib=16 / 1024), pool_layouts=[LAYOUT],
         engine_init=mesh.engine_init(give_up_s=10, stall_timeout_s=3, metrics_listen=status_url.removeprefix("http://")))
     engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server),
-                                                       source=make_source(versions[0]))
+                                                       source=dict_source(versions[0]))
     yield engine
     engine.shutdown()
 
