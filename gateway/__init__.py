@@ -8,10 +8,9 @@ The face is loaded on first use, so that a module of one side (a pool's fetch, a
 not load the other side's server.
 """
 
-from importlib import import_module
-from typing import Any
+from deltamesh.lazy_face import lazy_face
 
-_FACE = {
+__getattr__, __all__ = lazy_face(__name__, {
     "GatewayConfig": "deltamesh.gateway.config",
     "Plan": "deltamesh.gateway.plan",
     "PlanStep": "deltamesh.gateway.plan",
@@ -21,13 +20,4 @@ _FACE = {
     "FetchError": "deltamesh.gateway.fetch",
     "Source": "deltamesh.gateway.fetch",
     "fetch_verified": "deltamesh.gateway.fetch",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FACE:
-        return getattr(import_module(_FACE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = sorted(_FACE)
+})

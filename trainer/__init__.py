@@ -5,24 +5,14 @@ restart), plus the trainer's side of the data interface (the client of the broke
 Imports `deltamesh.delta` and `deltamesh.gateway`.
 """
 
-from importlib import import_module
-from typing import Any
+from deltamesh.lazy_face import lazy_face
 
 # Loaded on first use: a gateway's command line reads the trainer's settings without its torch stack.
-_FACE = {
+__getattr__, __all__ = lazy_face(__name__, {
     "WeightPublisher": "deltamesh.trainer.weight_publisher",
     "PublishConfig": "deltamesh.trainer.publish_config",
     "Publisher": "deltamesh.trainer.publisher",
     "Published": "deltamesh.trainer.publisher",
     "ShardPublisher": "deltamesh.trainer.shard_publisher",
     "upload_version": "deltamesh.trainer.upload",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FACE:
-        return getattr(import_module(_FACE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = sorted(_FACE)
+})

@@ -13,22 +13,12 @@ metrics), `worker` (the lease/episode/submit loop), `staleness` (when leasing is
 The face is loaded on first use: this package imports nothing heavy.
 """
 
-from importlib import import_module
-from typing import Any
+from deltamesh.lazy_face import lazy_face
 
-_FACE = {
+__getattr__, __all__ = lazy_face(__name__, {
     "WeightSync": "deltamesh.mesh.pool.weight_sync",
     "PoolConfig": "deltamesh.mesh.pool.config",
     "PoolSyncConfig": "deltamesh.mesh.pool.sync_config",
     "WeightSyncSettings": "deltamesh.mesh.pool.sync_config",
     "RolloutPool": "deltamesh.mesh.pool.pool",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FACE:
-        return getattr(import_module(_FACE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = sorted(_FACE)
+})
