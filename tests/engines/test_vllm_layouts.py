@@ -51,7 +51,8 @@ def test_four_ranks_hold_what_the_layout_says(engine, model_dir) -> None:
     assert hf["num_key_value_heads"] < TP, "the key/value heads must be replicated for this test to mean it"
     checkpoint = read_weights(model_dir)
     assert engine.layout == PoolLayout(tp=TP, kv_heads=hf["num_key_value_heads"])
-    compared = layout_check.check_layout(engine, checkpoint, hf, TP)
-    assert compared >= TP * len(checkpoint)
+    compared, unreadable = layout_check.check_layout(engine, checkpoint, hf, TP)
+    # every (rank, tensor) pair compared, but those the CPU build repacked (never the norms or embeddings)
+    assert compared + unreadable >= TP * len(checkpoint) and compared >= TP * 3
     last = shares_of(table_of(checkpoint), engine.layout, TP - 1)["model.embed_tokens.weight"]
     assert (last.start, last.stop) == (96, 101)  # the last rank's 5 real rows of the padded vocabulary
