@@ -224,7 +224,7 @@ def take(server: str, version: int) -> requests.Response:
     "vLLM 0.32's multiprocessing executor stops reading the workers' answers at the first worker that "
     "raises: both ranks refuse (and raise), so rank 1's answer stays queued and the next collective call "
     "(/weight_checker) reads it; the served completions are unchanged, the RL API is out of step "
-    "(notes/issue-34.md)"))
+    "(docs/ENGINES.md)"))
 def test_a_piece_only_rank_1_needs_tampered_is_refused_on_both_ranks(mesh, server, trainer, model_dir, versions,
                                                                      version_dirs, status_url):
     served, sums, named = completions(server, model_dir), checksums(server), weight_version(server)
