@@ -191,14 +191,23 @@ class Fetcher(ManifestFetch):
         if source.delay_s:
             await asyncio.sleep(source.delay_s)
 
+        flights = self._flights.get(key)
+        asked = 0.0
+
         async def on_chunk(n: int) -> None:
+            nonlocal asked
+            if asked and flights is not None:  # the link's round trip, as the stall threshold's measure
+                flights.note_first_byte(time.monotonic() - asked)
+            asked = 0.0
             await self._received(source, key, n)
 
         rule = self._rule(source, alternates)
         if self._slots is None:
+            asked = time.monotonic()
             result = await receive_span(self.session, url, headers, span, rule, on_chunk)
         else:
             async with self._slots:
+                asked = time.monotonic()
                 result = await receive_span(self.session, url, headers, span, rule, on_chunk)
         if result.received and source not in span.sources:
             span.sources.append(source)

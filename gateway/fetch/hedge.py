@@ -5,18 +5,23 @@ A long lossy link stalls single connections: a lost retransmission costs a retra
 Mid-version that costs little (the other connections carry on), but the version is done only when its
 last piece is, so at its end every other connection would sit idle waiting for the stalled one. So a
 connection with nothing left to ask for (an idle lane, `deltamesh.gateway.fetch.lanes`) looks for a
-request of the same version that has moved no byte for `after_s` (one that never answered at all, for
-four times that: it may be a piece still on its way to its source, which another request would only
-wait for too) and asks for what that request has left on its own connection. Whichever request
-finishes first wins and the other is cancelled; what the loser had received is not needed. At most
-one take-over runs per request at a time, and a failed one leaves the request as it was.
+request of the same version that has moved no byte for a while (one that never answered at all, for
+four times `after_s`: it may be a piece still on its way to its source, which another request would
+only wait for too) and asks for what that request has left on its own connection. How long "a while"
+is follows the link: twice the median time to first byte of this version's requests (a moving request
+receives bytes about every round trip, so two round trips of silence is a connection in loss
+recovery), within [`MIN_AFTER_S`, `after_s`]; `after_s` until a few requests have answered.
+Whichever request finishes first wins and the other is cancelled; what the loser had received is not
+needed. At most one take-over runs per request at a time, and a failed one leaves the request as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -25,8 +30,15 @@ from deltamesh.gateway.fetch.http_reads import Span
 log = logging.getLogger(__name__)
 
 HEDGE_AFTER_S = 1.0
-"""Silence of a request (no byte) after which an idle connection takes over what it has left: over
-three round trips of a 300 ms link, where a request that moves receives bytes every round trip."""
+"""Longest silence of a request (no byte) after which an idle connection takes over what it has left
+(over three round trips of a 300 ms link, where a request that moves receives bytes every round trip);
+the one used until the version's requests have shown how long the link's round trip is."""
+MIN_AFTER_S = 0.25
+"""Shortest silence taken for a stall, however short the round trip (a busy server pauses that long)."""
+RTT_FACTOR = 2.0
+"""A stall is this many median times to first byte without a byte."""
+FIRST_BYTE_SAMPLES = 3
+"""Times to first byte needed before they set the stall threshold."""
 UNANSWERED_FACTOR = 4.0
 """A request that has not answered at all is taken over after this many times `after_s`."""
 
@@ -74,12 +86,24 @@ class Flights:
 
     def __init__(self, after_s: float = HEDGE_AFTER_S):
         self.after_s = after_s
+        self.first_bytes: deque[float] = deque(maxlen=64)
+        """Seconds from asking to the first byte of this version's latest requests (`note_first_byte`)."""
         self.live: list[Flight] = []
         self.taken_over = 0
         """Take-overs that won (each one a request that had stalled)."""
         self._changed = asyncio.Event()
         """Set (and replaced) when a request ends: idle lanes waiting for a stall look again at once, and
         the last one to end lets them all go, so the version's end is not held up by their polling."""
+
+    def note_first_byte(self, seconds: float) -> None:
+        """A request of this version received its first byte `seconds` after it was sent."""
+        self.first_bytes.append(seconds)
+
+    def stall_after(self) -> float:
+        """Silence of a request that has answered after which it counts as stalled."""
+        if len(self.first_bytes) < FIRST_BYTE_SAMPLES:
+            return self.after_s
+        return min(self.after_s, max(MIN_AFTER_S, RTT_FACTOR * statistics.median(self.first_bytes)))
 
     async def race(self, work: Awaitable[T], left: Callable[[], int], take_over: Callable[[], Awaitable[Any]],
                    what: str) -> T | TakenOver:
@@ -117,13 +141,14 @@ class Flights:
     async def hedge(self) -> bool:
         """For a lane with nothing left to ask for: wait until a request in flight has stalled and take
         it over; True once that ended (won, lost or failed), False when no request is left to wait for."""
-        poll = min(0.25, self.after_s / 4)
         while self.live:
             now = time.monotonic()
+            after = self.stall_after()
+            poll = min(0.25, after / 4)
             for flight in self.live:
                 flight.look(now)
             ready = [f for f in self.live if not f.taking and not f.outcome.done() and f.left() > 0 and f.stalled_for(now) >= (
-                self.after_s if f.started else UNANSWERED_FACTOR * self.after_s)]
+                after if f.started else UNANSWERED_FACTOR * self.after_s)]
             if not ready:
                 changed = self._changed
                 try:

@@ -258,3 +258,33 @@ def test_idle_lanes_let_the_version_end_as_soon_as_its_last_request_does():
     result, ended, waited = _run(main())
     assert result == "own" and ended == [False] * 4
     assert waited < 0.05, f"the lanes ended {waited:.3f}s after the last request"
+
+
+def test_the_stall_threshold_follows_the_links_round_trip(kit):
+    """On loopback the requests' first bytes come within milliseconds, so a request silent for a
+    fraction of a second is taken over long before the configured 8 s ceiling (which a fixed threshold
+    would wait out)."""
+    stall = Stall(index=3, after=100_000)
+    pieces, got, seconds = fetch(kit, stall, pieces_n=4, piece_size=1 << 20, connections=8, hedge_after_s=8.0)
+    assert got == dict(enumerate(pieces))
+    assert seconds < 4, f"{seconds:.1f}s: the take-over waited for the 8 s ceiling"
+
+
+def test_stall_after_is_two_round_trips_within_its_bounds():
+    async def main() -> list[float]:
+        flights = Flights(1.0)
+        seen = [flights.stall_after()]
+        for s in (0.3, 0.3):
+            flights.note_first_byte(s)
+        seen.append(flights.stall_after())  # too few samples yet: the ceiling
+        flights.note_first_byte(0.3)
+        seen.append(flights.stall_after())
+        for _ in range(10):
+            flights.note_first_byte(0.001)
+        seen.append(flights.stall_after())
+        for _ in range(30):
+            flights.note_first_byte(2.0)
+        seen.append(flights.stall_after())
+        return seen
+
+    assert asyncio.run(main()) == [1.0, 1.0, pytest.approx(0.6), 0.25, 1.0]
