@@ -43,6 +43,8 @@ class Recipe:
     """The math task family: digit_sum ("a+b=", one-character answers) or arithmetic (word problems)."""
     levels: tuple[int, ...] = (1, 2, 4)
     """Arithmetic: the difficulty levels trained and held out."""
+    wording: str = "words"
+    """Arithmetic: the problems as stories (words) or bare equations (equation)."""
     math_options: tuple[tuple[str, Any], ...] = ()
     """More options of the math workflow (how the prompt is shown, how the answer is read)."""
     kl_coef: float = 1e-3
@@ -51,18 +53,23 @@ class Recipe:
     """Score every k-th version on the held-out set (0: no evaluator)."""
 
 
-# SmolLM2-Instruct on the arithmetic word problems: asked in chat format with its reply begun as "The
-# answer is", the first number of the reply is its answer (the instruct model otherwise explains at length).
+# SmolLM2-135M on the arithmetic problems worded as bare equations, continued as text after three solved
+# examples whose operands are outside every level's ranges (so none is a training or held-out problem):
+# the first number it writes is its answer. Asked the word problems instead (in chat, its reply begun
+# "The answer is") it answers about 2% of them at temperature 1, too few for a group ever to differ.
+SMOLLM2_FEW_SHOT = "3 + 10 = 13\n7 * 11 = 77\n85 - 12 = 73\n41 + 10 - 2 = 49\n{prompt}"
 SMOLLM2_ARITHMETIC: tuple[tuple[str, Any], ...] = (
-    ("prompt_format", "chat"), ("reply_prefix", "The answer is"), ("answer", "first_number"))
+    ("prompt_format", "completion"), ("prompt_template", SMOLLM2_FEW_SHOT), ("answer", "first_number"))
 
 # Tiny: lr 5e-3 (AdamW, grad clip 1.0), 4 groups of 8 single-token answers per step; chosen from
 # in-process runs over seeds 0-3, where the mean reward of the last third of 40 steps beat the first
 # third by 0.26-0.42. The format reward (0.2 for any number) gets a random model to emit digits at all.
 RECIPES: dict[str, Recipe] = {
     "tiny": Recipe(lr=5e-3, max_new_tokens=1, group_size=8, groups_per_step=4, format_reward=0.2, max_digit=2),
-    "smollm2": Recipe(lr=5e-6, max_new_tokens=6, group_size=4, groups_per_step=2, format_reward=0.0, max_digit=4,
-                      tasks="arithmetic", math_options=SMOLLM2_ARITHMETIC, eval_every=5),
+    # 8 groups of 4 a step at lr 1e-5: in-process GRPO with these prompts took held-out avg@4 from 0.70 to
+    # 0.86 in 10 steps; 2 groups a step at 5e-6 had not moved it in 20.
+    "smollm2": Recipe(lr=1e-5, max_new_tokens=6, group_size=4, groups_per_step=8, format_reward=0.0, max_digit=4,
+                      tasks="arithmetic", wording="equation", math_options=SMOLLM2_ARITHMETIC, eval_every=5),
 }
 
 # Code workflows: a program needs more than a digit, and every sample costs sandbox executions (the
@@ -154,6 +161,9 @@ class DemoConfig:
     difficulty whose held-out split the evaluator scores; mesh/workflows/arithmetic.py); unset: the recipe's."""
     levels: list[int] | None = None
     """Arithmetic: the difficulty levels (1..5) trained and held out (unset: the recipe's)."""
+    wording: Literal["words", "equation"] | None = None
+    """Arithmetic: the problems as stories (words) or bare equations (equation: `3 + 4 =`), trained and
+    held out alike (unset: the recipe's)."""
     temperature: float | None = None
     """The pools' sampling temperature, which the trainer's logprobs are taken at too (unset: the recipe's)."""
     kl_coef: float | None = None
@@ -200,7 +210,7 @@ class DemoConfig:
             raise ValueError(f"workflow must be one of {sorted(WORKFLOW_MODELS)}, got {self.workflow!r}")
         recipe = (CODE_RECIPES if self.workflow in CODE_WORKFLOWS else RECIPES)[self.model]
         for name in ("lr", "group_size", "groups_per_step", "max_new_tokens", "format_reward", "max_digit", "tasks",
-                     "temperature", "kl_coef"):
+                     "temperature", "kl_coef", "wording"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(recipe, name))
         if self.levels is None:
@@ -236,6 +246,8 @@ class DemoConfig:
             raise ValueError(f"tasks must be digit_sum or arithmetic, got {self.tasks!r}")
         if not self.levels or any(lv not in (1, 2, 3, 4, 5) for lv in self.levels):
             raise ValueError(f"levels must name levels among 1..5, got {self.levels}")
+        if self.wording not in ("words", "equation"):
+            raise ValueError(f"wording must be words or equation, got {self.wording!r}")
         if self.temperature < 0 or self.kl_coef < 0:
             raise ValueError("temperature and kl_coef must be >= 0")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -278,8 +290,8 @@ class DemoConfig:
         if self.workflow == "solver_verifier" and self.math_options():
             # The Solver asked as the math policy is (and as the evaluator scores it), the Verifier in kind.
             math = self.math_options()
-            return {"prompt_format": math["prompt_format"], "solver_prefix": math["reply_prefix"],
-                    "answer": math["answer"], "solver_template": "{prompt}",
+            return {"prompt_format": math["prompt_format"], "solver_prefix": math.get("reply_prefix", ""),
+                    "answer": math["answer"], "solver_template": math.get("prompt_template", "{prompt}"),
                     "retry_template": "{prompt}\nYou answered: {answer}\nA reviewer rejected it: {feedback}"}
         if self.model != "tiny":
             return {}

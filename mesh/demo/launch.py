@@ -20,6 +20,7 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
@@ -128,7 +129,7 @@ def prepare(config: DemoConfig, run_dir: Path) -> MeshPlan:
         plan.epochs = math.ceil(count / write_tasks(code_problems(config.code_tasks), run_dir / "tasks.jsonl"))
         return plan
     if config.tasks == "arithmetic":  # the training split only: the evaluator's held-out problems never appear
-        tasks = arithmetic.train_tasks(count, config.levels, seed=config.seed)
+        tasks = arithmetic.train_tasks(count, config.levels, seed=config.seed, wording=config.wording)
         plan.epochs = math.ceil(count / len(tasks))  # each problem once per pass: a dataset's ids are unique
     else:
         tasks = digit_sum_tasks(count, seed=config.seed, max_digit=config.max_digit)
@@ -241,6 +242,14 @@ def trainer_service(plan: MeshPlan, model_id: str) -> Service:
                    plan.run_dir / "logs" / f"trainer-{model_id}.log", threads=1 if cfg.model == "tiny" else 2)
 
 
+def heldout_table(cfg: DemoConfig) -> dict[str, Any]:
+    """The evaluator's `[eval.heldout]`: HumanEval for the code workflows, else the arithmetic held-out
+    split of the levels and wording the trainers' tasks have."""
+    if cfg.needs_sandbox:
+        return {"family": "humaneval", "problems": cfg.eval.problems}
+    return {"family": "arithmetic", "problems": cfg.eval.problems, "levels": list(cfg.levels), "wording": cfg.wording}
+
+
 def eval_service(plan: MeshPlan) -> Service:
     """The evaluator of the first policy: it follows `[demo.eval] region`'s gateway (the origin's by
     default) like a pool, and scores versions on the held-out set with the pools' engine."""
@@ -248,8 +257,6 @@ def eval_service(plan: MeshPlan) -> Service:
     model_id = cfg.model_ids[0]
     region = cfg.eval.region or cfg.topology.origin.region
     workflow, options = cfg.eval_workflow()
-    heldout = ({"family": "humaneval", "problems": cfg.eval.problems} if cfg.needs_sandbox else
-               {"family": "arithmetic", "problems": cfg.eval.problems, "levels": list(cfg.levels)})
     server = {"tokens_file": str(plan.creds.tokens_file),
               "tls": {"cert": str(plan.creds.certs["eval"].cert), "key": str(plan.creds.certs["eval"].key),
                       "ca": str(plan.creds.ca)}} if plan.creds is not None else {"anonymous": True}
@@ -259,7 +266,7 @@ def eval_service(plan: MeshPlan) -> Service:
         "db": str(plan.run_dir / "eval" / "eval.db"), "listen": f"127.0.0.1:{port}",
         "gateways": [plan.gateways[region].url],
         "trusted_keys": [str(plan.public_key)], "heartbeat_s": 1.0, "stall_timeout_s": 10.0,
-        "every": cfg.eval.every, "samples": cfg.eval.samples, "heldout": heldout,
+        "every": cfg.eval.every, "samples": cfg.eval.samples, "heldout": heldout_table(cfg),
         "workflow": workflow, "workflow_options": options,
         "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.eval_temperature},
         **({"sandbox": to_dict(cfg.sandbox)} if cfg.needs_sandbox else {}), **server,

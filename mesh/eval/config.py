@@ -21,7 +21,7 @@ from deltamesh.http import parse_listen
 from deltamesh.mesh.pool.config import SamplingConfig, ServeCheckConfig
 from deltamesh.mesh.pool.sync_config import WeightSyncSettings
 from deltamesh.mesh.sandbox import SandboxConfig
-from deltamesh.mesh.workflows.arithmetic import LEVELS
+from deltamesh.mesh.workflows.arithmetic import LEVELS, WORDINGS, Wording
 
 
 @dataclass
@@ -41,6 +41,9 @@ class HeldoutConfig:
     """Arithmetic: the key of the train/held-out split (the trainer's task set must use the same)."""
     heldout_percent: int = 20
     """Arithmetic: the share of each level's problems held out."""
+    wording: Wording = "words"
+    """Arithmetic: the problems as stories (words) or as bare equations (equation: `3 + 4 =`); the
+    trainer's task set must use the same."""
 
     def __post_init__(self) -> None:
         if self.family not in ("arithmetic", "humaneval", "synthetic_code"):
@@ -51,6 +54,8 @@ class HeldoutConfig:
             raise ValueError(f"heldout.levels must name levels among {list(LEVELS)}, got {self.levels}")
         if not 0 < self.heldout_percent < 100:
             raise ValueError(f"heldout.heldout_percent must be in 1..99, got {self.heldout_percent}")
+        if self.wording not in WORDINGS:
+            raise ValueError(f"heldout.wording must be one of {list(WORDINGS)}, got {self.wording!r}")
 
 
 @dataclass

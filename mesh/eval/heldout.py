@@ -21,7 +21,7 @@ def heldout_records(config: HeldoutConfig) -> list[dict[str, Any]]:
     """The held-out problems as dataset records ({"id", "prompt", "metadata"})."""
     if config.family == "arithmetic":
         return arithmetic.heldout_tasks(config.problems, config.levels, split_seed=config.split_seed,
-                                        heldout_percent=config.heldout_percent)
+                                        heldout_percent=config.heldout_percent, wording=config.wording)
     problems = humaneval_problems() if config.family == "humaneval" else synthetic_problems()
     return [p.record() for p in problems[:config.problems]]
 

@@ -10,7 +10,7 @@ import pytest
 
 from deltamesh.mesh.broker.tasks import read_dataset
 from deltamesh.mesh.demo.config import DemoConfig, DemoEvalConfig
-from deltamesh.mesh.demo.launch import prepare
+from deltamesh.mesh.demo.launch import heldout_table, prepare
 from deltamesh.mesh.eval.config import HeldoutConfig
 from deltamesh.mesh.eval.heldout import heldout_records
 from deltamesh.mesh.workflows.arithmetic import LEVELS, heldout_tasks, problem, problems, split_of, train_tasks
@@ -26,6 +26,21 @@ def test_each_level_asks_its_operation_and_the_answer_is_exact():
         problem(1, (10, 3))
     with pytest.raises(ValueError, match="level must be one of"):
         problem(6, (1, 2))
+
+
+def test_the_equation_wording_changes_the_prompt_only():
+    assert [problem(lv, ops, "equation").prompt for lv, ops in
+            ((1, (3, 4)), (2, (25, 7)), (3, (52, 9)), (4, (6, 7)), (5, (20, 3, 8)))] == [
+        "3 + 4 =", "25 + 7 =", "52 - 9 =", "6 * 7 =", "20 + 3 - 8 ="]
+    words, bare = problem(4, (6, 7)), problem(4, (6, 7), "equation")
+    assert (bare.id, bare.answer, bare.level) == (words.id, words.answer, words.level)
+    assert [p.id for p in problems([1, 2], "heldout", wording="equation")] == [p.id for p in problems([1, 2], "heldout")]
+    with pytest.raises(ValueError, match="wording must be one of"):
+        problem(1, (3, 4), "riddle")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="heldout.wording"):
+        HeldoutConfig(wording="riddle")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wording must be words or equation"):
+        DemoConfig(model="smollm2", wording="riddle")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("split_seed", [0, 1, 7])
@@ -60,8 +75,13 @@ def test_the_demo_trains_on_none_of_the_problems_its_evaluator_holds_out(tmp_pat
     assert config.tasks == "arithmetic" and config.eval.every > 0
     plan = prepare(config, tmp_path)
     trained = {json.loads(line)["id"] for line in (tmp_path / "tasks.jsonl").read_text().splitlines()}
-    held = {r["id"] for r in heldout_records(HeldoutConfig(problems=config.eval.problems, levels=config.levels))}
+    records = heldout_records(HeldoutConfig(**heldout_table(config)))
+    held = {r["id"] for r in records}
     assert trained and len(held) == config.eval.problems and trained.isdisjoint(held)
+    # Both sets are worded as the recipe says, and the evaluator is told the same wording.
+    trained_prompts = [json.loads(line)["prompt"] for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
+    assert config.wording == "equation" and all(p.endswith(" =") for p in trained_prompts + [r["prompt"] for r in records])
+    assert heldout_table(config)["wording"] == "equation"
     # The broker reads it (no id twice: the run needs more prompts than a level has, so it makes more
     # passes over the file rather than repeating problems in it).
     loaded = read_dataset(tmp_path / "tasks.jsonl")

@@ -36,4 +36,6 @@ def test_the_held_out_evaluation_command_parses_into_a_demo_that_scores_smollm2_
     (line,) = re.findall(r"`(deltamesh demo [^`]*)`", section)
     config = command_config(build_parser().parse_args(shlex.split(line)[1:]), DemoConfig, "demo", overrides=overrides)
     assert (config.model, config.engine, config.tasks, config.eval.every) == ("smollm2", "vllm", "arithmetic", 5)
-    assert config.workflow_options()["reply_prefix"] == "The answer is"
+    options = config.workflow_options()
+    assert config.wording == "equation" and options["prompt_format"] == "completion"
+    assert options["prompt_template"].endswith("{prompt}") and options["answer"] == "first_number"
