@@ -306,10 +306,21 @@ def fill(path: Path) -> int:
     return free
 
 
+def _glob_settled(root: Path, pattern: str, tries: int = 5) -> list[Path]:
+    """`root.glob(pattern)`, again if the store's retention removed a folder while it was walked."""
+    for attempt in range(tries):
+        try:
+            return list(root.glob(pattern))
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+    return []
+
+
 def newest_pieces(store: Path, versions: int = 6) -> list[Path]:
     """Piece files of the newest `versions` versions in a gateway's store, in a fixed order."""
     found: list[tuple[int, str, int, Path]] = []
-    for path in store.glob("models/*/*/*/pieces/*"):
+    for path in _glob_settled(store, "models/*/*/*/pieces/*"):
         m = PIECE.search(path.as_posix())
         if m is not None:
             found.append((int(m.group(1)), m.group(2), int(m.group(3)), path))

@@ -59,13 +59,18 @@ async def old_version(honest: str, token: str, model: str) -> tuple[int, int, st
                 if attempt == 119:
                     raise
                 await asyncio.sleep(0.5)
-        complete = [v for v in listing["versions"] if v["complete"]]
-        old = min(complete, key=lambda v: v["version"])
-        base = version_url(honest, model, old["version"], old["kind"])
-        manifest = await request_bytes(s, "GET", f"{base}/manifest")
-        parsed, _ = load_manifest_unverified(manifest)
-        pieces = [await request_bytes(s, "GET", f"{base}/pieces/{i}") for i in range(len(parsed.pieces))]
-        return int(listing["head"]), old["version"], old["kind"], manifest, pieces
+        complete = sorted((v for v in listing["versions"] if v["complete"]), key=lambda v: v["version"])
+        for old in complete:
+            base = version_url(honest, model, old["version"], old["kind"])
+            try:
+                manifest = await request_bytes(s, "GET", f"{base}/manifest")
+                parsed, _ = load_manifest_unverified(manifest)
+                pieces = [await request_bytes(s, "GET", f"{base}/pieces/{i}") for i in range(len(parsed.pieces))]
+            except HttpError as e:  # the oldest may be dropped by the store's retention while it is read
+                log.info("v%d could not be read whole (%s): taking the next", old["version"], e)
+                continue
+            return int(listing["head"]), old["version"], old["kind"], manifest, pieces
+        raise RuntimeError(f"none of the {len(complete)} complete versions of {model} could be read whole")
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -194,9 +194,12 @@ class MeshClient:
         """Long-poll the broker until a batch comes (None once `stop` is set and a poll came back empty).
 
         An unreachable or failing broker is retried every second: the trainer waits on batches, and
-        that is what it is waiting for.
+        that is what it is waiting for. Meanwhile a version whose publish failed (a full disk at the
+        origin, say) is published again, once per poll, until it gets through.
         """
         while True:
+            if self.sharded is None:  # in parts, every rank's next step publishes again (a retry needs them all)
+                self._publishing.retry_failed()
             try:
                 batch = self._thread.call(self._batches.next_batch(size, timeout_s=poll_s))
             except (HttpError, DataFormatError) as e:

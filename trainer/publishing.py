@@ -56,6 +56,8 @@ class Publishing:
         self._publishing: concurrent.futures.Future[PublishOutcome] | None = None
         self._encoded = threading.Event()  # the publish in flight has encoded its version (or ended)
         self._encoded.set()
+        self._latest: tuple[Mapping[str, torch.Tensor], int, dict[str, float]] | None = None
+        """The arguments of the latest publish while it failed or is in flight (None once it got through)."""
 
     @property
     def in_flight(self) -> bool:
@@ -71,9 +73,27 @@ class Publishing:
         stalled = self.wait_published()
         # One event per publish: the previous one's done-callback may still be on its way.
         self._encoded = encoded = threading.Event()
-        self._publishing = self._thread.submit(self._run(weights, version, dict(stages or {})))
-        self._publishing.add_done_callback(lambda _: encoded.set())  # a failed publish encodes nothing
+        latest = self._latest = (weights, version, dict(stages or {}))
+        self._publishing = publishing = self._thread.submit(self._run(*latest))
+        publishing.add_done_callback(lambda _: encoded.set())  # a failed publish encodes nothing
+        publishing.add_done_callback(lambda f: self._forget(latest, f))
         return stalled
+
+    def _forget(self, latest: tuple, done: concurrent.futures.Future[PublishOutcome]) -> None:
+        if not done.cancelled() and done.exception() is None and done.result().ok and self._latest is latest:
+            self._latest = None
+
+    def retry_failed(self) -> bool:
+        """Publish the latest version again if its publish failed (and nothing is in flight); True if
+        it started one. A trainer waiting for batches calls it: the version it failed to publish is the
+        one pools need to catch up, and until they do the broker may hold their leases back (the
+        staleness bound), so no batch, no next step and no next publish would ever come."""
+        if self.in_flight or self._latest is None:
+            return False
+        weights, version, stages = self._latest
+        log.info("publishing v%d again: its last publish failed", version)
+        self.publish(weights, version, stages)
+        return True
 
     def wait_encoded(self) -> float:
         """Wait until the publish in flight has encoded its version (its upload may still be under way)

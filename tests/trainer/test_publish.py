@@ -269,6 +269,42 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
         assert_same(rebuilt, weights_at(3))
 
 
+def test_a_trainer_waiting_for_batches_publishes_a_failed_version_again(tmp_path, key_files, free_port):
+    """The chaos soak's deadlock: the origin's disk was full for the trainer's last publishes, the broker
+    then held the pools' leases back (they were more than the staleness bound behind the trainer) and
+    the trainer waited for a batch that never came, its version never published. While it waits for
+    batches, the version whose publish failed is published again until it gets through."""
+    key, _, public = key_files
+    outcomes = []
+    dead = f"http://127.0.0.1:{free_port}"
+    with gateway_in_thread(tmp_path / "store", public) as url:
+        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
+                            connections=2), on_published=outcomes.append, broker_failover_s=0)
+        stop = threading.Event()
+        try:
+            client.start(0, weights_at(0), threading.Event())
+            client.publisher.gateway = dead
+            client.publish(weights_at(1), 1)
+            client.wait_published()
+            client.publisher.gateway = url  # the origin is back; no batch comes (the broker is unreachable)
+            waiter = threading.Thread(target=client.next_batch, args=(4, 0.2, stop))
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while not any(o.ok for o in outcomes) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stop.set()
+            waiter.join(30)
+        finally:
+            client.close()
+        assert [(o.version, o.ok) for o in outcomes][:2] == [(1, False), (1, True)]
+        assert len([o for o in outcomes if o.ok]) == 1  # once through, it is not published again
+        versions = asyncio.run(listing(url))
+        assert sorted(versions) == [0, 1]
+        rebuilt = asyncio.run(gateway_weights(Publisher(url, key, MODEL), 1, [key.public_key()],
+                                              have=(0, weights_at(0))))
+        assert_same(rebuilt, weights_at(1))
+
+
 def test_the_mesh_client_reports_when_each_stage_of_a_publish_ended(tmp_path, key_files, free_port):
     """The trainer's stage times ("step_end", "cast") and the publisher's reach the outcome, in order;
     with a periodic full, the delta is at the origin before the full is."""
