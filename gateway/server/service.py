@@ -3,7 +3,8 @@
 `Gateway` owns everything the HTTP routes share (store, head statements, pools, links, metrics, the
 per-version byte counts of each link) and the tasks that run beside them: the relay and the mirror of
 the upstreams' head statements (when there are upstreams),
-garbage collection after each completed version, link probes (of upstreams, and of the downstream
+garbage collection after each completed version (and, at most every `GC_INTERVAL_S`, freed heap
+memory handed back to the OS: `deltamesh.heap`), link probes (of upstreams, and of the downstream
 gateways and pools that authenticated themselves), and the announcement of this gateway to its
 upstreams. Every session it opens speaks TLS as `config.tls` says. `start()` and `stop()` are hooked to the aiohttp application's start-up and
 clean-up by `deltamesh.gateway.server.app`.
@@ -32,6 +33,7 @@ from deltamesh.gateway.server.store import VersionStore
 from deltamesh.gateway.server.stored_version import StoredVersion
 from deltamesh.gateway.server.traffic import Traffic
 from deltamesh.gateway.server.upstreams import announce_forever
+from deltamesh.heap import HeapTrimmer
 from deltamesh.http import SMALL_LIMIT, client_session, read_limited
 from deltamesh.signals import wait_event
 
@@ -59,6 +61,7 @@ class Gateway:
         self.downstreams = Downstreams(config.max_downstreams, config.downstream_ttl_s)
         self._tasks: list[asyncio.Task] = []
         self._gc_wake = asyncio.Event()
+        self._heap = HeapTrimmer(GC_INTERVAL_S)
         self._probe_session: aiohttp.ClientSession | None = None
         self._probed: set[str] = set()  # URLs whose probe connection is open (see _http_probe)
 
@@ -101,6 +104,9 @@ class Gateway:
             await wait_event(self._gc_wake, GC_INTERVAL_S)
             self._gc_wake.clear()
             self.store.collect(self.config.keep_deltas, self.config.keep_fulls)
+            # Freed memory (that of closed connections above all: TLS ones cost hundreds of KB each)
+            # goes back to the OS, so the resident size follows what is live, not its high water.
+            self._heap.maybe_trim()
 
     # -- link probes -------------------------------------------------------------------------------
     def announce_downstream(self, region: str, url: str, *, probe: bool) -> Downstream:
