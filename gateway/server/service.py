@@ -106,7 +106,7 @@ class Gateway:
             self.store.collect(self.config.keep_deltas, self.config.keep_fulls)
             # Freed memory (that of closed connections above all: TLS ones cost hundreds of KB each)
             # goes back to the OS, so the resident size follows what is live, not its high water.
-            self._heap.maybe_trim()
+            await asyncio.to_thread(self._heap.maybe_trim)  # tens of ms after a big burst: not on the loop
 
     # -- link probes -------------------------------------------------------------------------------
     def announce_downstream(self, region: str, url: str, *, probe: bool) -> Downstream:
