@@ -52,7 +52,7 @@ def test_demo_config_fills_the_model_recipe_and_checks_its_values():
     assert tiny.buffered_groups == 2 * tiny.groups_per_step
     assert tiny.tasks == "digit_sum" and tiny.eval.every == 0  # digit sums have no held-out set
     real = DemoConfig(model="smollm2", steps=10)
-    assert real.lr == 1e-5 and real.max_new_tokens == 6
+    assert real.lr == 2e-5 and real.max_new_tokens == 6
     assert real.tasks == "arithmetic" and real.eval.every == 5 and real.math_options()["answer"] == "first_number"
     assert DemoConfig(max_staleness=0).buffered_groups == tiny.groups_per_step  # sync: one step's groups
     two = DemoConfig(workflow="solver_verifier")

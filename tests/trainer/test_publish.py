@@ -41,6 +41,12 @@ def weights_at(step: int, *, seed: int = 0, names: tuple[str, ...] = ("embed.wei
     return {n: t.to(torch.bfloat16) for n, t in base.items()}
 
 
+def client_to(gateway: str, broker: str, key, *, full_every: int = 0, **kwargs) -> MeshClient:
+    """The loop's mesh client publishing to `gateway` (1 MiB pieces, 2 connections), its broker `broker`."""
+    publish = PublishSettings(gateway, MODEL, full_every=full_every, piece_bytes=1 << 20, connections=2)
+    return MeshClient(broker=broker, key=key, publish=publish, broker_failover_s=0, **kwargs)
+
+
 def running_gateway(store: Path, public_key: Path) -> contextlib.AbstractAsyncContextManager[str]:
     """A real gateway in this process on a loopback socket: `async with ... as url`."""
     config = GatewayConfig(store=str(store), trusted_keys=[str(public_key)], piece_wait_s=0.5, anonymous=True)
@@ -245,8 +251,7 @@ def test_a_failed_publish_does_not_stop_training_and_the_next_delta_skips_it(tmp
     outcomes = []
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
-                            connections=2), on_published=outcomes.append, broker_failover_s=0)
+        client = client_to(url, dead, key, on_published=outcomes.append)
         try:
             assert client.start(0, weights_at(0), threading.Event()).published is not None
             client.publish(weights_at(1), 1)
@@ -278,8 +283,7 @@ def test_a_trainer_waiting_for_batches_publishes_a_failed_version_again(tmp_path
     outcomes = []
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
-                            connections=2), on_published=outcomes.append, broker_failover_s=0)
+        client = client_to(url, dead, key, on_published=outcomes.append)
         stop = threading.Event()
         try:
             client.start(0, weights_at(0), threading.Event())
@@ -312,8 +316,7 @@ def test_the_mesh_client_reports_when_each_stage_of_a_publish_ended(tmp_path, ke
     outcomes = []
     dead = f"http://127.0.0.1:{free_port}"
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=2, piece_bytes=1 << 20,
-                            connections=2), on_published=outcomes.append, broker_failover_s=0)
+        client = client_to(url, dead, key, on_published=outcomes.append, full_every=2)
         try:
             client.start(0, weights_at(0), threading.Event())
             for v in (1, 2):
@@ -343,8 +346,7 @@ def test_the_trainer_re_signs_its_head_statement_between_versions(tmp_path, key_
         return load_statement(raw, [key.public_key()], model=MODEL).issued_ms
 
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
-                            connections=2), statement_every_s=0.2, broker_failover_s=0)
+        client = client_to(url, dead, key, statement_every_s=0.2)
         try:
             client.start(0, weights_at(0), threading.Event())
             first = asyncio.run(issued(url))
@@ -367,8 +369,7 @@ def test_wait_encoded_returns_once_the_version_is_encoded_while_its_upload_goes_
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
     with gateway_in_thread(tmp_path / "store", public) as url:
-        client = MeshClient(broker=dead, key=key, publish=PublishSettings(url, MODEL, full_every=0, piece_bytes=1 << 20,
-                            connections=2), on_published=outcomes.append, broker_failover_s=0)
+        client = client_to(url, dead, key, on_published=outcomes.append)
         try:
             client.start(0, weights_at(0), threading.Event())
             assert client.wait_encoded() < 0.1  # nothing in flight
