@@ -308,13 +308,12 @@ def fill(path: Path) -> int:
 
 def _glob_settled(root: Path, pattern: str, tries: int = 5) -> list[Path]:
     """`root.glob(pattern)`, again if the store's retention removed a folder while it was walked."""
-    for attempt in range(tries):
+    for _ in range(tries - 1):
         try:
             return list(root.glob(pattern))
         except FileNotFoundError:
-            if attempt == tries - 1:
-                raise
-    return []
+            continue
+    return list(root.glob(pattern))
 
 
 def newest_pieces(store: Path, versions: int = 6) -> list[Path]:

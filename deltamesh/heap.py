@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-
-log = logging.getLogger(__name__)
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from deltamesh.mesh.demo.topology import Topology, default_topology
 from deltamesh.mesh.sandbox.config import SandboxConfig
+from deltamesh.mesh.workflows.arithmetic import WORDINGS
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Recipe:
     """Score every k-th version on the held-out set (0: no evaluator)."""
 
 
-# SmolLM2-135M on the arithmetic problems worded as bare equations, continued as text after three solved
+# SmolLM2-135M on the arithmetic problems worded as bare equations, continued as text after four solved
 # examples whose operands are outside every level's ranges (so none is a training or held-out problem):
 # the first number it writes is its answer. Asked the word problems instead (in chat, its reply begun
 # "The answer is") it answers about 2% of them at temperature 1, too few for a group ever to differ.
@@ -247,8 +248,8 @@ class DemoConfig:
             raise ValueError(f"tasks must be digit_sum or arithmetic, got {self.tasks!r}")
         if not self.levels or any(lv not in (1, 2, 3, 4, 5) for lv in self.levels):
             raise ValueError(f"levels must name levels among 1..5, got {self.levels}")
-        if self.wording not in ("words", "equation"):
-            raise ValueError(f"wording must be words or equation, got {self.wording!r}")
+        if self.wording not in WORDINGS:
+            raise ValueError(f"wording must be {' or '.join(WORDINGS)}, got {self.wording!r}")
         if self.temperature < 0 or self.kl_coef < 0:
             raise ValueError("temperature and kl_coef must be >= 0")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -9,9 +9,9 @@ a level is either in the training split or in the held-out split, by a keyed has
 on, with any wording. A problem is worded as a story (`wording="words"`) or as its bare equation
 (`"equation"`: `3 + 4 =`, what a 135M-parameter model can learn to answer by RL on a CPU: SmolLM2-135M
 answers the stories about 2% of the time at temperature 1, the equations about 70%); the wording
-changes the prompt only, never the id, the answer or the split. `train_tasks` draws the broker's dataset from the training split only and
-`heldout_tasks` the evaluation set from the held-out split only; `split_of` tells which a problem
-id is in. Answers are integers, checked exactly by the `math` workflow.
+changes the prompt only, never the id, the answer or the split. `train_tasks` draws the broker's
+dataset from the training split only and `heldout_tasks` the evaluation set from the held-out split
+only; `split_of` tells which a problem id is in. Answers are integers, checked exactly by the `math` workflow.
 """
 
 from __future__ import annotations
